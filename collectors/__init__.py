@@ -1,0 +1,1 @@
+"""Getting spans into ClickHouse: schema, spool ingest, direct span writer."""

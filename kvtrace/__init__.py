@@ -1,0 +1,49 @@
+"""kvtrace: OpenTelemetry tracing inside LLM inference engines that says why two runs forked."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "instrument", "uninstrument", "correlate"]
+
+
+def instrument(engines: Optional[list[str]] = None) -> list[str]:
+    """Patch the supported engines (now, or lazily when they are imported).
+
+    Returns the names of the engines whose patches were registered.
+    """
+    from kvtrace.patches import patch_all
+
+    return patch_all(engines)
+
+
+def uninstrument() -> None:
+    from kvtrace.patches import unpatch_all
+
+    unpatch_all()
+
+
+@contextlib.contextmanager
+def correlate(run_id: Optional[str] = None, episode_id: Optional[str] = None,
+              turn: Optional[int] = None) -> Iterator[None]:
+    """Tag the requests made inside the block with run / episode / turn.
+
+    Uses W3C baggage, exactly as a client harness would through HTTP headers,
+    so in-process and server-side tagging go through one path.
+    """
+    from opentelemetry import baggage, context
+
+    from kvtrace import semconv
+
+    ctx = context.get_current()
+    for key, value in ((semconv.RUN_ID, run_id), (semconv.EPISODE_ID, episode_id), (semconv.TURN, turn)):
+        if value is not None:
+            ctx = baggage.set_baggage(key, str(value), ctx)
+    token = context.attach(ctx)
+    try:
+        yield
+    finally:
+        context.detach(token)

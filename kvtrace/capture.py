@@ -1,0 +1,69 @@
+"""Capture policy: what of the token content leaves the engine.
+
+Token ids are content.  Modes:
+
+* ``ids``    — plain token ids (research runs);
+* ``hashed`` — every token id replaced by a keyed hash (63-bit integer), so
+  equality across runs survives but content cannot be recovered without the
+  deployment key (the default);
+* ``none``   — no per-token ids at all (margins and aggregate hashes stay).
+
+Prompt hashes and block hashes are keyed hashes in every mode; prompt text is
+never captured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Optional, Sequence
+
+_HASH_BYTES = 8
+
+
+class CapturePolicy:
+    def __init__(self, mode: str, key: bytes):
+        self.mode = mode
+        self._key = hashlib.blake2b(key, digest_size=32).digest()  # normalise any key length to 32 bytes
+        self._token_memo: dict[int, int] = {}
+
+    def _digest(self, payload: bytes, parent: bytes = b"") -> bytes:
+        return hashlib.blake2b(parent + payload, key=self._key, digest_size=_HASH_BYTES).digest()
+
+    def hash_tokens(self, tokens: Sequence[int]) -> str:
+        """Keyed hash of a whole token sequence (prompt hash, cache-key hash)."""
+        return self._digest(_pack(tokens)).hex()
+
+    def block_hashes(self, tokens: Sequence[int], block_size: int) -> list[str]:
+        """Chained keyed hashes over full blocks of ``block_size`` tokens.
+
+        Block i's hash covers block i's tokens and block i-1's hash, so equal
+        hashes mean equal prefixes (like vLLM's block hashes).  A trailing
+        partial block is not hashed.
+        """
+        out: list[str] = []
+        parent = b""
+        for start in range(0, len(tokens) - block_size + 1, block_size):
+            parent = self._digest(_pack(tokens[start : start + block_size]), parent)
+            out.append(parent.hex())
+        return out
+
+    def token_ids(self, tokens: Sequence[int]) -> Optional[list[int]]:
+        """Token ids as this policy lets them leave the process (``None``: not at all)."""
+        if self.mode == "ids":
+            return [int(t) for t in tokens]
+        if self.mode == "none":
+            return None
+        memo = self._token_memo
+        out = []
+        for t in tokens:
+            h = memo.get(t)
+            if h is None:
+                h = int.from_bytes(self._digest(struct.pack("<q", int(t))), "little") >> 1
+                memo[t] = h
+            out.append(h)
+        return out
+
+
+def _pack(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}q", *[int(t) for t in tokens])

@@ -1,0 +1,41 @@
+"""One exception type per kind of user mistake; each message says what to do."""
+
+
+class KvtraceError(Exception):
+    """Base class: the CLI prints the message and exits with ``exit_code``."""
+
+    exit_code = 1
+
+
+class ConfigError(KvtraceError):
+    """A setting (environment variable or option) has a value kvtrace cannot use."""
+
+    exit_code = 2
+
+
+class DatabaseUnreachable(KvtraceError):
+    """The ClickHouse URL is wrong or the server does not answer."""
+
+
+class DatabaseBusy(KvtraceError):
+    """The embedded (chDB) database is open in another process."""
+
+
+class UnknownQuery(KvtraceError):
+    """``kvtrace query NAME`` names no saved query."""
+
+    exit_code = 2
+
+
+class QueryParameterError(KvtraceError):
+    """A saved query's parameter is missing or malformed."""
+
+    exit_code = 2
+
+
+class UnknownRun(KvtraceError):
+    """A run id that the database does not hold."""
+
+
+class SchemaMissing(KvtraceError):
+    """The database has no kvtrace tables yet."""

@@ -1,0 +1,139 @@
+"""Encode SDK spans as one OTLP/JSON ``ExportTraceServiceRequest`` per line.
+
+This is the encoding the OpenTelemetry Collector's file exporter writes and
+its OTLP/JSON receivers read: lowercase hex trace/span ids, 64-bit integers as
+decimal strings, enums as integers.  Written by hand because the generic
+protobuf → JSON path is ~2.5 ms per span and writes ids as base64.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Iterable, Sequence
+
+from opentelemetry.sdk.trace import ReadableSpan
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+
+
+def _double(value: float) -> str:
+    if math.isfinite(value):
+        return repr(float(value))
+    # Proto3 JSON spells non-finite doubles as strings.
+    return '"NaN"' if math.isnan(value) else ('"Infinity"' if value > 0 else '"-Infinity"')
+
+
+def encode_value(value: Any) -> str:
+    """One ``AnyValue`` as JSON text."""
+    if isinstance(value, bool):
+        return '{"boolValue":true}' if value else '{"boolValue":false}'
+    if isinstance(value, int):
+        return '{"intValue":"%d"}' % value
+    if isinstance(value, float):
+        return '{"doubleValue":%s}' % _double(value)
+    if isinstance(value, str):
+        return '{"stringValue":%s}' % _dumps(value)
+    if isinstance(value, (list, tuple)):
+        return '{"arrayValue":{"values":[%s]}}' % _encode_array_items(value)
+    if isinstance(value, bytes):
+        import base64
+
+        return '{"bytesValue":"%s"}' % base64.b64encode(value).decode()
+    return '{"stringValue":%s}' % _dumps(str(value))
+
+
+def _encode_array_items(values: Sequence[Any]) -> str:
+    if not values:
+        return ""
+    first = values[0]
+    # Homogeneous arrays are the common case (per-token arrays): format them in one pass.
+    if isinstance(first, int) and not isinstance(first, bool):
+        return ",".join(['{"intValue":"%d"}' % v for v in values])
+    if isinstance(first, float):
+        if all(math.isfinite(v) for v in values):
+            return ",".join(['{"doubleValue":%r}' % v for v in values])
+        return ",".join(['{"doubleValue":%s}' % _double(v) for v in values])
+    return ",".join([encode_value(v) for v in values])
+
+
+def encode_attributes(attributes: Any) -> str:
+    if not attributes:
+        return "[]"
+    return "[%s]" % ",".join(
+        ['{"key":%s,"value":%s}' % (_dumps(k), encode_value(v)) for k, v in attributes.items()]
+    )
+
+
+def _encode_span(span: ReadableSpan) -> str:
+    ctx = span.context
+    parts = [
+        '"traceId":"%032x"' % ctx.trace_id,
+        '"spanId":"%016x"' % ctx.span_id,
+    ]
+    if span.parent is not None and span.parent.span_id:
+        parts.append('"parentSpanId":"%016x"' % span.parent.span_id)
+    if ctx.trace_state:
+        parts.append('"traceState":%s' % _dumps(ctx.trace_state.to_header()))
+    parts.append('"name":%s' % _dumps(span.name))
+    parts.append('"kind":%d' % (span.kind.value + 1))  # SDK INTERNAL=0 → OTLP SPAN_KIND_INTERNAL=1
+    parts.append('"startTimeUnixNano":"%d"' % span.start_time)
+    parts.append('"endTimeUnixNano":"%d"' % (span.end_time or span.start_time))
+    parts.append('"attributes":%s' % encode_attributes(span.attributes))
+    if span.events:
+        parts.append(
+            '"events":[%s]'
+            % ",".join(
+                [
+                    '{"timeUnixNano":"%d","name":%s,"attributes":%s}'
+                    % (e.timestamp, _dumps(e.name), encode_attributes(e.attributes))
+                    for e in span.events
+                ]
+            )
+        )
+    if span.links:
+        parts.append(
+            '"links":[%s]'
+            % ",".join(
+                [
+                    '{"traceId":"%032x","spanId":"%016x","attributes":%s}'
+                    % (link.context.trace_id, link.context.span_id, encode_attributes(link.attributes))
+                    for link in span.links
+                ]
+            )
+        )
+    status = span.status
+    if status is not None and status.status_code.value:
+        msg = ',"message":%s' % _dumps(status.description) if status.description else ""
+        parts.append('"status":{"code":%d%s}' % (status.status_code.value, msg))
+    else:
+        parts.append('"status":{}')
+    return "{%s}" % ",".join(parts)
+
+
+def encode_request(spans: Iterable[ReadableSpan]) -> str:
+    """All spans as one ``ExportTraceServiceRequest`` JSON line (no newline)."""
+    groups: dict[tuple[int, int], tuple[Any, Any, list[str]]] = {}
+    for span in spans:
+        scope = span.instrumentation_scope
+        key = (id(span.resource), id(scope))
+        if key not in groups:
+            groups[key] = (span.resource, scope, [])
+        groups[key][2].append(_encode_span(span))
+    resource_spans = []
+    by_resource: dict[int, list[str]] = {}
+    resources: dict[int, Any] = {}
+    for resource, scope, encoded in groups.values():
+        scope_json = '{"scope":{"name":%s,"version":%s},"spans":[%s]}' % (
+            _dumps(scope.name if scope else ""),
+            _dumps((scope.version or "") if scope else ""),
+            ",".join(encoded),
+        )
+        by_resource.setdefault(id(resource), []).append(scope_json)
+        resources[id(resource)] = resource
+    for rid, scopes in by_resource.items():
+        resource_spans.append(
+            '{"resource":{"attributes":%s},"scopeSpans":[%s]}'
+            % (encode_attributes(resources[rid].attributes), ",".join(scopes))
+        )
+    return '{"resourceSpans":[%s]}' % ",".join(resource_spans)

@@ -1,0 +1,299 @@
+"""The recorder: plain records in, OpenTelemetry spans out.
+
+Patches call :meth:`Recorder.start_request` when the engine starts a
+generation call and :meth:`Recorder.finish` when it ends.  The recorder takes
+correlation from W3C baggage (``kvtrace.run_id``, ``kvtrace.episode_id``,
+``kvtrace.turn``) or configuration, applies the capture policy, and hands one
+span per request to kvtrace's own pipeline on a kvtrace-owned
+``TracerProvider`` (never the global one: vLLM and host applications install
+their own).
+
+Spans are built as ``ReadableSpan`` objects directly from the typed record
+rather than through ``Span.set_attribute``: the SDK validates and copies every
+element of every array attribute, which for per-token arrays costs more than
+the rest of the recorder together.  The record's types are already checked
+here, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import random
+import threading
+import time
+from typing import Any, Optional
+
+from opentelemetry import baggage, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
+
+from kvtrace import semconv as sc
+from kvtrace.capture import CapturePolicy
+from kvtrace.config import Settings
+from kvtrace.pipeline import SpanPipeline, stats_publisher
+from kvtrace.records import CacheEvent, Correlation, RequestRecord, StateOrigin
+
+log = logging.getLogger("kvtrace")
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+
+
+def _version() -> str:
+    from kvtrace import __version__
+
+    return __version__
+
+
+class Recorder:
+    """Turns :class:`RequestRecord` objects into spans.  One per process."""
+
+    def __init__(self, settings: Settings, exporter=None, service_name: Optional[str] = None):
+        self.settings = settings
+        self.capture = CapturePolicy(settings.capture_mode, settings.hash_key)
+        self.default_run_id = settings.run_id or f"run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        attrs: dict[str, Any] = {"telemetry.sdk.name": "kvtrace"}
+        if service_name and not os.environ.get("OTEL_SERVICE_NAME"):
+            attrs["service.name"] = service_name
+        self.resource = Resource.create(attrs)
+        self.scope = InstrumentationScope(sc.INSTRUMENTATION_SCOPE, _version())
+        if exporter is None:
+            exporter = build_exporter(settings)
+        spool_writer = getattr(exporter, "writer", None) or getattr(getattr(exporter, "fallback", None), "writer", None)
+        publish = None
+        if spool_writer is not None:
+            publish = stats_publisher(settings.spool_dir, spool_writer.process_tag)
+        self.pipeline = SpanPipeline(
+            exporter,
+            max_queue_size=settings.queue_size,
+            max_batch_size=settings.batch_size,
+            schedule_delay_ms=settings.schedule_delay_ms,
+            publish_stats=publish,
+        )
+        self.provider = TracerProvider(resource=self.resource)
+        self.provider.add_span_processor(self.pipeline)
+        self._rng = random.Random()
+        self._lock = threading.Lock()
+
+    # --- ids and correlation --------------------------------------------------------
+
+    def _new_ids(self, parent: Optional[SpanContext]) -> tuple[int, int]:
+        with self._lock:
+            span_id = self._rng.getrandbits(64) or 1
+            trace_id = parent.trace_id if parent is not None else (self._rng.getrandbits(128) or 1)
+        return trace_id, span_id
+
+    def current_correlation(self, request_id: str = "") -> Correlation:
+        bag = baggage.get_all()
+        run_id = str(bag.get(sc.RUN_ID) or self.settings.run_id or self.default_run_id)
+        episode_id = str(bag.get(sc.EPISODE_ID) or self.settings.episode_id or "")
+        turn_raw = bag.get(sc.TURN)
+        try:
+            turn = int(turn_raw) if turn_raw not in (None, "") else self.settings.turn
+        except (TypeError, ValueError):
+            turn = self.settings.turn
+        return Correlation(run_id=run_id, episode_id=episode_id, turn=turn, request_id=request_id)
+
+    # --- the API patches use ----------------------------------------------------------
+
+    def start_request(self, engine: str, operation: str = "text_completion", model: str = "",
+                      request_id: str = "") -> RequestRecord:
+        parent_span = trace.get_current_span().get_span_context()
+        parent = parent_span if parent_span.is_valid else None
+        trace_id, span_id = self._new_ids(parent)
+        span_hex = "%016x" % span_id
+        return RequestRecord(
+            correlation=self.current_correlation(request_id or span_hex),
+            engine=engine,
+            operation=operation,
+            model=model,
+            start_time_unix_nano=time.time_ns(),
+            span_id=span_hex,
+            trace_id="%032x" % trace_id,
+            parent=parent,
+        )
+
+    def hash_tokens(self, tokens) -> str:
+        return self.capture.hash_tokens(tokens)
+
+    def finish(self, record: RequestRecord) -> None:
+        """Emit the record as a span.  Never raises: errors are logged and counted."""
+        try:
+            if not record.end_time_unix_nano:
+                record.end_time_unix_nano = time.time_ns()
+            self.pipeline.on_end(self._to_span(record))
+        except Exception:
+            self.pipeline.counters["instrumentation_errors"] += 1
+            log.exception("kvtrace: could not record request span")
+
+    # --- record → span ------------------------------------------------------------------
+
+    def request_attributes(self, r: RequestRecord) -> dict[str, Any]:
+        c = r.correlation
+        capture = self.capture
+        a: dict[str, Any] = {
+            sc.RUN_ID: c.run_id,
+            sc.EPISODE_ID: c.episode_id,
+            sc.TURN: c.turn,
+            sc.REQUEST_ID: c.request_id,
+            sc.GEN_AI_OPERATION: r.operation,
+            sc.GEN_AI_PROVIDER: r.engine,
+            sc.ENGINE_NAME: r.engine,
+            sc.CAPTURE_MODE: capture.mode,
+        }
+        if r.model:
+            a[sc.GEN_AI_REQUEST_MODEL] = r.model
+        for key, value in r.config.items():
+            if value is None:
+                continue
+            a[key] = json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+        prompt = r.prompt_token_ids
+        if prompt is not None:
+            a[sc.PROMPT_HASH] = capture.hash_tokens(prompt)
+            a[sc.PROMPT_BLOCK_SIZE] = self.settings.block_size
+            a[sc.PROMPT_BLOCK_HASHES] = r.vendor_block_hashes or capture.block_hashes(prompt, self.settings.block_size)
+            ids = capture.token_ids(prompt)
+            if ids is not None:
+                a[sc.PROMPT_TOKEN_IDS] = ids
+        a[sc.GEN_AI_USAGE_INPUT_TOKENS] = r.prompt_tokens
+        a[sc.GEN_AI_USAGE_OUTPUT_TOKENS] = len(r.margins) or len(r.output_token_ids)
+        a[sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = r.reused_tokens
+        a[sc.CACHE_LAYER] = r.cache_layer
+        a[sc.CACHE_REUSED_TOKENS] = r.reused_tokens
+        a[sc.CACHE_RECOMPUTED_TOKENS] = r.recomputed_tokens
+        a[sc.CACHE_REPLAYED_TOKENS] = r.replayed_tokens
+        if r.state_key:
+            a[sc.CACHE_STATE_KEY] = r.state_key
+        if r.state_origin is not None:
+            a.update(_origin_attributes(r.state_origin))
+        if r.hit_block_hashes:
+            a[sc.CACHE_HIT_BLOCK_HASHES] = r.hit_block_hashes
+        if r.block_layers:
+            a[sc.PROMPT_BLOCK_LAYERS] = r.block_layers
+        a[sc.OUTPUT_HASH] = capture.hash_tokens(r.output_token_ids)
+        ids = capture.token_ids(r.output_token_ids)
+        if ids is not None:
+            a[sc.OUTPUT_TOKEN_IDS] = ids
+            a[sc.OUTPUT_TOP1_IDS] = capture.token_ids(r.top1_ids)
+            a[sc.OUTPUT_RUNNER_UP_IDS] = capture.token_ids(r.runner_up_ids)
+        a[sc.OUTPUT_MARGINS] = r.margins
+        a[sc.OUTPUT_LOGPROBS] = r.logprobs
+        if r.finish_reason:
+            a[sc.OUTPUT_FINISH_REASON] = r.finish_reason
+        return a
+
+    def _to_span(self, r: RequestRecord) -> ReadableSpan:
+        from opentelemetry.trace.status import Status, StatusCode
+
+        context = SpanContext(int(r.trace_id, 16), int(r.span_id, 16), is_remote=False, trace_flags=_SAMPLED)
+        status = Status(StatusCode.ERROR, r.error) if r.error else Status(StatusCode.UNSET)
+        return ReadableSpan(
+            name=sc.SPAN_REQUEST,
+            context=context,
+            parent=r.parent,
+            resource=self.resource,
+            attributes=self.request_attributes(r),
+            events=[_to_event(e) for e in r.events],
+            kind=SpanKind.INTERNAL,
+            status=status,
+            start_time=r.start_time_unix_nano,
+            end_time=r.end_time_unix_nano,
+            instrumentation_scope=self.scope,
+        )
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()
+
+
+def _origin_attributes(o: StateOrigin) -> dict[str, Any]:
+    return {
+        sc.CACHE_SOURCE_SPAN_ID: o.span_id,
+        sc.CACHE_SOURCE_TRACE_ID: o.trace_id,
+        sc.CACHE_SOURCE_REQUEST_ID: o.request_id,
+        sc.CACHE_SOURCE_RUN_ID: o.run_id,
+        sc.CACHE_SOURCE_EPISODE_ID: o.episode_id,
+        sc.CACHE_SOURCE_TURN: o.turn,
+        sc.CACHE_SOURCE_TIME: o.time_unix_nano,
+    }
+
+
+def _to_event(e: CacheEvent) -> Event:
+    a: dict[str, Any] = {sc.EVENT_LAYER: e.layer}
+    for key, value in (
+        (sc.EVENT_OUTCOME, e.outcome),
+        (sc.EVENT_KEY_HASH, e.key_hash),
+        (sc.EVENT_TOKENS, e.tokens),
+        (sc.EVENT_PREFIX_TOKENS, e.prefix_tokens),
+        (sc.EVENT_ENTRIES_SCANNED, e.entries_scanned),
+        (sc.EVENT_SIZE_BYTES, e.size_bytes),
+        (sc.EVENT_REASON, e.reason),
+        (sc.EVENT_BLOCK_HASHES, e.block_hashes),
+        (sc.EVENT_BLOCK_IDS, e.block_ids),
+        (sc.EVENT_PARENT_HASH, e.parent_hash),
+    ):
+        if value is not None:
+            a[key] = value
+    if e.source is not None:
+        a.update(_origin_attributes(e.source))
+    return Event(e.name, a, timestamp=e.time_unix_nano)
+
+
+def build_exporter(settings: Settings):
+    """The exporter chosen by ``KVTRACE_EXPORTER`` (spool by default)."""
+    from kvtrace.spool import SpoolExporter
+
+    spool = SpoolExporter(settings.spool_dir, settings.spool_rotate_bytes)
+    if settings.exporter == "spool":
+        return spool
+    if settings.exporter == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()
+    if settings.exporter == "clickhouse":
+        from kvtrace.collectors.clickhouse_exporter import ClickHouseSpanExporter
+
+        return ClickHouseSpanExporter(settings.clickhouse_url, fallback=spool)
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class _Discard(SpanExporter):
+        def export(self, spans):
+            return SpanExportResult.SUCCESS
+
+    return _Discard()
+
+
+# --- the process-wide recorder ---------------------------------------------------------
+
+_recorder: Optional[Recorder] = None
+_recorder_pid = -1
+_recorder_lock = threading.Lock()
+
+
+def get_recorder() -> Optional[Recorder]:
+    """This process's recorder (created on first use), or ``None`` when disabled."""
+    global _recorder, _recorder_pid
+    if _recorder is not None and _recorder_pid == os.getpid():
+        return _recorder
+    with _recorder_lock:
+        if _recorder is None or _recorder_pid != os.getpid():
+            settings = Settings.from_env()
+            if settings.disabled:
+                return None
+            _recorder = Recorder(settings)
+            _recorder_pid = os.getpid()
+            atexit.register(_recorder.shutdown)
+    return _recorder
+
+
+def set_recorder(recorder: Optional[Recorder]) -> Optional[Recorder]:
+    """Install a specific recorder (tests, embedding); returns the previous one."""
+    global _recorder, _recorder_pid
+    with _recorder_lock:
+        previous = _recorder
+        _recorder = recorder
+        _recorder_pid = os.getpid()
+    return previous

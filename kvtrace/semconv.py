@@ -1,0 +1,146 @@
+"""Every span name, attribute key and event name kvtrace emits.
+
+This is the contract between the engine patches (which fill records), the
+recorder (which turns records into spans), the ClickHouse views (which read the
+attributes back out of ``otel_traces``) and the saved queries.  OpenTelemetry
+GenAI names are used where they exist; everything else lives under
+``kvtrace.``.  Nothing else in the code base spells these strings.
+"""
+
+from __future__ import annotations
+
+# --- span and scope names ---------------------------------------------------
+
+INSTRUMENTATION_SCOPE = "kvtrace"
+SPAN_REQUEST = "kvtrace.request"
+"""One span per generation call (one prompt in, one completion out)."""
+
+# --- correlation (also the W3C baggage keys) --------------------------------
+
+RUN_ID = "kvtrace.run_id"
+EPISODE_ID = "kvtrace.episode_id"
+TURN = "kvtrace.turn"
+REQUEST_ID = "kvtrace.request_id"
+BAGGAGE_KEYS = (RUN_ID, EPISODE_ID, TURN)
+
+# --- configuration ------------------------------------------------------------
+
+GEN_AI_PROVIDER = "gen_ai.provider.name"
+GEN_AI_OPERATION = "gen_ai.operation.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_REQUEST_TOP_K = "gen_ai.request.top_k"
+GEN_AI_REQUEST_SEED = "gen_ai.request.seed"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+
+ENGINE_NAME = "kvtrace.engine.name"
+ENGINE_VERSION = "kvtrace.engine.version"
+ENGINE_LIBRARY_VERSION = "kvtrace.engine.library_version"
+MODEL_FINGERPRINT = "kvtrace.model.fingerprint"
+MODEL_WEIGHT_FORMAT = "kvtrace.model.weight_format"
+KV_CACHE_TYPE = "kvtrace.kv_cache.type"
+CACHE_SETTINGS = "kvtrace.cache.settings"
+"""JSON object string with the cache settings in force (prompt cache kind, capacity, prefix caching on/off...)."""
+NUMERICS_SETTINGS = "kvtrace.numerics.settings"
+"""JSON object string: threads, n_batch, n_ubatch, flash attention, dtype... anything that changes numerics."""
+SAMPLING_SETTINGS = "kvtrace.sampling.settings"
+"""JSON object string: every sampling parameter of the request (penalties included)."""
+ARM = "kvtrace.arm"
+"""Free-form label of the experiment arm / cache configuration (e.g. ``reuse``, ``off``)."""
+CAPTURE_MODE = "kvtrace.capture.mode"
+
+# --- prompt -------------------------------------------------------------------
+
+PROMPT_HASH = "kvtrace.prompt.hash"
+PROMPT_BLOCK_SIZE = "kvtrace.prompt.block_size"
+PROMPT_BLOCK_HASHES = "kvtrace.prompt.block_hashes"
+"""Chained hashes over fixed-size prompt blocks, first block first."""
+PROMPT_BLOCK_LAYERS = "kvtrace.prompt.block_layers"
+"""Per prompt block, the cache layer that served it (``none`` when recomputed)."""
+PROMPT_TOKEN_IDS = "kvtrace.prompt.token_ids"
+
+# --- cache provenance (request level) -----------------------------------------
+
+CACHE_LAYER = "kvtrace.cache.layer"
+CACHE_REUSED_TOKENS = "kvtrace.cache.reused_tokens"
+CACHE_RECOMPUTED_TOKENS = "kvtrace.cache.recomputed_tokens"
+CACHE_REPLAYED_TOKENS = "kvtrace.cache.replayed_tokens"
+"""Tokens re-evaluated although cached (llama.cpp replays one token when the whole prompt matched)."""
+CACHE_STATE_KEY = "kvtrace.cache.state_key"
+"""Identity (hash) of the reused state: prompt-cache key hash, or the last hit block hash."""
+CACHE_SOURCE_SPAN_ID = "kvtrace.cache.source.span_id"
+CACHE_SOURCE_TRACE_ID = "kvtrace.cache.source.trace_id"
+CACHE_SOURCE_REQUEST_ID = "kvtrace.cache.source.request_id"
+CACHE_SOURCE_RUN_ID = "kvtrace.cache.source.run_id"
+CACHE_SOURCE_EPISODE_ID = "kvtrace.cache.source.episode_id"
+CACHE_SOURCE_TURN = "kvtrace.cache.source.turn"
+CACHE_SOURCE_TIME = "kvtrace.cache.source.time_unix_nano"
+CACHE_HIT_BLOCK_HASHES = "kvtrace.cache.hit_block_hashes"
+
+# Cache layers (values of CACHE_LAYER and of the per-event layer attribute).
+LAYER_NONE = "none"
+LAYER_KV_REUSE = "kv_reuse"
+LAYER_PROMPT_CACHE = "prompt_cache"
+LAYER_PREFIX_BLOCKS = "prefix_blocks"
+CACHE_LAYERS = (LAYER_NONE, LAYER_KV_REUSE, LAYER_PROMPT_CACHE, LAYER_PREFIX_BLOCKS)
+
+# --- cache events (span events) -----------------------------------------------
+
+CACHE_EVENT_PREFIX = "kvtrace.cache."
+EVENT_CACHE_LOOKUP = "kvtrace.cache.lookup"
+EVENT_CACHE_REUSE = "kvtrace.cache.reuse"
+EVENT_CACHE_RESTORE = "kvtrace.cache.restore"
+EVENT_CACHE_STORE = "kvtrace.cache.store"
+EVENT_CACHE_EVICT = "kvtrace.cache.evict"
+EVENT_CACHE_RESET = "kvtrace.cache.reset"
+CACHE_EVENTS = (
+    EVENT_CACHE_LOOKUP,
+    EVENT_CACHE_REUSE,
+    EVENT_CACHE_RESTORE,
+    EVENT_CACHE_STORE,
+    EVENT_CACHE_EVICT,
+    EVENT_CACHE_RESET,
+)
+
+# Attributes carried by cache events.
+EVENT_LAYER = "kvtrace.cache.layer"
+EVENT_OUTCOME = "kvtrace.cache.outcome"
+"""lookup: ``hit`` / ``miss`` / ``skipped`` (state found but not restored)."""
+EVENT_KEY_HASH = "kvtrace.cache.key_hash"
+EVENT_TOKENS = "kvtrace.cache.tokens"
+EVENT_PREFIX_TOKENS = "kvtrace.cache.prefix_tokens"
+EVENT_ENTRIES_SCANNED = "kvtrace.cache.entries_scanned"
+EVENT_SIZE_BYTES = "kvtrace.cache.size_bytes"
+EVENT_REASON = "kvtrace.cache.reason"
+EVENT_BLOCK_HASHES = "kvtrace.cache.block_hashes"
+EVENT_BLOCK_IDS = "kvtrace.cache.block_ids"
+EVENT_PARENT_HASH = "kvtrace.cache.parent_hash"
+EVENT_SOURCE_SPAN_ID = CACHE_SOURCE_SPAN_ID
+EVENT_SOURCE_TRACE_ID = CACHE_SOURCE_TRACE_ID
+EVENT_SOURCE_REQUEST_ID = CACHE_SOURCE_REQUEST_ID
+EVENT_SOURCE_RUN_ID = CACHE_SOURCE_RUN_ID
+EVENT_SOURCE_EPISODE_ID = CACHE_SOURCE_EPISODE_ID
+EVENT_SOURCE_TURN = CACHE_SOURCE_TURN
+EVENT_SOURCE_TIME = CACHE_SOURCE_TIME
+
+# --- output (per-token arrays on the request span) ----------------------------
+
+OUTPUT_HASH = "kvtrace.output.hash"
+OUTPUT_TOKEN_IDS = "kvtrace.output.token_ids"
+"""Chosen token per position (after penalties): what the engine emitted."""
+OUTPUT_TOP1_IDS = "kvtrace.output.top1_ids"
+"""Raw-logit arg-max per position (before penalties); differs from the chosen id when penalties changed the choice."""
+OUTPUT_RUNNER_UP_IDS = "kvtrace.output.runner_up_ids"
+OUTPUT_MARGINS = "kvtrace.output.margins"
+"""Raw-logit top-1 minus top-2 per position."""
+OUTPUT_LOGPROBS = "kvtrace.output.logprobs"
+"""Log-probability of the chosen token under the raw logits."""
+OUTPUT_FINISH_REASON = "kvtrace.output.finish_reason"
+
+# --- recorder health ----------------------------------------------------------
+
+ERROR_COUNT = "kvtrace.instrumentation.errors"

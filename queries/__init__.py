@@ -1,0 +1,1 @@
+"""Saved queries: one statement per .sql file, loaded by name."""
