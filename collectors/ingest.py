@@ -76,6 +76,18 @@ def find_files(paths: Iterable[Path]) -> list[Path]:
     return found
 
 
+def _is_pretty_printed(first_line: bytes) -> bool:
+    """A multi-line JSON document starts with a line that is not a JSON value by itself."""
+    stripped = first_line.strip()
+    if not stripped.startswith(b"{"):
+        return False
+    try:
+        json.loads(stripped)
+    except ValueError:
+        return stripped in (b"{",) or not stripped.endswith(b"}")
+    return False
+
+
 def _file_key(first_line: bytes) -> str:
     return hashlib.sha256(first_line).hexdigest()[:32]
 
@@ -135,6 +147,15 @@ class Ingestor:
             head = f.readline()
             if not head.endswith(b"\n"):
                 return self._ingest_single_document(path, head + f.read(), result)
+            if _is_pretty_printed(head):
+                f.seek(0)
+                data = f.read()
+                try:
+                    json.loads(data)
+                except ValueError:
+                    pass  # not one document after all: take it line by line, quarantining what is bad
+                else:
+                    return self._ingest_single_document(path, data, result)
             key = _file_key(head)
             offset, complete = self._state.get(key, (0, False))
             if complete:

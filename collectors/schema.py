@@ -41,7 +41,7 @@ def semconv_names() -> dict[str, str]:
 
 def _templates() -> list[tuple[str, str]]:
     folder = resources.files("kvtrace.collectors") / "sql"
-    return sorted((f.name, f.read_text()) for f in folder.iterdir() if f.name.endswith(".sql"))
+    return sorted((f.name, f.read_text()) for f in folder.iterdir() if re.match(r"^\d\d_.*\.sql$", f.name))
 
 
 def render_ddl(database: str = "default", cluster: str | None = None) -> list[str]:

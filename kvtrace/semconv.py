@@ -144,3 +144,30 @@ OUTPUT_FINISH_REASON = "kvtrace.output.finish_reason"
 # --- recorder health ----------------------------------------------------------
 
 ERROR_COUNT = "kvtrace.instrumentation.errors"
+
+# --- values (appended) ----------------------------------------------------------
+
+# gen_ai.operation.name values.
+OPERATION_TEXT_COMPLETION = "text_completion"
+OPERATION_CHAT = "chat"
+
+# Values of EVENT_OUTCOME.
+OUTCOME_HIT = "hit"
+OUTCOME_MISS = "miss"
+OUTCOME_SKIPPED = "skipped"
+"""lookup: a state was found but not restored (the live context already covered more of the prompt)."""
+OUTCOME_STORED = "stored"
+OUTCOME_EVICTED_IMMEDIATELY = "evicted_immediately"
+"""store: the state did not fit and was evicted by the same store."""
+
+# Values of EVENT_REASON.
+REASON_CAPACITY = "capacity"
+"""evict: the cache went over its capacity (LRU)."""
+REASON_TAKEN_ON_LOOKUP = "taken_on_lookup"
+"""evict: the cache hands the entry out and removes it (llama-cpp-python's disk cache)."""
+REASON_REPLAY_LAST_TOKEN = "replay_last_token"
+"""reuse: the whole prompt was cached but its last token was re-evaluated to refresh the logits."""
+
+# Values of OUTPUT_FINISH_REASON besides the engine's own (stop, length...).
+FINISH_CANCELLED = "cancelled"
+"""A stream closed by its consumer before the engine finished."""

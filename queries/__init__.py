@@ -1,1 +1,127 @@
-"""Saved queries: one statement per .sql file, loaded by name."""
+"""Saved queries: one statement per ``.sql`` file, loaded and run by name.
+
+Each file starts with a header of ``--`` comment lines::
+
+    -- answers: what question the query answers (first line is the summary)
+    -- params: run_a String, run_b String, near_tie Float64 = 0.05
+    -- columns: episode_id, turn, position, ...
+
+Parameters appear in the statement as ClickHouse placeholders
+(``{run_a:String}``) and are bound by the server — never spliced into SQL.
+``${NAME}`` placeholders are ``kvtrace.semconv`` constants (event names,
+layer names) substituted when the file is loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from string import Template
+from typing import Any, Optional
+
+from kvtrace.errors import QueryParameterError, UnknownQuery
+
+_PARAM = re.compile(r"^\s*(?P<name>[a-z_][a-z0-9_]*)\s+(?P<type>[A-Za-z0-9_()]+)\s*(?:=\s*(?P<default>.*))?$")
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    type: str
+    default: Optional[str] = None
+
+    def convert(self, raw: Any) -> Any:
+        if not isinstance(raw, str):
+            return raw
+        try:
+            if self.type.startswith(("Int", "UInt")):
+                return int(raw)
+            if self.type.startswith("Float"):
+                return float(raw)
+        except ValueError:
+            raise QueryParameterError(f"parameter {self.name} must be {self.type}, got {raw!r}") from None
+        return raw
+
+
+@dataclass(frozen=True)
+class SavedQuery:
+    name: str
+    summary: str
+    params: tuple[Param, ...]
+    columns: tuple[str, ...]
+    sql: str = field(repr=False)
+
+    def bind(self, values: dict[str, Any]) -> dict[str, Any]:
+        known = {p.name: p for p in self.params}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise QueryParameterError(
+                f"query {self.name!r} has no parameter {', '.join(unknown)}; "
+                f"it takes: {', '.join(known) or 'none'}"
+            )
+        bound = {}
+        for p in self.params:
+            if p.name in values:
+                bound[p.name] = p.convert(values[p.name])
+            elif p.default is not None:
+                bound[p.name] = p.convert(_unquote(p.default))
+            else:
+                raise QueryParameterError(
+                    f"query {self.name!r} needs --param {p.name}=VALUE ({p.type})"
+                )
+        return bound
+
+
+def _unquote(text: str) -> str:
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] == "'":
+        return text[1:-1]
+    return text
+
+
+def names() -> list[str]:
+    folder = resources.files(__name__)
+    return sorted(f.name[:-4] for f in folder.iterdir() if f.name.endswith(".sql"))
+
+
+def load(name: str) -> SavedQuery:
+    if not re.fullmatch(r"[a-z0-9_]+", name or "") or name not in names():
+        raise UnknownQuery(f"no saved query named {name!r}; available: {', '.join(names())}")
+    text = (resources.files(__name__) / f"{name}.sql").read_text()
+    header: dict[str, list[str]] = {}
+    current = None
+    body_lines = []
+    in_header = True
+    for line in text.splitlines():
+        stripped = line.strip()
+        if in_header and stripped.startswith("--"):
+            content = stripped[2:].strip()
+            m = re.match(r"^(answers|params|columns):\s*(.*)$", content)
+            if m:
+                current = m.group(1)
+                header.setdefault(current, []).append(m.group(2))
+            elif current and content:
+                header[current].append(content)
+            continue
+        in_header = False
+        body_lines.append(line)
+    from kvtrace.collectors.schema import semconv_names
+
+    sql = Template("\n".join(body_lines)).substitute(semconv_names()).strip().rstrip(";")
+    params = []
+    for chunk in ",".join(header.get("params", [])).split(","):
+        if chunk.strip() and chunk.strip() != "none":
+            m = _PARAM.match(chunk)
+            if not m:
+                raise ValueError(f"{name}.sql: cannot read parameter declaration {chunk!r}")
+            params.append(Param(m["name"], m["type"], m["default"]))
+    columns = tuple(c.strip() for c in ",".join(header.get("columns", [])).split(",") if c.strip())
+    return SavedQuery(name, " ".join(header.get("answers", [""])), tuple(params), columns, sql)
+
+
+def run(client, name: str, values: Optional[dict[str, Any]] = None):
+    """Run saved query ``name`` with bound parameters; returns (column names, rows)."""
+    query = load(name)
+    result = client.query(query.sql, parameters=query.bind(values or {}))
+    return list(result.column_names), result.result_rows

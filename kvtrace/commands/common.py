@@ -1,0 +1,98 @@
+"""What several commands share: opening the database, progress, output formats."""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import io
+import json
+import sys
+from typing import Any, Sequence
+
+from kvtrace.config import default_database_url, default_spool_dir
+from kvtrace.errors import SchemaMissing
+
+
+def progress_printer(args):
+    """Progress lines on stderr (only to a terminal, never with --quiet)."""
+    if getattr(args, "quiet", False) or not sys.stderr.isatty():
+        return lambda message: None
+
+    def show(message: str) -> None:
+        sys.stderr.write("\r\033[K" + message[:150])
+        sys.stderr.flush()
+
+    return show
+
+
+def open_database(args, ingest: bool = True):
+    """Connect, make sure the schema exists, and take in pending spool files first.
+
+    The embedded database gets its schema created on first use; a server must
+    be initialised explicitly with ``kvtrace db init`` (creating tables on a
+    shared server is the operator's decision).
+    """
+    from kvtrace.collectors.schema import init_schema, missing_tables
+    from kvtrace.db import connect
+
+    url = default_database_url()
+    client = connect(url)
+    if missing_tables(client):
+        if url.startswith("chdb:"):
+            init_schema(client)
+        else:
+            raise SchemaMissing(f"{url} has no kvtrace tables yet; run `kvtrace --db URL db init` first")
+    if ingest:
+        spool = default_spool_dir()
+        if spool.is_dir():
+            from kvtrace.collectors.ingest import ingest_paths
+
+            report = ingest_paths(client, [spool], progress=progress_printer(args))
+            if report.quarantined:
+                for f in report.files:
+                    for message in f.messages:
+                        print(f"kvtrace: warning: {message}", file=sys.stderr)
+    return client
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (dt.datetime, dt.date)):
+        return value.isoformat()
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def print_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str, out=None) -> None:
+    out = out or sys.stdout
+    if fmt == "json":
+        json.dump([{c: _plain(v) for c, v in zip(columns, row)} for row in rows], out, indent=2)
+        out.write("\n")
+        return
+    if fmt == "csv":
+        writer = csv.writer(out)
+        writer.writerow(columns)
+        for row in rows:
+            writer.writerow([json.dumps(_plain(v)) if isinstance(v, (list, dict)) else _plain(v) for v in row])
+        return
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    out.write("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip() + "\n")
+    for row in cells:
+        out.write("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() + "\n")
+    if not rows:
+        out.write("(no rows)\n")
+
+
+def _cell(value: Any) -> str:
+    value = _plain(value)
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        text = json.dumps(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+    return "" if value is None else str(value)

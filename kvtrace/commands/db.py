@@ -1,0 +1,120 @@
+"""``kvtrace db init | ingest | status``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("db", help="create the ClickHouse schema, ingest spool files, show status")
+    dbsub = p.add_subparsers(dest="db_command", metavar="ACTION")
+    dbsub.required = True
+
+    init = dbsub.add_parser("init", help="create otel_traces and the kvtrace tables and views (idempotent)")
+    init.add_argument("--cluster", metavar="NAME",
+                      help="create every object ON CLUSTER NAME: replicated local tables behind Distributed ones")
+    init.add_argument("--database", metavar="NAME", help="database to create the objects in (default: the URL's)")
+    init.add_argument("--print", action="store_true", help="print the DDL instead of running it")
+    init.set_defaults(func=run_init)
+
+    ingest = dbsub.add_parser("ingest", help="load spool / OTLP-JSON span files into ClickHouse")
+    ingest.add_argument("paths", nargs="*", type=Path,
+                        help="spool files or directories (default: the spool directory)")
+    ingest.add_argument("--format", choices=("text", "json"), default="text")
+    ingest.set_defaults(func=run_ingest)
+
+    status = dbsub.add_parser("status", help="database, tables, row counts, pending spool files, drop counters")
+    status.add_argument("--format", choices=("text", "json"), default="text")
+    status.set_defaults(func=run_status)
+
+
+def run_init(args) -> int:
+    from kvtrace.collectors.schema import init_schema, render_ddl
+    from kvtrace.config import default_database_url
+    from kvtrace.db import connect, describe
+
+    if args.print:
+        for statement in render_ddl(args.database or "default", args.cluster):
+            print(statement + ";\n")
+        return 0
+    url = default_database_url()
+    client = connect(url)
+    statements = init_schema(client, database=args.database, cluster=args.cluster)
+    print(f"kvtrace: schema ready in {describe(url)} ({len(statements)} statements)")
+    return 0
+
+
+def run_ingest(args) -> int:
+    from kvtrace.collectors.ingest import ingest_paths
+    from kvtrace.commands.common import open_database, progress_printer
+    from kvtrace.config import default_spool_dir
+
+    paths = args.paths or [default_spool_dir()]
+    missing = [p for p in paths if not p.exists()]
+    if missing:
+        print(f"kvtrace: error: {missing[0]}: no such file or directory", file=sys.stderr)
+        return 1
+    client = open_database(args, ingest=False)
+    report = ingest_paths(client, paths, progress=progress_printer(args))
+    if sys.stderr.isatty() and not args.quiet:
+        sys.stderr.write("\n")
+    for f in report.files:
+        for message in f.messages:
+            print(f"kvtrace: warning: {message}", file=sys.stderr)
+    if args.format == "json":
+        print(json.dumps({"files": len(report.files), "spans": report.spans, "quarantined": report.quarantined,
+                          "pending_bytes": report.pending_bytes,
+                          "per_file": [f.__dict__ for f in report.files]}, indent=2))
+    else:
+        print(f"kvtrace: ingested {report.spans} spans from {len(report.files)} file(s); "
+              f"{report.quarantined} line(s) quarantined; {report.pending_bytes} byte(s) still being written")
+    return 0
+
+
+def run_status(args) -> int:
+    from kvtrace.collectors.ingest import pending_files
+    from kvtrace.collectors.schema import TABLES
+    from kvtrace.commands.common import open_database
+    from kvtrace.config import default_database_url, default_spool_dir
+    from kvtrace.db import describe
+    from kvtrace.spool import read_stats
+
+    client = open_database(args, ingest=False)
+    counts = {}
+    for table in TABLES:
+        counts[table] = int(client.query(f"SELECT count() FROM {table}").result_rows[0][0])
+    spool = default_spool_dir()
+    pending = pending_files(spool, client)
+    stats = read_stats(spool)
+    totals: dict[str, int] = {}
+    for s in stats:
+        for k, v in s.items():
+            if k.startswith(("spans_", "instrumentation_")):
+                totals[k] = totals.get(k, 0) + int(v)
+    status = {
+        "database": describe(default_database_url()),
+        "tables": counts,
+        "spool_dir": str(spool),
+        "pending_files": [{"path": str(p), "bytes": n} for p, n in pending],
+        "span_counters": totals,
+        "processes": stats,
+    }
+    if args.format == "json":
+        print(json.dumps(status, indent=2))
+        return 0
+    print(f"database:    {status['database']}")
+    for table, n in counts.items():
+        print(f"  {table:<26} {n:>12,} rows")
+    print(f"spool:       {spool}  ({len(pending)} file(s) with {sum(n for _, n in pending):,} bytes pending)")
+    for p, n in pending[:10]:
+        print(f"  {p.name}  {n:,} bytes")
+    print("span counters (all processes that wrote to this spool):")
+    for k in ("spans_queued", "spans_exported", "spans_dropped_queue_full", "spans_failed_export",
+              "spans_spooled_fallback", "instrumentation_errors"):
+        print(f"  {k:<26} {totals.get(k, 0):>12,}")
+    lost = totals.get("spans_dropped_queue_full", 0) + totals.get("spans_failed_export", 0)
+    if lost:
+        print(f"warning: {lost} span(s) could not be delivered (see counters above)")
+    return 0

@@ -1,0 +1,121 @@
+"""Shared fixtures: an isolated kvtrace environment per test, recorders, embedded databases."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def kvtrace_env(tmp_path, monkeypatch):
+    """Every test gets its own data dir, spool dir and database URL; ids captured in the clear."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("KVTRACE_SPOOL_DIR", str(tmp_path / "spool"))
+    monkeypatch.setenv("KVTRACE_CLICKHOUSE_URL", f"chdb://{tmp_path / 'db'}")
+    monkeypatch.setenv("KVTRACE_CAPTURE", "ids")
+    monkeypatch.setenv("KVTRACE_HASH_KEY", "test-deployment-key")
+    for name in ("KVTRACE_EXPORTER", "KVTRACE_RUN_ID", "KVTRACE_EPISODE_ID", "KVTRACE_TURN", "KVTRACE_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+@pytest.fixture
+def spool_dir(kvtrace_env):
+    return kvtrace_env / "spool"
+
+
+@pytest.fixture
+def spool_recorder(spool_dir):
+    """A recorder writing to this test's spool (flush with recorder.pipeline.force_flush())."""
+    from kvtrace.config import Settings
+    from kvtrace.recorder import Recorder, set_recorder
+    from kvtrace.spool import SpoolExporter
+
+    recorder = Recorder(Settings.from_env(), exporter=SpoolExporter(spool_dir))
+    previous = set_recorder(recorder)
+    yield recorder
+    set_recorder(previous)
+    recorder.shutdown()
+
+
+@pytest.fixture
+def db(kvtrace_env):
+    """A fresh embedded ClickHouse (chDB) with the kvtrace schema; closed after the test.
+
+    chDB opens one on-disk path per process at a time, hence the close.
+    """
+    from kvtrace.collectors.schema import init_schema
+    from kvtrace.db import connect
+
+    client = connect(f"chdb://{kvtrace_env / 'db'}")
+    init_schema(client)
+    yield client
+    client.close()
+
+
+# --- llama.cpp: generated models, a patched engine, in-memory recorders ---------------
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """The tiny random-weight Llama GGUF (F32), generated once per test session."""
+    pytest.importorskip("llama_cpp")
+    from kvtrace.testmodels.llama_gguf import make_model
+
+    return make_model(tmp_path_factory.mktemp("models") / "tiny-F32.gguf", "F32", "tiny")
+
+
+@pytest.fixture
+def memory_recorder(kvtrace_env):
+    """A recorder exporting to memory; read spans with ``finished_requests(recorder)``."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvtrace.config import Settings
+    from kvtrace.recorder import Recorder, set_recorder
+
+    recorder = Recorder(Settings.from_env(), exporter=InMemorySpanExporter())
+    previous = set_recorder(recorder)
+    yield recorder
+    set_recorder(previous)
+    recorder.shutdown()
+
+
+@pytest.fixture
+def llama_patched():
+    """llama-cpp-python instrumented for the test, restored afterwards."""
+    from kvtrace.patches import llama_cpp as patch
+
+    assert patch.patch()
+    yield patch
+    patch.unpatch()
+
+
+@pytest.fixture
+def make_llama(tiny_gguf):
+    """Factory for ``Llama`` objects on the tiny model with explicit, test-friendly settings."""
+    import llama_cpp
+
+    created = []
+
+    def make(**overrides):
+        params = dict(model_path=str(tiny_gguf), n_ctx=512, n_batch=64, n_ubatch=64, n_threads=1,
+                      n_threads_batch=1, seed=7, verbose=False)
+        params.update(overrides)
+        llm = llama_cpp.Llama(**params)
+        created.append(llm)
+        return llm
+
+    yield make
+    for llm in created:
+        llm.close()
+
+
+@pytest.fixture
+def finished_requests():
+    """Callable: flush a recorder and return its request spans as (attributes, events, span) tuples."""
+
+    def read(recorder):
+        recorder.pipeline.force_flush()
+        spans = sorted(recorder.pipeline.exporter.get_finished_spans(), key=lambda s: s.start_time)
+        return [(dict(s.attributes), [(e.name, dict(e.attributes)) for e in s.events], s) for s in spans]
+
+    return read

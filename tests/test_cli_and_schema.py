@@ -1,0 +1,79 @@
+"""The CLI behaves like a good CLI; the schema is the Collector's and renders for clusters."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvtrace.cli import main
+from kvtrace.collectors.schema import render_ddl
+
+
+def kvtrace(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "kvtrace.cli", *args], capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_selfcheck_init_query_and_status_end_to_end():
+    assert "kvtrace" in kvtrace("--help").stdout
+    assert "schema ready" in kvtrace("db", "init").stdout
+    assert "schema ready" in kvtrace("db", "init").stdout  # idempotent
+    assert "selfcheck passed" in kvtrace("selfcheck", "--requests", "6").stdout
+    runs = json.loads(kvtrace("query", "runs", "--format", "json").stdout)
+    assert len(runs) == 1 and runs[0]["requests"] == 6 and runs[0]["output_tokens"] == 6 * 32
+    status = json.loads(kvtrace("db", "status", "--format", "json").stdout)
+    assert status["tables"]["kvtrace_tokens"] == 6 * 32
+    csv_out = kvtrace("query", "runs", "--format", "csv").stdout.splitlines()
+    assert csv_out[0].startswith("run_id,") and len(csv_out) == 2
+
+
+def test_bad_input_gets_a_clear_error_and_exit_code(capsys):
+    assert main(["query", "no_such_query"]) == 2
+    assert "no saved query named 'no_such_query'" in capsys.readouterr().err
+    assert main(["query", "runs", "--param", "bogus=1"]) == 2
+    assert "has no parameter bogus" in capsys.readouterr().err
+    assert main(["--db", "mysql://x", "db", "init"]) == 2
+    assert "not understood" in capsys.readouterr().err
+    assert main(["--db", "http://127.0.0.1:9", "db", "init"]) == 1
+    assert "cannot reach ClickHouse" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["no-such-command"])
+    assert info.value.code == 2
+
+
+def test_otel_traces_is_the_collector_exporters_table(db):
+    columns = db.query("SELECT name, type FROM system.columns WHERE database = currentDatabase() "
+                       "AND table = 'otel_traces' ORDER BY position").result_rows
+    assert [c[0] for c in columns][:15] == [
+        "Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState", "SpanName", "SpanKind", "ServiceName",
+        "ResourceAttributes", "ScopeName", "ScopeVersion", "SpanAttributes", "Duration", "StatusCode",
+        "StatusMessage"]
+    types = dict(columns)
+    assert types["Timestamp"] == "DateTime64(9)" and types["Duration"] == "UInt64"
+    assert types["Events.Attributes"] == "Array(Map(LowCardinality(String), String))"
+    keys = db.query("SELECT partition_key, sorting_key, primary_key FROM system.tables "
+                    "WHERE database = currentDatabase() AND name = 'otel_traces'").result_rows[0]
+    assert keys == ("toDate(Timestamp)", "ServiceName, SpanName, toDateTime(Timestamp), Timestamp",
+                    "ServiceName, SpanName, toDateTime(Timestamp)")
+
+
+def test_cluster_ddl_uses_replicated_local_tables_behind_distributed_ones():
+    ddl = render_ddl("otel", cluster="prod")
+    assert all("ON CLUSTER `prod`" in statement for statement in ddl)
+    traces = next(s for s in ddl if "`otel`.`otel_traces_local`" in s and s.startswith("CREATE TABLE"))
+    assert "ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')" in traces
+    distributed = [s for s in ddl if "ENGINE = Distributed" in s]
+    assert {s.split()[5] for s in distributed} == {
+        "`otel`.`otel_traces`", "`otel`.`otel_traces_trace_id_ts`", "`otel`.`kvtrace_requests`",
+        "`otel`.`kvtrace_tokens`", "`otel`.`kvtrace_cache_events`"}
+    mv = next(s for s in ddl if "`kvtrace_requests_mv`" in s)
+    assert "TO `otel`.`kvtrace_requests_local`" in mv and "FROM `otel`.`otel_traces_local`" in mv
+    with pytest.raises(ValueError):
+        render_ddl("otel; DROP TABLE x", cluster=None)
+    single = render_ddl("default")
+    assert not any("ON CLUSTER" in s or "Replicated" in s for s in single)
