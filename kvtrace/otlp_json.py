@@ -48,11 +48,12 @@ def _encode_array_items(values: Sequence[Any]) -> str:
         return ""
     first = values[0]
     # Homogeneous arrays are the common case (per-token arrays): format them in one pass.
-    if isinstance(first, int) and not isinstance(first, bool):
-        return ",".join(['{"intValue":"%d"}' % v for v in values])
-    if isinstance(first, float):
-        if all(math.isfinite(v) for v in values):
-            return ",".join(['{"doubleValue":%r}' % v for v in values])
+    # (map(str)/map(repr) + join run in C: ~5x faster than formatting element by element.)
+    if type(first) is int and all(type(v) is int for v in values):
+        return '{"intValue":"' + '"},{"intValue":"'.join(map(str, values)) + '"}'
+    if type(first) is float and all(type(v) is float for v in values):
+        if all(map(math.isfinite, values)):
+            return '{"doubleValue":' + '},{"doubleValue":'.join(map(repr, values)) + "}"
         return ",".join(['{"doubleValue":%s}' % _double(v) for v in values])
     return ",".join([encode_value(v) for v in values])
 
