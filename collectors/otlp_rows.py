@@ -78,7 +78,7 @@ def _array_json(values: list) -> str:
         return "[]"
     first = values[0]
     # Fast paths for the per-token arrays: homogeneous ints or doubles.
-    if "intValue" in first:
+    if "intValue" in first and all("intValue" in v for v in values):
         return "[" + ",".join([str(int(v["intValue"])) for v in values]) + "]"
     if "doubleValue" in first and all(not isinstance(v.get("doubleValue"), str) for v in values):
         return "[" + ",".join([format_double(v["doubleValue"]) for v in values]) + "]"

@@ -25,6 +25,8 @@ COMMAND_MODULES = [
     "kvtrace.commands.selfcheck",
     "kvtrace.commands.make_model",
     "kvtrace.commands.run",
+    "kvtrace.commands.diff",
+    "kvtrace.commands.runs",
 ]
 
 

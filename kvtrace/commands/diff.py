@@ -1,0 +1,91 @@
+"""``kvtrace diff RUN_A RUN_B``: where two runs forked, and which cache event caused it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from kvtrace.forks import DEFAULT_NEAR_TIE, Diff, Fork, Side
+
+
+def register(sub) -> None:
+    p = sub.add_parser("diff", help="where two runs of the same episodes forked, and why",
+                       description="Compare two runs episode by episode: the first turn and token where they "
+                                   "differ, each side's cache path there, the attribution and the culprit "
+                                   "cache event with its provenance.")
+    p.add_argument("run_a", metavar="RUN_A")
+    p.add_argument("run_b", metavar="RUN_B")
+    p.add_argument("--episode", metavar="ID", help="only this episode")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--html", metavar="FILE", type=Path, help="also write a self-contained HTML fork view")
+    p.add_argument("--model", metavar="PATH.gguf", type=Path,
+                   help="GGUF model whose vocabulary turns captured token ids into text")
+    p.add_argument("--near-tie", type=float, default=DEFAULT_NEAR_TIE, metavar="LOGITS",
+                   help=f"margin below which a fork is a near tie (default {DEFAULT_NEAR_TIE})")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from kvtrace.commands.common import open_database
+    from kvtrace.forks import diff_runs, gguf_detokenizer
+
+    detokenize = gguf_detokenizer(args.model) if args.model else None
+    client = open_database(args)
+    diff = diff_runs(client, args.run_a, args.run_b, episode=args.episode, near_tie=args.near_tie,
+                     detokenize=detokenize)
+    if args.format == "json":
+        json.dump([f.to_json() for f in diff.forks], sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print_diff(diff, sys.stdout)
+    if args.html:
+        from kvtrace.forks import episode_turns
+        from kvtrace.html_view import render_diff
+
+        timelines = {f.episode: episode_turns(client, diff.run_a, diff.run_b, f.episode) for f in diff.forks}
+        args.html.write_text(render_diff(diff, timelines, detokenize), encoding="utf-8")
+        if not args.quiet:
+            print(f"kvtrace: wrote {args.html}", file=sys.stderr)
+    return 0
+
+
+def print_diff(diff: Diff, out: TextIO) -> None:
+    how = "token ids" if diff.compared_by == "token_ids" else "output hashes (no token ids captured)"
+    out.write(f"{diff.run_a} vs {diff.run_b}: {len(diff.forks)} of {diff.episodes_compared} episode(s) "
+              f"forked (outputs compared by {how})\n")
+    for fork in diff.forks:
+        out.write("\n" + describe_fork(fork))
+    if diff.unforked:
+        shown = ", ".join(diff.unforked[:20]) + (" ..." if len(diff.unforked) > 20 else "")
+        out.write(f"\nnot forked ({len(diff.unforked)}): {shown}\n")
+
+
+def describe_fork(fork: Fork) -> str:
+    where = f"turn {fork.turn}" + (f", token {fork.position}" if fork.position >= 0 else "")
+    lines = [f"episode {fork.episode}: forked at {where} [{fork.attribution}]"]
+    if fork.kind == "prompt":
+        lines.append(f"  {fork.note}")
+    for label, side in (("A", fork.a), ("B", fork.b)):
+        lines.append(f"  {label} {side.run:<14} chose {_token(side)}  margin {_margin(side.margin)}  "
+                     f"runner-up {side.runner_up}  | {side.cache.describe()}")
+    if fork.position >= 0:
+        tie = "yes" if fork.near_tie else "no"
+        share = "" if fork.margin_share != fork.margin_share else f"; margin within the lowest {fork.margin_share:.1%} of both runs"
+        lines.append(f"  near tie: {tie}{share}")
+    if fork.culprit:
+        lines.append(f"  culprit: {fork.culprit.describe()}")
+    elif fork.attribution == "same_cache_path":
+        lines.append(f"  {fork.note}")
+    return "\n".join(lines) + "\n"
+
+
+def _token(side: Side) -> str:
+    if side.token < 0:
+        return "?"
+    return f"{side.token} {side.text!r}" if side.text is not None else str(side.token)
+
+
+def _margin(value: float) -> str:
+    return "n/a" if value != value else f"{value:.4f}"

@@ -1,0 +1,21 @@
+"""``kvtrace runs``: the runs the database holds, with configuration and counts."""
+
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("runs", help="list runs with their configuration and counts",
+                       description="One line per run: engine, model, weight formats, arms, episodes, "
+                                   "requests, generated and cache-served tokens, first and last request.")
+    p.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from kvtrace import queries
+    from kvtrace.commands.common import open_database, print_rows
+
+    client = open_database(args)
+    columns, rows = queries.run(client, "runs")
+    print_rows(columns, rows, args.format)
+    return 0

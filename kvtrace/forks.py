@@ -1,0 +1,255 @@
+"""Where two runs forked and why, as Python objects.
+
+``diff_runs`` runs the saved queries ``forks`` and ``fork_attribution`` and
+turns their rows into :class:`Fork` objects (one per forked episode) that the
+CLI prints, the HTML view draws and experiment code can reuse.  All the
+deciding happens in SQL; this module only names things and checks input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from kvtrace import queries
+from kvtrace.errors import UnknownRun
+
+DEFAULT_NEAR_TIE = 0.05
+"""Raw-logit margin below which a fork counts as a near tie (see queries/fork_attribution.sql)."""
+
+Detokenizer = Callable[[list[int]], str]
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """The request that stored a piece of cached state that another request restored."""
+
+    request_id: str
+    run_id: str
+    episode_id: str
+    turn: int
+    span_id: str
+
+    def describe(self) -> str:
+        return (f"stored by request {self.request_id or '?'} of episode {self.episode_id or '?'}, "
+                f"turn {self.turn}, run {self.run_id or '?'}")
+
+
+@dataclass(frozen=True)
+class CachePath:
+    """How one side's prompt was served at the forking turn."""
+
+    layer: str
+    reused_tokens: int
+    prompt_tokens: int
+    state_key: str
+    source_episode_id: str
+    source_turn: int
+
+    def describe(self) -> str:
+        if self.reused_tokens == 0:
+            return f"recomputed all {self.prompt_tokens} prompt tokens"
+        source = ""
+        if self.source_episode_id:
+            source = f", state from episode {self.source_episode_id} turn {self.source_turn}"
+        return f"{self.layer}: reused {self.reused_tokens} of {self.prompt_tokens} prompt tokens{source}"
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """The cache event held responsible for a fork."""
+
+    run: str
+    span_id: str
+    event: str
+    event_index: int
+    layer: str
+    reused_tokens: int
+    key_hash: str
+    block_hashes: list[str]
+    source: Optional[Provenance]
+
+    def describe(self) -> str:
+        event = self.event or "request-level cache fields (no cache event recorded)"
+        text = f"run {self.run} span {self.span_id}: {event} ({self.layer}, {self.reused_tokens} tokens"
+        text += f", key {self.key_hash})" if self.key_hash else ")"
+        if self.source:
+            text += f"\n    restored state <- {self.source.describe()} (span {self.source.span_id})"
+        return text
+
+
+@dataclass
+class Side:
+    """One run at the fork position."""
+
+    run: str
+    span_id: str
+    request_id: str
+    token: int
+    runner_up: int
+    margin: float
+    cache: CachePath
+    text: Optional[str] = None
+    """The chosen token as text, when a tokenizer was given and ids were captured."""
+
+
+@dataclass
+class Fork:
+    episode: str
+    turn: int
+    kind: str
+    """``output`` (this turn's generation differs) or ``prompt`` (the prompts already differ)."""
+    position: int
+    attribution: str
+    note: str
+    run_a: str
+    run_b: str
+    a: Side
+    b: Side
+    near_tie: bool
+    margin_share: float
+    capture_mode: str
+    culprit: Optional[Culprit]
+
+    def to_json(self) -> dict[str, Any]:
+        return _plain(asdict(self))
+
+
+@dataclass
+class Diff:
+    run_a: str
+    run_b: str
+    episodes_compared: int
+    forks: list[Fork] = field(default_factory=list)
+    unforked: list[str] = field(default_factory=list)
+    compared_by: str = "token_ids"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def known_runs(client) -> list[str]:
+    _, rows = queries.run(client, "runs")
+    return [row[0] for row in rows]
+
+
+def check_runs(client, *run_ids: str) -> None:
+    runs = known_runs(client)
+    missing = [r for r in run_ids if r not in runs]
+    if missing:
+        shown = ", ".join(runs[-10:]) if runs else "none (ingest spans first: kvtrace db ingest)"
+        raise UnknownRun(f"no run {missing[0]!r} in the database; `kvtrace runs` lists them (latest: {shown})")
+
+
+def diff_runs(client, run_a: str, run_b: str, episode: Optional[str] = None,
+              near_tie: float = DEFAULT_NEAR_TIE, detokenize: Optional[Detokenizer] = None) -> Diff:
+    """Every episode both runs contain: the forks (with attribution) and the episodes that did not fork."""
+    check_runs(client, run_a, run_b)
+    params = {"run_a": run_a, "run_b": run_b, "episode": episode or ""}
+    columns, rows = queries.run(client, "forks", params)
+    summary = [dict(zip(columns, row)) for row in rows]
+    diff = Diff(run_a, run_b, episodes_compared=len(summary))
+    diff.unforked = [r["episode_id"] for r in summary if not r["forked"]]
+    if summary and all(r["compared_by"] == "output_hash" for r in summary):
+        diff.compared_by = "output_hash"
+    if len(diff.unforked) == len(summary):
+        return diff
+    columns, rows = queries.run(client, "fork_attribution", {**params, "near_tie": near_tie})
+    diff.forks = [_fork(dict(zip(columns, row)), detokenize) for row in rows]
+    return diff
+
+
+def _fork(row: dict[str, Any], detokenize: Optional[Detokenizer]) -> Fork:
+    sides = {}
+    for s in ("a", "b"):
+        sides[s] = Side(
+            run=row[f"run_{s}"], span_id=row[f"span_id_{s}"], request_id=row[f"request_id_{s}"],
+            token=row[f"token_{s}"], runner_up=row[f"runner_up_{s}"], margin=row[f"margin_{s}"],
+            cache=CachePath(row[f"layer_{s}"], row[f"reused_tokens_{s}"], row[f"prompt_tokens_{s}"],
+                            row[f"state_key_{s}"], row[f"source_episode_id_{s}"], row[f"source_turn_{s}"]),
+        )
+        if detokenize and row["capture_mode"] == "ids" and sides[s].token >= 0:
+            sides[s].text = detokenize([sides[s].token])
+    culprit = None
+    if row["culprit_side"]:
+        source = None
+        if row["culprit_source_span_id"] or row["culprit_source_request_id"]:
+            source = Provenance(row["culprit_source_request_id"], row["culprit_source_run_id"],
+                                row["culprit_source_episode_id"], row["culprit_source_turn"],
+                                row["culprit_source_span_id"])
+        culprit = Culprit(row["culprit_run"], row["culprit_span_id"], row["culprit_event"],
+                          row["culprit_event_index"], row["culprit_layer"], row["culprit_reused_tokens"],
+                          row["culprit_key_hash"], list(row["culprit_block_hashes"]), source)
+    return Fork(
+        episode=row["episode_id"], turn=row["fork_turn"], kind=row["fork_kind"], position=row["position"],
+        attribution=row["attribution"], note=row["note"], run_a=row["run_a"], run_b=row["run_b"],
+        a=sides["a"], b=sides["b"], near_tie=bool(row["near_tie"]), margin_share=row["margin_share"],
+        capture_mode=row["capture_mode"], culprit=culprit,
+    )
+
+
+@dataclass
+class Turn:
+    """One request of one side of an episode, for timelines."""
+
+    side: str
+    run_id: str
+    turn: int
+    span_id: str
+    request_id: str
+    capture_mode: str
+    prompt_hash: str
+    prompt_tokens: int
+    cache_layer: str
+    reused_tokens: int
+    state_key: str
+    source_request_id: str
+    source_run_id: str
+    source_episode_id: str
+    source_turn: int
+    source_span_id: str
+    output_hash: str
+    token_ids: list[int]
+    top1_ids: list[int]
+    runner_up_ids: list[int]
+    margins: list[float]
+    event_names: list[str]
+    event_layers: list[str]
+    event_outcomes: list[str]
+    event_tokens: list[int]
+
+
+def episode_turns(client, run_a: str, run_b: str, episode: str) -> list[Turn]:
+    """Both runs' requests of one episode, run A's turns first."""
+    columns, rows = queries.run(client, "episode_timeline", {"run_a": run_a, "run_b": run_b, "episode": episode})
+    return [Turn(**{c: (list(v) if isinstance(v, (list, tuple)) else v) for c, v in zip(columns, row)})
+            for row in rows]
+
+
+def gguf_detokenizer(model_path: Path) -> Detokenizer:
+    """Token ids → text with the vocabulary of a GGUF model (weights are not loaded)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        from kvtrace.errors import ConfigError
+
+        raise ConfigError("--model needs llama-cpp-python (pip install 'kvtrace[llama]')") from None
+    if not Path(model_path).is_file():
+        from kvtrace.errors import ConfigError
+
+        raise ConfigError(f"--model {model_path}: no such file; give the GGUF the runs used")
+    vocab = Llama(model_path=str(model_path), vocab_only=True, verbose=False)
+
+    def detokenize(ids: list[int]) -> str:
+        return vocab.detokenize([int(i) for i in ids]).decode("utf-8", errors="replace")
+
+    return detokenize

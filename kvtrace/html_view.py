@@ -1,0 +1,208 @@
+"""A self-contained HTML page of where two runs forked.
+
+One file, no network fetches: inline CSS and SVG only, so it can be attached
+to a bug report or opened from an air-gapped box.  Per forked episode it
+shows the cache path of every turn of both runs on a timeline (cache events
+as markers), the two token streams of the forking turn side by side with the
+fork position marked (the first fork's column has ``id="fork"``; every fork
+column has class ``fork``), each token coloured by its top-two margin, and a
+margin sparkline of both sides.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from importlib import resources
+from string import Template
+from typing import Optional, Sequence
+
+from kvtrace.forks import Detokenizer, Diff, Fork, Turn
+
+# Margin bins shared with queries/flip_rate_by_margin.sql: a reader sees the same boundaries.
+MARGIN_BINS = ((0.1, "m0", "< 0.1"), (0.3, "m1", "0.1 – 0.3"), (1.0, "m2", "0.3 – 1"), (math.inf, "m3", "≥ 1"))
+LAYER_CLASSES = {"none": "l-none", "kv_reuse": "l-kv", "prompt_cache": "l-pc", "prefix_blocks": "l-pb"}
+TOKENS_PAST_FORK = 40
+"""How many positions after the fork to draw (outputs run on; the fork is what matters)."""
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def margin_class(margin: float) -> str:
+    if margin != margin:
+        return "m-na"
+    for upper, css, _ in MARGIN_BINS:
+        if margin < upper:
+            return css
+    return MARGIN_BINS[-1][1]
+
+
+def render_diff(diff: Diff, timelines: dict[str, list[Turn]], detokenize: Optional[Detokenizer] = None) -> str:
+    """The whole page for ``diff``; ``timelines`` maps each forked episode to its turns (``episode_turns``)."""
+    sections = [_fork_section(fork, timelines.get(fork.episode, []), detokenize, first=(i == 0))
+                for i, fork in enumerate(diff.forks)]
+    if not sections:
+        sections = ['<p class="none">No episode forked: every turn both runs made agrees.</p>']
+    legend = " ".join(f'<span class="tok {css}">{_e(label)}</span>' for _, css, label in MARGIN_BINS)
+    layers = " ".join(f'<span class="lane-key {css}">{_e(name)}</span>' for name, css in LAYER_CLASSES.items())
+    template = Template((resources.files("kvtrace") / "fork_view.html").read_text(encoding="utf-8"))
+    return template.substitute(
+        title=_e(f"kvtrace diff {diff.run_a} vs {diff.run_b}"),
+        run_a=_e(diff.run_a),
+        run_b=_e(diff.run_b),
+        summary=_e(f"{len(diff.forks)} of {diff.episodes_compared} episode(s) forked"
+                   + (f"; not forked: {len(diff.unforked)}" if diff.unforked else "")),
+        margin_legend=legend,
+        layer_legend=layers,
+        sections="\n".join(sections),
+    )
+
+
+def _fork_section(fork: Fork, turns: list[Turn], detokenize: Optional[Detokenizer], first: bool) -> str:
+    a_turn = next((t for t in turns if t.side == "a" and t.turn == fork.turn), None)
+    b_turn = next((t for t in turns if t.side == "b" and t.turn == fork.turn), None)
+    where = f"turn {fork.turn}" + (f", token {fork.position}" if fork.position >= 0 else "")
+    culprit = ""
+    if fork.culprit:
+        c = fork.culprit
+        culprit = (f'<p class="culprit"><b>Culprit</b> run {_e(c.run)} span <code>{_e(c.span_id)}</code>: '
+                   f'{_e(c.event or "request-level cache fields")} ({_e(c.layer)}, {c.reused_tokens} tokens'
+                   + (f', key <code>{_e(c.key_hash)}</code>' if c.key_hash else "") + ")")
+        if c.source:
+            culprit += (f'<br><span class="chain">restored state &larr; {_e(c.source.describe())} '
+                        f'(span <code>{_e(c.source.span_id)}</code>)</span>')
+        culprit += "</p>"
+    sides = "".join(
+        f'<tr><th>{label} <span class="run">{_e(s.run)}</span></th><td>{_e(_token_label(s.token, s.text))}</td>'
+        f'<td class="{margin_class(s.margin)}">{_fmt(s.margin)}</td><td>{_e(s.cache.describe())}</td></tr>'
+        for label, s in (("A", fork.a), ("B", fork.b)))
+    tie = ("near tie" if fork.near_tie else "not a near tie") if fork.position >= 0 else "position unknown"
+    return f"""
+<section class="fork-section" data-episode="{_e(fork.episode)}" data-attribution="{_e(fork.attribution)}">
+  <h2>Episode {_e(fork.episode)} <span class="where">forked at {_e(where)}</span>
+      <span class="badge {_e(fork.attribution)}">{_e(fork.attribution)}</span></h2>
+  <p class="note">{_e(fork.note)} &middot; {_e(tie)}</p>
+  <table class="sides"><tr><th></th><th>chose</th><th>margin</th><th>cache path at the fork</th></tr>{sides}</table>
+  {culprit}
+  <h3>Turns and cache events</h3>
+  {_timeline_svg(fork, turns)}
+  <h3>Turn {fork.turn}: the two token streams</h3>
+  {_streams(fork, a_turn, b_turn, detokenize, first)}
+  {_sparkline(fork, a_turn, b_turn)}
+</section>"""
+
+
+def _token_label(token: int, text: Optional[str]) -> str:
+    if token < 0:
+        return "?"
+    return f"{text!r} ({token})" if text is not None else str(token)
+
+
+def _fmt(value: float) -> str:
+    return "n/a" if value != value else f"{value:.3f}"
+
+
+def _timeline_svg(fork: Fork, turns: list[Turn]) -> str:
+    if not turns:
+        return '<p class="none">No per-turn data.</p>'
+    numbers = sorted({t.turn for t in turns})
+    cell_w, cell_h, lane_gap, left = 128, 44, 26, 34
+    width = left + cell_w * len(numbers) + 10
+    height = 2 * (cell_h + lane_gap) + 8
+    parts = [f'<svg class="timeline" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+             f'role="img" aria-label="cache path per turn">']
+    for lane, side in enumerate(("a", "b")):
+        y = 6 + lane * (cell_h + lane_gap)
+        parts.append(f'<text x="4" y="{y + cell_h / 2 + 5}" class="lane-label">{side.upper()}</text>')
+        for i, number in enumerate(numbers):
+            x = left + i * cell_w
+            t = next((t for t in turns if t.side == side and t.turn == number), None)
+            if t is None:
+                parts.append(f'<rect x="{x + 2}" y="{y}" width="{cell_w - 6}" height="{cell_h}" class="missing"/>')
+                continue
+            after = " after-fork" if number > fork.turn else ""
+            at = " fork-turn" if number == fork.turn else ""
+            share = (t.reused_tokens / t.prompt_tokens) if t.prompt_tokens else 0.0
+            tip = (f"run {t.run_id} turn {t.turn}: {t.cache_layer}, reused {t.reused_tokens}/{t.prompt_tokens}"
+                   + (f", state from episode {t.source_episode_id} turn {t.source_turn}" if t.source_episode_id else ""))
+            parts.append(f'<g class="turn{after}{at}"><title>{_e(tip)}</title>'
+                         f'<rect x="{x + 2}" y="{y}" width="{cell_w - 6}" height="{cell_h}" rx="4" class="cell"/>'
+                         f'<rect x="{x + 2}" y="{y + cell_h - 8}" width="{(cell_w - 6) * share:.1f}" height="8" '
+                         f'class="{LAYER_CLASSES.get(t.cache_layer, "l-none")}"/>'
+                         f'<text x="{x + 8}" y="{y + 15}" class="cell-text">t{t.turn} {_e(t.cache_layer)}</text>'
+                         f'<text x="{x + 8}" y="{y + 29}" class="cell-sub">{t.reused_tokens}/{t.prompt_tokens} cached</text>'
+                         '</g>')
+            for k, (name, layer, outcome, tokens) in enumerate(
+                    zip(t.event_names, t.event_layers, t.event_outcomes, t.event_tokens)):
+                short = name.rsplit(".", 1)[-1]
+                parts.append(f'<g class="event ev-{_e(short)}"><title>{_e(f"{name} {layer} {outcome} {tokens} tokens")}</title>'
+                             f'<circle cx="{x + 10 + k * 12}" cy="{y + cell_h + 9}" r="5"/></g>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _streams(fork: Fork, a: Optional[Turn], b: Optional[Turn], detokenize: Optional[Detokenizer],
+             first: bool) -> str:
+    if a is None or b is None:
+        return '<p class="none">Token streams not available.</p>'
+    length = max(len(a.token_ids), len(b.token_ids), len(a.margins), len(b.margins))
+    fork_at = fork.position if fork.position >= 0 else length
+    end = min(length, fork_at + TOKENS_PAST_FORK + 1)
+    texts = {}
+    for turn in (a, b):
+        if detokenize and turn.capture_mode == "ids":
+            texts[turn.side] = [detokenize([tok]) for tok in turn.token_ids[:end]]
+    columns = []
+    for i in range(end):
+        classes = ["pos"]
+        extra = ""
+        if i == fork_at:
+            classes.append("fork")
+            if first:
+                extra = ' id="fork"'
+        elif i > fork_at:
+            classes.append("past")
+        chips = "".join(_chip(turn, i, texts.get(turn.side)) for turn in (a, b))
+        columns.append(f'<div class="{" ".join(classes)}"{extra} data-position="{i}"><span class="idx">{i}</span>{chips}</div>')
+    more = f'<span class="more">… {length - end} more</span>' if end < length else ""
+    return (f'<div class="streams"><div class="stream-labels"><span>#</span><span>A</span><span>B</span></div>'
+            f'{"".join(columns)}{more}</div>')
+
+
+def _chip(turn: Turn, i: int, texts: Optional[list[str]]) -> str:
+    token = turn.token_ids[i] if i < len(turn.token_ids) else None
+    margin = turn.margins[i] if i < len(turn.margins) else float("nan")
+    if token is None and i >= len(turn.margins):
+        return '<span class="tok end">∅</span>'
+    label = texts[i] if texts and i < len(texts) else (str(token) if token is not None else "·")
+    runner = turn.runner_up_ids[i] if i < len(turn.runner_up_ids) else None
+    tip = f"{turn.side.upper()} pos {i}: token {token}, margin {_fmt(margin)}" + (
+        f", runner-up {runner}" if runner is not None else "")
+    return f'<span class="tok {margin_class(margin)}" title="{_e(tip)}">{_e(label) or "&nbsp;"}</span>'
+
+
+def _sparkline(fork: Fork, a: Optional[Turn], b: Optional[Turn]) -> str:
+    if a is None or b is None or not (a.margins or b.margins):
+        return ""
+    width, height, pad = 760, 90, 6
+    length = max(len(a.margins), len(b.margins))
+    finite = [m for m in list(a.margins) + list(b.margins) if m == m and math.isfinite(m)]
+    top = max(finite + [1e-9])
+    step = (width - 2 * pad) / max(length - 1, 1)
+
+    def y(m: float) -> float:
+        return height - pad - (min(m, top) / top) * (height - 2 * pad)
+
+    def line(values: Sequence[float], css: str) -> str:
+        points = " ".join(f"{pad + i * step:.1f},{y(m):.1f}" for i, m in enumerate(values) if m == m)
+        return f'<polyline class="{css}" points="{points}"/>'
+
+    fork_x = pad + fork.position * step if fork.position >= 0 else None
+    marker = (f'<line class="fork-line" x1="{fork_x:.1f}" x2="{fork_x:.1f}" y1="0" y2="{height}"/>'
+              if fork_x is not None else "")
+    return (f'<h3>Top-two margin per token (A blue, B orange; red line: fork)</h3>'
+            f'<svg class="sparkline" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
+            f'aria-label="margins">{marker}{line(a.margins, "spark-a")}{line(b.margins, "spark-b")}'
+            f'<text x="{width - 4}" y="12" text-anchor="end" class="cell-sub">max {top:.2f}</text></svg>')

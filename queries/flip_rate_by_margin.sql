@@ -1,0 +1,64 @@
+-- answers: How often the top-1 token flips between a cache hit and a recompute, by margin.
+--   Matched positions as in margin_shift.sql (a cache-hit request against the earliest request that
+--   recomputed the same prompt under the same engine, model, weight format, KV cache type and
+--   numerics; positions while the chosen prefix agrees, up to the first differing one). A position
+--   flips when the raw-logit arg-max differs (top1_ids; chosen token_ids when top-1 ids are absent).
+--   Binned by the recompute path's margin: [0,0.1), [0.1,0.3), [0.3,1), >=1 raw logits; with a
+--   Wilson score 95 % interval. Rows per weight format and bin, plus weight_format '(all)'.
+-- params: run_prefix String = ''
+-- columns: weight_format, margin_bin, positions, flips, flip_rate, ci_low, ci_high
+WITH
+recomputed AS (
+    SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, prompt_hash,
+           token_ids, if(notEmpty(top1_ids), top1_ids, token_ids) AS top_ids, margins
+    FROM kvtrace_requests
+    WHERE startsWith(run_id, {run_prefix:String}) AND reused_tokens = 0 AND notEmpty(token_ids)
+    ORDER BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, prompt_hash, Timestamp
+    LIMIT 1 BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, prompt_hash
+),
+matched AS (
+    SELECT
+        h.weight_format AS format,
+        least(length(h.token_ids), length(r.token_ids)) AS common_length,
+        arrayFirstIndex(x -> x, arrayMap((x, y) -> x != y,
+            arraySlice(h.token_ids, 1, common_length), arraySlice(r.token_ids, 1, common_length))) AS first_mismatch,
+        least(if(first_mismatch > 0, first_mismatch, common_length), length(r.margins)) AS matched_positions,
+        if(notEmpty(h.top1_ids), h.top1_ids, h.token_ids) AS hit_top_ids,
+        arrayMap((x, y) -> x != y, arraySlice(hit_top_ids, 1, matched_positions),
+                 arraySlice(r.top_ids, 1, matched_positions)) AS flipped,
+        arraySlice(r.margins, 1, matched_positions) AS recompute_margins
+    FROM kvtrace_requests AS h
+    INNER JOIN recomputed AS r
+        ON h.engine = r.engine AND h.model_fingerprint = r.model_fingerprint
+       AND h.weight_format = r.weight_format AND h.kv_cache_type = r.kv_cache_type
+       AND h.numerics_settings = r.numerics_settings AND h.prompt_hash = r.prompt_hash
+    WHERE startsWith(h.run_id, {run_prefix:String}) AND h.reused_tokens > 0 AND notEmpty(h.token_ids)
+),
+positions AS (
+    SELECT format, flip, margin,
+           multiIf(margin < 0.1, '[0,0.1)', margin < 0.3, '[0.1,0.3)', margin < 1, '[0.3,1)', '>=1') AS margin_bin
+    FROM matched
+    ARRAY JOIN flipped AS flip, recompute_margins AS margin
+),
+binned AS (
+    SELECT
+        if(grouping(format) = 1, '(all)', format) AS weight_format,
+        margin_bin,
+        count() AS positions,
+        sum(flip) AS flips,
+        min(margin) AS bin_floor
+    FROM positions
+    GROUP BY GROUPING SETS ((format, margin_bin), (margin_bin))
+)
+SELECT
+    weight_format, margin_bin, positions, flips,
+    flips / positions AS flip_rate,
+    -- Wilson score interval, z = 1.96 (clamped: rounding can step a hair outside [0, 1])
+    greatest(0., (flip_rate + 1.96 * 1.96 / (2 * positions)
+            - 1.96 * sqrt(flip_rate * (1 - flip_rate) / positions + 1.96 * 1.96 / (4 * positions * positions)))
+            / (1 + 1.96 * 1.96 / positions)) AS ci_low,
+    least(1., (flip_rate + 1.96 * 1.96 / (2 * positions)
+            + 1.96 * sqrt(flip_rate * (1 - flip_rate) / positions + 1.96 * 1.96 / (4 * positions * positions)))
+            / (1 + 1.96 * 1.96 / positions)) AS ci_high
+FROM binned
+ORDER BY weight_format = '(all)', weight_format, bin_floor

@@ -1,0 +1,202 @@
+-- answers: Why runs A and B forked: per forked episode, each side's cache path at the forking turn,
+--   an attribution label, the culprit cache event with its provenance, and the margins at the fork.
+--   Forks are found exactly as in forks.sql (first turn whose prompt or output differs; first
+--   differing token position). Labels, most specific first:
+--     prompt_mismatch   the prompts already differ at this turn: the fork happened upstream (in what
+--                       was sent, e.g. an earlier turn's output fed back), not in this request;
+--     hit_vs_recompute  one side reused cached state (reused_tokens > 0), the other recomputed;
+--     reuse_length      both reused, different numbers of tokens;
+--     cache_source      same length, different source state (layer, state key, hit blocks, or the
+--                       episode/turn of the request that stored the state differ);
+--     same_cache_path   identical cache paths: the fork is not explained by caching.
+--   The culprit is the side that reused (hit_vs_recompute), reused more (reuse_length), or restored
+--   state stored by another episode (cache_source; side A when both or neither did); its event is the
+--   span's restore, else reuse, else lookup hit (request-level cache fields when it has no events).
+--   near_tie: 1 when the smaller of the two margins at the fork is below near_tie raw logits. The
+--   default 0.05 sits above the margins of the cache-path forks measured on quantized llama.cpp
+--   models (0.003-0.03 raw logits) and well below typical margins (median ~0.6), so it flags the
+--   choices a cache path can plausibly flip; raise it for coarser quantization. margin_share
+--   puts the fork margin in context: the share of all tokens of both runs whose margin is at most
+--   the fork margin, rounded up to the next of 0.1 %, 0.5 %, 1 %, 2 %, 5 %, 10 %, 25 %, 50 %, 100 %.
+-- params: run_a String, run_b String, episode String = '', near_tie Float64 = 0.05
+-- columns: episode_id, fork_turn, fork_kind, position, attribution, note, run_a, run_b,
+--   span_id_a, span_id_b, request_id_a, request_id_b, capture_mode,
+--   token_a, token_b, runner_up_a, runner_up_b, margin_a, margin_b, near_tie, margin_share,
+--   layer_a, reused_tokens_a, prompt_tokens_a, state_key_a, source_episode_id_a, source_turn_a,
+--   layer_b, reused_tokens_b, prompt_tokens_b, state_key_b, source_episode_id_b, source_turn_b,
+--   culprit_side, culprit_run, culprit_span_id, culprit_event, culprit_event_index, culprit_layer,
+--   culprit_reused_tokens, culprit_key_hash, culprit_block_hashes,
+--   culprit_source_request_id, culprit_source_run_id, culprit_source_episode_id, culprit_source_turn,
+--   culprit_source_span_id
+WITH
+side_a AS (
+    SELECT episode_id, turn, SpanId AS span_id, request_id, capture_mode, prompt_hash, output_hash,
+           token_ids, runner_up_ids, margins, cache_layer, reused_tokens, prompt_tokens, state_key,
+           hit_block_hashes, source_span_id, source_request_id, source_run_id, source_episode_id, source_turn
+    FROM kvtrace_requests
+    WHERE run_id = {run_a:String} AND episode_id != ''
+      AND ({episode:String} = '' OR episode_id = {episode:String})
+    ORDER BY episode_id, turn, Timestamp
+    LIMIT 1 BY episode_id, turn
+),
+side_b AS (
+    SELECT episode_id, turn, SpanId AS span_id, request_id, capture_mode, prompt_hash, output_hash,
+           token_ids, runner_up_ids, margins, cache_layer, reused_tokens, prompt_tokens, state_key,
+           hit_block_hashes, source_span_id, source_request_id, source_run_id, source_episode_id, source_turn
+    FROM kvtrace_requests
+    WHERE run_id = {run_b:String} AND episode_id != ''
+      AND ({episode:String} = '' OR episode_id = {episode:String})
+    ORDER BY episode_id, turn, Timestamp
+    LIMIT 1 BY episode_id, turn
+),
+compared AS (
+    SELECT
+        a.episode_id AS episode_id,
+        a.turn AS turn,
+        a.prompt_hash != b.prompt_hash AS prompt_differs,
+        notEmpty(a.token_ids) AND notEmpty(b.token_ids) AS by_ids,
+        least(length(a.token_ids), length(b.token_ids)) AS common_length,
+        arrayFirstIndex(x -> x, arrayMap((x, y) -> x != y,
+            arraySlice(a.token_ids, 1, common_length), arraySlice(b.token_ids, 1, common_length))) AS first_mismatch,
+        if(by_ids, a.token_ids != b.token_ids, a.output_hash != b.output_hash) AS output_differs,
+        toInt64(multiIf(NOT output_differs OR NOT by_ids, -1, first_mismatch > 0, first_mismatch - 1, common_length))
+            AS position,
+        a.span_id AS span_id_a, b.span_id AS span_id_b,
+        a.request_id AS request_id_a, b.request_id AS request_id_b,
+        a.capture_mode AS capture_mode,
+        if(position >= 0 AND position < length(a.token_ids), a.token_ids[position + 1], toInt64(-1)) AS token_a,
+        if(position >= 0 AND position < length(b.token_ids), b.token_ids[position + 1], toInt64(-1)) AS token_b,
+        if(position >= 0 AND position < length(a.runner_up_ids), a.runner_up_ids[position + 1], toInt64(-1))
+            AS runner_up_a,
+        if(position >= 0 AND position < length(b.runner_up_ids), b.runner_up_ids[position + 1], toInt64(-1))
+            AS runner_up_b,
+        if(position >= 0 AND position < length(a.margins), a.margins[position + 1], nan) AS margin_a,
+        if(position >= 0 AND position < length(b.margins), b.margins[position + 1], nan) AS margin_b,
+        a.cache_layer AS layer_a, a.reused_tokens AS reused_tokens_a, a.prompt_tokens AS prompt_tokens_a,
+        a.state_key AS state_key_a, a.hit_block_hashes AS hit_block_hashes_a,
+        a.source_span_id AS source_span_id_a, a.source_request_id AS source_request_id_a,
+        a.source_run_id AS source_run_id_a, a.source_episode_id AS source_episode_id_a,
+        a.source_turn AS source_turn_a,
+        b.cache_layer AS layer_b, b.reused_tokens AS reused_tokens_b, b.prompt_tokens AS prompt_tokens_b,
+        b.state_key AS state_key_b, b.hit_block_hashes AS hit_block_hashes_b,
+        b.source_span_id AS source_span_id_b, b.source_request_id AS source_request_id_b,
+        b.source_run_id AS source_run_id_b, b.source_episode_id AS source_episode_id_b,
+        b.source_turn AS source_turn_b
+    FROM side_a AS a
+    INNER JOIN side_b AS b ON a.episode_id = b.episode_id AND a.turn = b.turn
+),
+first_fork AS (
+    SELECT *
+    FROM compared
+    WHERE prompt_differs OR output_differs
+    ORDER BY episode_id, turn
+    LIMIT 1 BY episode_id
+),
+attributed AS (
+    SELECT
+        *,
+        multiIf(
+            prompt_differs, 'prompt_mismatch',
+            (reused_tokens_a > 0) != (reused_tokens_b > 0), 'hit_vs_recompute',
+            reused_tokens_a > 0 AND reused_tokens_a != reused_tokens_b, 'reuse_length',
+            reused_tokens_a > 0 AND (layer_a != layer_b OR state_key_a != state_key_b
+                OR hit_block_hashes_a != hit_block_hashes_b
+                OR source_episode_id_a != source_episode_id_b OR source_turn_a != source_turn_b), 'cache_source',
+            'same_cache_path') AS attribution,
+        (source_episode_id_a != '' AND source_episode_id_a != episode_id) AS foreign_source_a,
+        (source_episode_id_b != '' AND source_episode_id_b != episode_id) AS foreign_source_b,
+        multiIf(
+            attribution = 'hit_vs_recompute', if(reused_tokens_a > 0, 'a', 'b'),
+            attribution = 'reuse_length', if(reused_tokens_a > reused_tokens_b, 'a', 'b'),
+            attribution = 'cache_source', if(foreign_source_b AND NOT foreign_source_a, 'b', 'a'),
+            '') AS culprit_side,
+        multiIf(culprit_side = 'a', span_id_a, culprit_side = 'b', span_id_b, '') AS culprit_span_id
+    FROM first_fork
+),
+-- The event that served the culprit's prefix: a restore beats a reuse beats a lookup hit.
+serving_events AS (
+    SELECT SpanId, event, event_index, layer, key_hash, block_hashes,
+           source_span_id, source_request_id, source_run_id, source_episode_id, source_turn
+    FROM kvtrace_cache_events
+    WHERE run_id IN ({run_a:String}, {run_b:String})
+      AND SpanId IN (SELECT culprit_span_id FROM attributed WHERE culprit_span_id != '')
+      AND (event IN ('${EVENT_CACHE_RESTORE}', '${EVENT_CACHE_REUSE}')
+           OR (event = '${EVENT_CACHE_LOOKUP}' AND outcome = 'hit'))
+    ORDER BY SpanId,
+             multiIf(event = '${EVENT_CACHE_RESTORE}', 0, event = '${EVENT_CACHE_REUSE}', 1, 2),
+             event_index
+    LIMIT 1 BY SpanId
+),
+margin_levels AS (
+    SELECT quantilesExact(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5)(margin) AS levels
+    FROM kvtrace_tokens
+    WHERE run_id IN ({run_a:String}, {run_b:String}) AND isFinite(margin)
+)
+SELECT
+    f.episode_id AS episode_id,
+    toInt64(f.turn) AS fork_turn,
+    if(f.prompt_differs, 'prompt', 'output') AS fork_kind,
+    f.position AS position,
+    f.attribution AS attribution,
+    multiIf(
+        f.attribution = 'prompt_mismatch',
+        concat('prompts differ at turn ', toString(f.turn),
+               ': the fork happened upstream of this request (earlier output or harness input)'),
+        f.attribution = 'same_cache_path', 'both sides took the same cache path: not explained by caching',
+        concat('side ', upper(f.culprit_side), ' ',
+               if(f.culprit_side = 'a', f.layer_a, f.layer_b), ' served ',
+               toString(if(f.culprit_side = 'a', f.reused_tokens_a, f.reused_tokens_b)), ' of ',
+               toString(if(f.culprit_side = 'a', f.prompt_tokens_a, f.prompt_tokens_b)), ' prompt tokens')
+    ) AS note,
+    {run_a:String} AS run_a,
+    {run_b:String} AS run_b,
+    f.span_id_a AS span_id_a, f.span_id_b AS span_id_b,
+    f.request_id_a AS request_id_a, f.request_id_b AS request_id_b,
+    f.capture_mode AS capture_mode,
+    f.token_a AS token_a, f.token_b AS token_b,
+    f.runner_up_a AS runner_up_a, f.runner_up_b AS runner_up_b,
+    f.margin_a AS margin_a, f.margin_b AS margin_b,
+    toUInt8(isFinite(least(f.margin_a, f.margin_b)) AND least(f.margin_a, f.margin_b) < {near_tie:Float64})
+        AS near_tie,
+    if(isFinite(least(f.margin_a, f.margin_b)) AND notEmpty(m.levels),
+       arrayElement([0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0],
+                    arrayCount(q -> q < least(f.margin_a, f.margin_b), m.levels) + 1),
+       nan) AS margin_share,
+    f.layer_a AS layer_a, f.reused_tokens_a AS reused_tokens_a, f.prompt_tokens_a AS prompt_tokens_a,
+    f.state_key_a AS state_key_a, f.source_episode_id_a AS source_episode_id_a, f.source_turn_a AS source_turn_a,
+    f.layer_b AS layer_b, f.reused_tokens_b AS reused_tokens_b, f.prompt_tokens_b AS prompt_tokens_b,
+    f.state_key_b AS state_key_b, f.source_episode_id_b AS source_episode_id_b, f.source_turn_b AS source_turn_b,
+    f.culprit_side AS culprit_side,
+    multiIf(f.culprit_side = 'a', {run_a:String}, f.culprit_side = 'b', {run_b:String}, '') AS culprit_run,
+    f.culprit_span_id AS culprit_span_id,
+    e.event AS culprit_event,
+    if(e.SpanId != '', toInt64(e.event_index), toInt64(-1)) AS culprit_event_index,
+    if(e.layer != '', e.layer, if(f.culprit_side = 'a', f.layer_a, if(f.culprit_side = 'b', f.layer_b, '')))
+        AS culprit_layer,
+    multiIf(f.culprit_side = 'a', f.reused_tokens_a, f.culprit_side = 'b', f.reused_tokens_b, 0)
+        AS culprit_reused_tokens,
+    if(e.key_hash != '', e.key_hash, multiIf(f.culprit_side = 'a', f.state_key_a, f.culprit_side = 'b', f.state_key_b, ''))
+        AS culprit_key_hash,
+    if(notEmpty(e.block_hashes), e.block_hashes,
+       multiIf(f.culprit_side = 'a', f.hit_block_hashes_a, f.culprit_side = 'b', f.hit_block_hashes_b, []))
+        AS culprit_block_hashes,
+    if(e.source_span_id != '', e.source_request_id,
+       multiIf(f.culprit_side = 'a', f.source_request_id_a, f.culprit_side = 'b', f.source_request_id_b, ''))
+        AS culprit_source_request_id,
+    if(e.source_span_id != '', e.source_run_id,
+       multiIf(f.culprit_side = 'a', f.source_run_id_a, f.culprit_side = 'b', f.source_run_id_b, ''))
+        AS culprit_source_run_id,
+    if(e.source_span_id != '', e.source_episode_id,
+       multiIf(f.culprit_side = 'a', f.source_episode_id_a, f.culprit_side = 'b', f.source_episode_id_b, ''))
+        AS culprit_source_episode_id,
+    toInt64(if(e.source_span_id != '', e.source_turn,
+       multiIf(f.culprit_side = 'a', f.source_turn_a, f.culprit_side = 'b', f.source_turn_b, -1)))
+        AS culprit_source_turn,
+    if(e.source_span_id != '', e.source_span_id,
+       multiIf(f.culprit_side = 'a', f.source_span_id_a, f.culprit_side = 'b', f.source_span_id_b, ''))
+        AS culprit_source_span_id
+FROM attributed AS f
+LEFT JOIN serving_events AS e ON e.SpanId = f.culprit_span_id
+CROSS JOIN margin_levels AS m
+ORDER BY episode_id
+SETTINGS join_use_nulls = 0

@@ -1,0 +1,49 @@
+-- answers: How much a cache hit moves the top-two margin, at matched positions.
+--   Each request that reused cached state (reused_tokens > 0) is matched with a reference request
+--   that recomputed the same prompt (same prompt_hash, engine, model fingerprint, weight format, KV
+--   cache type and numerics settings; the earliest such request). Positions are matched while the
+--   chosen tokens agree (same chosen prefix), up to and including the first differing position.
+--   shift = hit margin - recompute margin, in raw logits. Runs: those whose id starts with
+--   run_prefix ('' = all). Outputs must carry token ids (ids or hashed capture). One row per weight
+--   format plus a row '(all)'.
+-- params: run_prefix String = ''
+-- columns: weight_format, request_pairs, positions, mean_shift, mean_abs_shift, p50_abs_shift,
+--   p95_abs_shift, max_abs_shift
+WITH
+recomputed AS (
+    SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, prompt_hash,
+           token_ids, margins
+    FROM kvtrace_requests
+    WHERE startsWith(run_id, {run_prefix:String}) AND reused_tokens = 0 AND notEmpty(token_ids)
+    ORDER BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, prompt_hash, Timestamp
+    LIMIT 1 BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, prompt_hash
+),
+matched AS (
+    SELECT
+        h.weight_format AS format,
+        least(length(h.token_ids), length(r.token_ids)) AS common_length,
+        arrayFirstIndex(x -> x, arrayMap((x, y) -> x != y,
+            arraySlice(h.token_ids, 1, common_length), arraySlice(r.token_ids, 1, common_length))) AS first_mismatch,
+        least(if(first_mismatch > 0, first_mismatch, common_length), length(h.margins), length(r.margins))
+            AS matched_positions,
+        arrayMap((x, y) -> x - y, arraySlice(h.margins, 1, matched_positions),
+                 arraySlice(r.margins, 1, matched_positions)) AS shifts
+    FROM kvtrace_requests AS h
+    INNER JOIN recomputed AS r
+        ON h.engine = r.engine AND h.model_fingerprint = r.model_fingerprint
+       AND h.weight_format = r.weight_format AND h.kv_cache_type = r.kv_cache_type
+       AND h.numerics_settings = r.numerics_settings AND h.prompt_hash = r.prompt_hash
+    WHERE startsWith(h.run_id, {run_prefix:String}) AND h.reused_tokens > 0 AND notEmpty(h.token_ids)
+)
+SELECT
+    if(grouping(format) = 1, '(all)', format) AS weight_format,
+    count() AS request_pairs,
+    sum(matched_positions) AS positions,
+    avgArray(shifts) AS mean_shift,
+    avgArray(arrayMap(x -> abs(x), shifts)) AS mean_abs_shift,
+    quantileExactArray(0.5)(arrayMap(x -> abs(x), shifts)) AS p50_abs_shift,
+    quantileExactArray(0.95)(arrayMap(x -> abs(x), shifts)) AS p95_abs_shift,
+    maxArray(arrayMap(x -> abs(x), shifts)) AS max_abs_shift
+FROM matched
+GROUP BY GROUPING SETS ((format), ())
+ORDER BY grouping(format), weight_format
