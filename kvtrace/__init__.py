@@ -28,7 +28,7 @@ def uninstrument() -> None:
 
 @contextlib.contextmanager
 def correlate(run_id: Optional[str] = None, episode_id: Optional[str] = None,
-              turn: Optional[int] = None) -> Iterator[None]:
+              turn: Optional[int] = None, arm: Optional[str] = None) -> Iterator[None]:
     """Tag the requests made inside the block with run / episode / turn.
 
     Uses W3C baggage, exactly as a client harness would through HTTP headers,
@@ -39,7 +39,8 @@ def correlate(run_id: Optional[str] = None, episode_id: Optional[str] = None,
     from kvtrace import semconv
 
     ctx = context.get_current()
-    for key, value in ((semconv.RUN_ID, run_id), (semconv.EPISODE_ID, episode_id), (semconv.TURN, turn)):
+    for key, value in ((semconv.RUN_ID, run_id), (semconv.EPISODE_ID, episode_id), (semconv.TURN, turn),
+                       (semconv.ARM, arm)):
         if value is not None:
             ctx = baggage.set_baggage(key, str(value), ctx)
     token = context.attach(ctx)

@@ -27,6 +27,8 @@ COMMAND_MODULES = [
     "kvtrace.commands.run",
     "kvtrace.commands.diff",
     "kvtrace.commands.runs",
+    "kvtrace.commands.experiment",
+    "kvtrace.commands.demo",
 ]
 
 

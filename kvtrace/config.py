@@ -68,6 +68,8 @@ class Settings:
     run_id: str
     episode_id: str
     turn: int
+    arm: str = ""
+    """Experiment arm label for every request of this process (env KVTRACE_ARM); baggage overrides it."""
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -92,6 +94,7 @@ class Settings:
             run_id=os.environ.get("KVTRACE_RUN_ID", ""),
             episode_id=os.environ.get("KVTRACE_EPISODE_ID", ""),
             turn=_int_env("KVTRACE_TURN", -1),
+            arm=os.environ.get("KVTRACE_ARM", ""),
         )
 
 

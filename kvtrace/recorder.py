@@ -106,7 +106,7 @@ class Recorder:
         parent = parent_span if parent_span.is_valid else None
         trace_id, span_id = self._new_ids(parent)
         span_hex = "%016x" % span_id
-        return RequestRecord(
+        record = RequestRecord(
             correlation=self.current_correlation(request_id or span_hex),
             engine=engine,
             operation=operation,
@@ -116,6 +116,11 @@ class Recorder:
             trace_id="%032x" % trace_id,
             parent=parent,
         )
+        # The arm is a label of the harness, not of the engine: baggage (per request) or KVTRACE_ARM.
+        arm = str(baggage.get_baggage(sc.ARM) or self.settings.arm or "")
+        if arm:
+            record.config[sc.ARM] = arm
+        return record
 
     def hash_tokens(self, tokens) -> str:
         return self.capture.hash_tokens(tokens)

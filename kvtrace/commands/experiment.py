@@ -1,0 +1,97 @@
+"""``kvtrace experiment``: a seeded multi-turn agentic workload under several cache arms and
+weight formats, recorded through the real instrumentation and reported with the saved queries."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from kvtrace.errors import ConfigError
+
+
+def _list(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def register(sub) -> None:
+    p = sub.add_parser("experiment", help="measure how often cache arms fork a multi-turn workload",
+                       description="Run N episodes x T turns of a deterministic tool-using workload, serial and "
+                                   "greedy, under each cache arm and weight format; report divergence rates "
+                                   "(Wilson 95%% CI), fork turns, cached tokens, margin shift, flip rate by "
+                                   "margin and fork attribution. Run ids: PREFIX/FORMAT/ARM/rREPEAT/ORDER.")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, metavar="PATH.gguf",
+                        help="an unquantized (F32/F16/BF16) GGUF; quantized to each --formats entry")
+    source.add_argument("--generate", metavar="SIZE", choices=("tiny", "small", "base"),
+                        help="use a generated random-weight model of this size (tiny, small, base)")
+    p.add_argument("--formats", type=_list, default=("Q4_0", "Q8_0"), metavar="F16,Q4_0,...")
+    p.add_argument("--arms", type=_list, default=("off", "reuse", "prompt-cache"),
+                   metavar="off,reuse,prompt-cache,restore")
+    p.add_argument("--episodes", type=int, default=16, metavar="N")
+    p.add_argument("--turns", type=int, default=4, metavar="T")
+    p.add_argument("--tokens", type=int, default=24, metavar="K", help="max tokens per turn")
+    p.add_argument("--repeats", type=int, default=1, metavar="R", help="passes per arm, each with a fresh engine")
+    p.add_argument("--orders", type=_list, default=("canonical",), metavar="canonical,shuffled")
+    p.add_argument("--seed", type=int, default=0, metavar="S")
+    p.add_argument("--prefix", default=None, help="run id prefix (default exp-<seed>-<time>)")
+    p.add_argument("--n-ctx", type=int, default=1024, metavar="TOKENS")
+    p.add_argument("--threads", type=int, default=1, metavar="N")
+    p.add_argument("--plot", type=Path, metavar="FILE.png", help="bar chart of divergence rates (needs matplotlib)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.set_defaults(func=run)
+
+
+def plan_from_args(args):
+    import time
+
+    from kvtrace.experiment import Plan
+
+    try:
+        return Plan(formats=args.formats, arms=args.arms, episodes=args.episodes, turns=args.turns,
+                    tokens=args.tokens, repeats=args.repeats, orders=args.orders, seed=args.seed,
+                    prefix=args.prefix or f"exp-{args.seed}-{time.strftime('%Y%m%dT%H%M%S')}",
+                    n_ctx=args.n_ctx, n_threads=args.threads)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def prepare_models(args, plan, progress):
+    from kvtrace.experiment import models
+
+    if args.model:
+        return models.quantized_models(args.model, plan.formats, progress, plan.n_threads)
+    return models.generated_models(args.generate, plan.formats, progress)
+
+
+def run(args) -> int:
+    from kvtrace.commands.common import open_database, progress_printer
+    from kvtrace.experiment import run_experiment
+    from kvtrace.experiment.report import build_report, plot, print_report
+
+    _require_llama()
+    plan = plan_from_args(args)
+    progress = progress_printer(args)
+    models = prepare_models(args, plan, progress)
+    outcome = run_experiment(plan, models, progress)
+    progress("ingesting")
+    client = open_database(args)
+    report = build_report(client, plan, outcome)
+    progress("")
+    if args.format == "json":
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print_report(report, sys.stdout)
+    if args.plot:
+        written = plot(report, args.plot)
+        print(f"kvtrace: wrote {written}" if written else "kvtrace: plot skipped (matplotlib is not installed)",
+              file=sys.stderr)
+    return 130 if outcome.interrupted else 0
+
+
+def _require_llama() -> None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        raise ConfigError("the experiment needs llama-cpp-python (pip install 'kvtrace[llama]')") from None

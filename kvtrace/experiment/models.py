@@ -1,0 +1,74 @@
+"""The weight-format grid: one base model, quantized to each format with llama.cpp's quantizer.
+
+Quantized files are cached in the per-user data dir, keyed by the base model's identity, so
+re-running an experiment (or the demo) does not quantize again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Callable, Optional
+
+from kvtrace.config import data_home
+from kvtrace.errors import ConfigError
+
+
+def model_cache_dir() -> Path:
+    return data_home() / "models"
+
+
+def generated_models(size: str, formats, progress: Callable[[str], None] = lambda m: None) -> dict[str, Path]:
+    """A generated random-weight model of ``size`` in each format (made once, then cached)."""
+    from kvtrace.testmodels.llama_gguf import make_model
+
+    paths = {}
+    for fmt in formats:
+        path = model_cache_dir() / f"generated-{size}-{fmt}.gguf"
+        if not path.is_file():
+            progress(f"generating {size} model as {fmt}")
+            make_model(path, fmt, size)
+        paths[fmt] = path
+    return paths
+
+
+def quantized_models(base: Path, formats, progress: Callable[[str], None] = lambda m: None,
+                     threads: int = 1) -> dict[str, Path]:
+    """``base`` (an F32/F16/BF16 GGUF) quantized to each format, cached by the base file's identity."""
+    from kvtrace.testmodels.llama_gguf import quantize
+
+    base = Path(base)
+    if not base.is_file():
+        raise ConfigError(f"--model {base}: no such file")
+    stat = base.stat()
+    key = hashlib.sha256(f"{base.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    folder = model_cache_dir() / f"{base.stem}-{key}"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for fmt in formats:
+        path = folder / f"{fmt}.gguf"
+        if not path.is_file():
+            progress(f"quantizing {base.name} to {fmt}")
+            tmp = folder / f".{fmt}.gguf.partial"
+            try:
+                quantize(base, tmp, fmt, threads)
+            except (RuntimeError, ValueError) as exc:
+                raise ConfigError(f"cannot make {fmt} from {base}: {exc} (the base must be an unquantized "
+                                  f"F32/F16/BF16 GGUF)") from None
+            tmp.replace(path)
+        paths[fmt] = path
+    return paths
+
+
+def detect_format(path: Path) -> Optional[str]:
+    """The weight format llama.cpp reports for a GGUF (general.file_type), when it can be read."""
+    try:
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        field = reader.fields.get("general.file_type")
+        if field is None:
+            return None
+        return gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except Exception:
+        return None
