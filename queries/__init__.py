@@ -9,7 +9,9 @@ Each file starts with a header of ``--`` comment lines::
 Parameters appear in the statement as ClickHouse placeholders
 (``{run_a:String}``) and are bound by the server — never spliced into SQL.
 ``${NAME}`` placeholders are ``kvtrace.semconv`` constants (event names,
-layer names) substituted when the file is loaded.
+layer names) substituted when the file is loaded; ``${shared_NAME}`` inserts
+``shared/NAME.sql`` (WITH-clause definitions several queries must agree on,
+such as where two outputs diverge), comment lines removed.
 """
 
 from __future__ import annotations
@@ -85,6 +87,16 @@ def names() -> list[str]:
     return sorted(f.name[:-4] for f in folder.iterdir() if f.name.endswith(".sql"))
 
 
+def _shared_fragments() -> dict[str, str]:
+    folder = resources.files(__name__) / "shared"
+    fragments = {}
+    for f in folder.iterdir():
+        if f.name.endswith(".sql"):
+            text = "\n".join(line for line in f.read_text().splitlines() if not line.lstrip().startswith("--"))
+            fragments[f"shared_{f.name[:-4]}"] = text.strip()
+    return fragments
+
+
 def load(name: str) -> SavedQuery:
     if not re.fullmatch(r"[a-z0-9_]+", name or "") or name not in names():
         raise UnknownQuery(f"no saved query named {name!r}; available: {', '.join(names())}")
@@ -108,7 +120,8 @@ def load(name: str) -> SavedQuery:
         body_lines.append(line)
     from kvtrace.collectors.schema import semconv_names
 
-    sql = Template("\n".join(body_lines)).substitute(semconv_names()).strip().rstrip(";")
+    sql = Template("\n".join(body_lines)).substitute({**semconv_names(), **_shared_fragments()})
+    sql = sql.strip().rstrip(";")
     params = []
     for chunk in ",".join(header.get("params", [])).split(","):
         if chunk.strip() and chunk.strip() != "none":

@@ -14,6 +14,8 @@
 -- columns: engine, weight_format, arm, compared_with, runs, pairs, episodes_compared, episodes_forked,
 --   fork_rate, ci_low, ci_high, median_fork_turn, median_fork_position, mean_cached_tokens
 WITH
+${shared_output_divergence}
+${shared_wilson_interval}
 requests AS (
     SELECT run_id, episode_id, turn, prompt_hash, output_hash, token_ids
     FROM kvtrace_requests
@@ -47,14 +49,9 @@ compared AS (
     SELECT
         p.engine AS engine, p.weight_format AS weight_format, p.arm AS arm, p.compared_with AS compared_with,
         p.run_a AS run_a, p.run_b AS run_b, ta.episode_id AS episode_id, ta.turn AS turn,
-        notEmpty(ta.token_ids) AND notEmpty(tb.token_ids) AS by_ids,
-        least(length(ta.token_ids), length(tb.token_ids)) AS common_length,
-        arrayFirstIndex(x -> x, arrayMap((x, y) -> x != y,
-            arraySlice(ta.token_ids, 1, common_length), arraySlice(tb.token_ids, 1, common_length))) AS first_mismatch,
-        if(by_ids, ta.token_ids != tb.token_ids, ta.output_hash != tb.output_hash) AS output_differs,
-        ta.prompt_hash != tb.prompt_hash OR output_differs AS differs,
-        toInt64(multiIf(NOT output_differs OR NOT by_ids, -1, first_mismatch > 0, first_mismatch - 1, common_length))
-            AS position
+        ta.prompt_hash != tb.prompt_hash
+            OR outputs_differ(ta.token_ids, tb.token_ids, ta.output_hash, tb.output_hash) AS differs,
+        first_divergent_position(ta.token_ids, tb.token_ids, ta.output_hash, tb.output_hash) AS position
     FROM pairs AS p
     INNER JOIN requests AS ta ON ta.run_id = p.run_a
     INNER JOIN requests AS tb ON tb.run_id = p.run_b AND tb.episode_id = ta.episode_id AND tb.turn = ta.turn
@@ -85,15 +82,8 @@ SELECT
     r.episodes_compared AS episodes_compared,
     r.episodes_forked AS episodes_forked,
     r.episodes_forked / r.episodes_compared AS fork_rate,
-    -- Wilson score interval, z = 1.96 (clamped: rounding can step a hair outside [0, 1])
-    greatest(0., (fork_rate + 1.96 * 1.96 / (2 * r.episodes_compared)
-            - 1.96 * sqrt(fork_rate * (1 - fork_rate) / r.episodes_compared
-                          + 1.96 * 1.96 / (4 * r.episodes_compared * r.episodes_compared)))
-            / (1 + 1.96 * 1.96 / r.episodes_compared)) AS ci_low,
-    least(1., (fork_rate + 1.96 * 1.96 / (2 * r.episodes_compared)
-            + 1.96 * sqrt(fork_rate * (1 - fork_rate) / r.episodes_compared
-                          + 1.96 * 1.96 / (4 * r.episodes_compared * r.episodes_compared)))
-            / (1 + 1.96 * 1.96 / r.episodes_compared)) AS ci_high,
+    wilson_low(fork_rate, r.episodes_compared) AS ci_low,
+    wilson_high(fork_rate, r.episodes_compared) AS ci_high,
     r.median_fork_turn AS median_fork_turn,
     r.median_fork_position AS median_fork_position,
     c.mean_cached_tokens AS mean_cached_tokens

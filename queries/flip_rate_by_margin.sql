@@ -8,21 +8,15 @@
 -- params: run_prefix String = ''
 -- columns: weight_format, margin_bin, positions, flips, flip_rate, ci_low, ci_high
 WITH
-recomputed AS (
-    SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, prompt_hash,
-           token_ids, if(notEmpty(top1_ids), top1_ids, token_ids) AS top_ids, margins
-    FROM kvtrace_requests
-    WHERE startsWith(run_id, {run_prefix:String}) AND reused_tokens = 0 AND notEmpty(token_ids)
-    ORDER BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, prompt_hash, Timestamp
-    LIMIT 1 BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, prompt_hash
-),
+${shared_output_divergence}
+${shared_wilson_interval}
+${shared_recompute_reference}
 matched AS (
     SELECT
         h.weight_format AS format,
-        least(length(h.token_ids), length(r.token_ids)) AS common_length,
-        arrayFirstIndex(x -> x, arrayMap((x, y) -> x != y,
-            arraySlice(h.token_ids, 1, common_length), arraySlice(r.token_ids, 1, common_length))) AS first_mismatch,
-        least(if(first_mismatch > 0, first_mismatch, common_length), length(r.margins)) AS matched_positions,
+        first_mismatch_index(h.token_ids, r.token_ids) AS first_mismatch,
+        least(if(first_mismatch > 0, first_mismatch, least(length(h.token_ids), length(r.token_ids))),
+              length(r.margins)) AS matched_positions,
         if(notEmpty(h.top1_ids), h.top1_ids, h.token_ids) AS hit_top_ids,
         arrayMap((x, y) -> x != y, arraySlice(hit_top_ids, 1, matched_positions),
                  arraySlice(r.top_ids, 1, matched_positions)) AS flipped,
@@ -53,12 +47,7 @@ binned AS (
 SELECT
     weight_format, margin_bin, positions, flips,
     flips / positions AS flip_rate,
-    -- Wilson score interval, z = 1.96 (clamped: rounding can step a hair outside [0, 1])
-    greatest(0., (flip_rate + 1.96 * 1.96 / (2 * positions)
-            - 1.96 * sqrt(flip_rate * (1 - flip_rate) / positions + 1.96 * 1.96 / (4 * positions * positions)))
-            / (1 + 1.96 * 1.96 / positions)) AS ci_low,
-    least(1., (flip_rate + 1.96 * 1.96 / (2 * positions)
-            + 1.96 * sqrt(flip_rate * (1 - flip_rate) / positions + 1.96 * 1.96 / (4 * positions * positions)))
-            / (1 + 1.96 * 1.96 / positions)) AS ci_high
+    wilson_low(flip_rate, positions) AS ci_low,
+    wilson_high(flip_rate, positions) AS ci_high
 FROM binned
 ORDER BY weight_format = '(all)', weight_format, bin_floor

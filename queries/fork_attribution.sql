@@ -29,38 +29,27 @@
 --   culprit_source_request_id, culprit_source_run_id, culprit_source_episode_id, culprit_source_turn,
 --   culprit_source_span_id
 WITH
-side_a AS (
-    SELECT episode_id, turn, SpanId AS span_id, request_id, capture_mode, prompt_hash, output_hash,
+${shared_output_divergence}
+-- First request per (run, episode, turn) of both runs.
+sides AS (
+    SELECT run_id, episode_id, turn, SpanId AS span_id, request_id, capture_mode, prompt_hash, output_hash,
            token_ids, runner_up_ids, margins, cache_layer, reused_tokens, prompt_tokens, state_key,
            hit_block_hashes, source_span_id, source_request_id, source_run_id, source_episode_id, source_turn
     FROM kvtrace_requests
-    WHERE run_id = {run_a:String} AND episode_id != ''
+    WHERE run_id IN ({run_a:String}, {run_b:String}) AND episode_id != ''
       AND ({episode:String} = '' OR episode_id = {episode:String})
-    ORDER BY episode_id, turn, Timestamp
-    LIMIT 1 BY episode_id, turn
+    ORDER BY run_id, episode_id, turn, Timestamp
+    LIMIT 1 BY run_id, episode_id, turn
 ),
-side_b AS (
-    SELECT episode_id, turn, SpanId AS span_id, request_id, capture_mode, prompt_hash, output_hash,
-           token_ids, runner_up_ids, margins, cache_layer, reused_tokens, prompt_tokens, state_key,
-           hit_block_hashes, source_span_id, source_request_id, source_run_id, source_episode_id, source_turn
-    FROM kvtrace_requests
-    WHERE run_id = {run_b:String} AND episode_id != ''
-      AND ({episode:String} = '' OR episode_id = {episode:String})
-    ORDER BY episode_id, turn, Timestamp
-    LIMIT 1 BY episode_id, turn
-),
+side_a AS (SELECT * FROM sides WHERE run_id = {run_a:String}),
+side_b AS (SELECT * FROM sides WHERE run_id = {run_b:String}),
 compared AS (
     SELECT
         a.episode_id AS episode_id,
         a.turn AS turn,
         a.prompt_hash != b.prompt_hash AS prompt_differs,
-        notEmpty(a.token_ids) AND notEmpty(b.token_ids) AS by_ids,
-        least(length(a.token_ids), length(b.token_ids)) AS common_length,
-        arrayFirstIndex(x -> x, arrayMap((x, y) -> x != y,
-            arraySlice(a.token_ids, 1, common_length), arraySlice(b.token_ids, 1, common_length))) AS first_mismatch,
-        if(by_ids, a.token_ids != b.token_ids, a.output_hash != b.output_hash) AS output_differs,
-        toInt64(multiIf(NOT output_differs OR NOT by_ids, -1, first_mismatch > 0, first_mismatch - 1, common_length))
-            AS position,
+        outputs_differ(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS output_differs,
+        first_divergent_position(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS position,
         a.span_id AS span_id_a, b.span_id AS span_id_b,
         a.request_id AS request_id_a, b.request_id AS request_id_b,
         a.capture_mode AS capture_mode,

@@ -9,23 +9,19 @@
 -- columns: episode_id, forked, fork_turn, fork_kind, position, compared_by, turns_compared,
 --   turns_a, turns_b, span_id_a, span_id_b, token_a, token_b, output_tokens_a, output_tokens_b
 WITH
-side_a AS (
-    SELECT episode_id, turn, SpanId AS span_id, prompt_hash, output_hash, token_ids, output_tokens
+${shared_output_divergence}
+-- First request per (run, episode, turn) of both runs; arrays are compared whole, never exploded.
+sides AS (
+    SELECT run_id, episode_id, turn, SpanId AS span_id, prompt_hash, output_hash, token_ids, output_tokens
     FROM kvtrace_requests
-    WHERE run_id = {run_a:String} AND episode_id != ''
+    WHERE run_id IN ({run_a:String}, {run_b:String}) AND episode_id != ''
       AND ({episode:String} = '' OR episode_id = {episode:String})
-    ORDER BY episode_id, turn, Timestamp
-    LIMIT 1 BY episode_id, turn
+    ORDER BY run_id, episode_id, turn, Timestamp
+    LIMIT 1 BY run_id, episode_id, turn
 ),
-side_b AS (
-    SELECT episode_id, turn, SpanId AS span_id, prompt_hash, output_hash, token_ids, output_tokens
-    FROM kvtrace_requests
-    WHERE run_id = {run_b:String} AND episode_id != ''
-      AND ({episode:String} = '' OR episode_id = {episode:String})
-    ORDER BY episode_id, turn, Timestamp
-    LIMIT 1 BY episode_id, turn
-),
--- One row per turn both runs made; arrays are compared whole, never exploded per token.
+side_a AS (SELECT * FROM sides WHERE run_id = {run_a:String}),
+side_b AS (SELECT * FROM sides WHERE run_id = {run_b:String}),
+-- One row per turn both runs made.
 compared AS (
     SELECT
         a.episode_id AS episode_id,
@@ -33,13 +29,9 @@ compared AS (
         a.span_id AS span_id_a,
         b.span_id AS span_id_b,
         a.prompt_hash != b.prompt_hash AS prompt_differs,
-        notEmpty(a.token_ids) AND notEmpty(b.token_ids) AS by_ids,
-        least(length(a.token_ids), length(b.token_ids)) AS common_length,
-        arrayFirstIndex(x -> x, arrayMap((x, y) -> x != y,
-            arraySlice(a.token_ids, 1, common_length), arraySlice(b.token_ids, 1, common_length))) AS first_mismatch,
-        if(by_ids, a.token_ids != b.token_ids, a.output_hash != b.output_hash) AS output_differs,
-        toInt64(multiIf(NOT output_differs OR NOT by_ids, -1, first_mismatch > 0, first_mismatch - 1, common_length))
-            AS position,
+        outputs_compared_by_ids(a.token_ids, b.token_ids) AS by_ids,
+        outputs_differ(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS output_differs,
+        first_divergent_position(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS position,
         if(position >= 0 AND position < length(a.token_ids), a.token_ids[position + 1], toInt64(-1)) AS token_a,
         if(position >= 0 AND position < length(b.token_ids), b.token_ids[position + 1], toInt64(-1)) AS token_b,
         a.output_tokens AS output_tokens_a,

@@ -10,22 +10,14 @@
 -- columns: weight_format, request_pairs, positions, mean_shift, mean_abs_shift, p50_abs_shift,
 --   p95_abs_shift, max_abs_shift
 WITH
-recomputed AS (
-    SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, prompt_hash,
-           token_ids, margins
-    FROM kvtrace_requests
-    WHERE startsWith(run_id, {run_prefix:String}) AND reused_tokens = 0 AND notEmpty(token_ids)
-    ORDER BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, prompt_hash, Timestamp
-    LIMIT 1 BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, prompt_hash
-),
+${shared_output_divergence}
+${shared_recompute_reference}
 matched AS (
     SELECT
         h.weight_format AS format,
-        least(length(h.token_ids), length(r.token_ids)) AS common_length,
-        arrayFirstIndex(x -> x, arrayMap((x, y) -> x != y,
-            arraySlice(h.token_ids, 1, common_length), arraySlice(r.token_ids, 1, common_length))) AS first_mismatch,
-        least(if(first_mismatch > 0, first_mismatch, common_length), length(h.margins), length(r.margins))
-            AS matched_positions,
+        first_mismatch_index(h.token_ids, r.token_ids) AS first_mismatch,
+        least(if(first_mismatch > 0, first_mismatch, least(length(h.token_ids), length(r.token_ids))),
+              length(h.margins), length(r.margins)) AS matched_positions,
         arrayMap((x, y) -> x - y, arraySlice(h.margins, 1, matched_positions),
                  arraySlice(r.margins, 1, matched_positions)) AS shifts
     FROM kvtrace_requests AS h
