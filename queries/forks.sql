@@ -10,18 +10,8 @@
 --   turns_a, turns_b, span_id_a, span_id_b, token_a, token_b, output_tokens_a, output_tokens_b
 WITH
 ${shared_output_divergence}
--- First request per (run, episode, turn) of both runs; arrays are compared whole, never exploded.
-sides AS (
-    SELECT run_id, episode_id, turn, SpanId AS span_id, prompt_hash, output_hash, token_ids, output_tokens
-    FROM kvtrace_requests
-    WHERE run_id IN ({run_a:String}, {run_b:String}) AND episode_id != ''
-      AND ({episode:String} = '' OR episode_id = {episode:String})
-    ORDER BY run_id, episode_id, turn, Timestamp
-    LIMIT 1 BY run_id, episode_id, turn
-),
-side_a AS (SELECT * FROM sides WHERE run_id = {run_a:String}),
-side_b AS (SELECT * FROM sides WHERE run_id = {run_b:String}),
--- One row per turn both runs made.
+${shared_diff_sides}
+-- One row per turn both runs made; arrays are compared whole, never exploded per token.
 compared AS (
     SELECT
         a.episode_id AS episode_id,
