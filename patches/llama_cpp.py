@@ -485,16 +485,27 @@ def _cache_find_wrapper(wrapped, instance, args, kwargs):
     return result
 
 
+def _outer_cache_call(nested: bool) -> Optional[_CallState]:
+    """The request a cache call belongs to, unless it is nested (subclass → super()) or unrecorded."""
+    state = _CURRENT.get()
+    return None if nested or state is None or state.finished else state
+
+
+def _entries_before(cache: Any, state: _CallState, what: str) -> Optional[dict[tuple, Optional[int]]]:
+    """The cache's keys before the engine's call (to see what it added, popped or evicted)."""
+    try:
+        return _entries(cache)
+    except Exception:
+        _count_error(f"cache {what} (entries)", state.recorder)
+        return None
+
+
 def _cache_getitem_wrapper(wrapped, instance, args, kwargs):
     with _Reentry() as nested:
-        state = _CURRENT.get()
-        if nested or state is None or state.finished:
+        state = _outer_cache_call(nested)
+        if state is None:
             return wrapped(*args, **kwargs)
-        before = None
-        try:
-            before = _entries(instance)
-        except Exception:
-            _count_error("cache lookup (entries)", state.recorder)
+        before = _entries_before(instance, state, "lookup")
         _selection.key = None
         try:
             value = wrapped(*args, **kwargs)
@@ -537,14 +548,10 @@ def _record_lookup(state: _CallState, cache: Any, args: tuple, before: Optional[
 
 def _cache_setitem_wrapper(wrapped, instance, args, kwargs):
     with _Reentry() as nested:
-        state = _CURRENT.get()
-        if nested or state is None or state.finished:
+        state = _outer_cache_call(nested)
+        if state is None:
             return wrapped(*args, **kwargs)
-        before = None
-        try:
-            before = _entries(instance)
-        except Exception:
-            _count_error("cache store (entries)", state.recorder)
+        before = _entries_before(instance, state, "store")
         result = wrapped(*args, **kwargs)
         _record_store(state, instance, args, before)
         return result

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 from kvtrace.config import data_home
 from kvtrace.errors import ConfigError
@@ -59,16 +59,3 @@ def quantized_models(base: Path, formats, progress: Callable[[str], None] = lamb
         paths[fmt] = path
     return paths
 
-
-def detect_format(path: Path) -> Optional[str]:
-    """The weight format llama.cpp reports for a GGUF (general.file_type), when it can be read."""
-    try:
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
-        field = reader.fields.get("general.file_type")
-        if field is None:
-            return None
-        return gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-    except Exception:
-        return None
