@@ -8,13 +8,13 @@ deciding happens in SQL; this module only names things and checks input.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvtrace import queries
 from kvtrace.errors import UnknownRun
+from kvtrace.jsonable import jsonable
 
 DEFAULT_NEAR_TIE = 0.05
 """Raw-logit margin below which a fork counts as a near tie (see queries/fork_attribution.sql)."""
@@ -114,7 +114,7 @@ class Fork:
     culprit: Optional[Culprit]
 
     def to_json(self) -> dict[str, Any]:
-        return _plain(asdict(self))
+        return jsonable(asdict(self))
 
 
 @dataclass
@@ -125,16 +125,6 @@ class Diff:
     forks: list[Fork] = field(default_factory=list)
     unforked: list[str] = field(default_factory=list)
     compared_by: str = "token_ids"
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def known_runs(client) -> list[str]:

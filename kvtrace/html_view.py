@@ -17,11 +17,13 @@ from importlib import resources
 from string import Template
 from typing import Optional, Sequence
 
+from kvtrace import semconv as sc
 from kvtrace.forks import Detokenizer, Diff, Fork, Turn
 
 # Margin bins shared with queries/flip_rate_by_margin.sql: a reader sees the same boundaries.
 MARGIN_BINS = ((0.1, "m0", "< 0.1"), (0.3, "m1", "0.1 – 0.3"), (1.0, "m2", "0.3 – 1"), (math.inf, "m3", "≥ 1"))
-LAYER_CLASSES = {"none": "l-none", "kv_reuse": "l-kv", "prompt_cache": "l-pc", "prefix_blocks": "l-pb"}
+LAYER_CLASSES = {sc.LAYER_NONE: "l-none", sc.LAYER_KV_REUSE: "l-kv", sc.LAYER_PROMPT_CACHE: "l-pc",
+                 sc.LAYER_PREFIX_BLOCKS: "l-pb"}
 TOKENS_PAST_FORK = 40
 """How many positions after the fork to draw (outputs run on; the fork is what matters)."""
 

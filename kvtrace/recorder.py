@@ -100,7 +100,7 @@ class Recorder:
 
     # --- the API patches use ----------------------------------------------------------
 
-    def start_request(self, engine: str, operation: str = "text_completion", model: str = "",
+    def start_request(self, engine: str, operation: str = sc.OPERATION_TEXT_COMPLETION, model: str = "",
                       request_id: str = "") -> RequestRecord:
         parent_span = trace.get_current_span().get_span_context()
         parent = parent_span if parent_span.is_valid else None

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from kvtrace import semconv
+
 
 @dataclass
 class CacheEvent:
@@ -77,13 +79,13 @@ class RequestRecord:
     trace_id: str
     parent: Any = None  # opaque to patches: the recorder's parent context
     end_time_unix_nano: int = 0
-    operation: str = "text_completion"
+    operation: str = semconv.OPERATION_TEXT_COMPLETION
     model: str = ""
     config: dict[str, Any] = field(default_factory=dict)
     """Extra configuration attributes keyed by ``semconv`` names."""
     prompt_token_ids: Optional[list[int]] = None
     prompt_tokens: int = 0
-    cache_layer: str = "none"
+    cache_layer: str = semconv.LAYER_NONE
     reused_tokens: int = 0
     recomputed_tokens: int = 0
     replayed_tokens: int = 0

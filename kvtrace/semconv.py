@@ -21,7 +21,6 @@ RUN_ID = "kvtrace.run_id"
 EPISODE_ID = "kvtrace.episode_id"
 TURN = "kvtrace.turn"
 REQUEST_ID = "kvtrace.request_id"
-BAGGAGE_KEYS = (RUN_ID, EPISODE_ID, TURN)
 
 # --- configuration ------------------------------------------------------------
 
@@ -39,7 +38,6 @@ GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
 
 ENGINE_NAME = "kvtrace.engine.name"
 ENGINE_VERSION = "kvtrace.engine.version"
-ENGINE_LIBRARY_VERSION = "kvtrace.engine.library_version"
 MODEL_FINGERPRINT = "kvtrace.model.fingerprint"
 MODEL_WEIGHT_FORMAT = "kvtrace.model.weight_format"
 KV_CACHE_TYPE = "kvtrace.kv_cache.type"
@@ -140,10 +138,6 @@ OUTPUT_MARGINS = "kvtrace.output.margins"
 OUTPUT_LOGPROBS = "kvtrace.output.logprobs"
 """Log-probability of the chosen token under the raw logits."""
 OUTPUT_FINISH_REASON = "kvtrace.output.finish_reason"
-
-# --- recorder health ----------------------------------------------------------
-
-ERROR_COUNT = "kvtrace.instrumentation.errors"
 
 # --- values (appended) ----------------------------------------------------------
 

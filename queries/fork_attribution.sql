@@ -98,7 +98,7 @@ serving_events AS (
     WHERE run_id IN ({run_a:String}, {run_b:String})
       AND SpanId IN (SELECT culprit_span_id FROM attributed WHERE culprit_span_id != '')
       AND (event IN ('${EVENT_CACHE_RESTORE}', '${EVENT_CACHE_REUSE}')
-           OR (event = '${EVENT_CACHE_LOOKUP}' AND outcome = 'hit'))
+           OR (event = '${EVENT_CACHE_LOOKUP}' AND outcome = '${OUTCOME_HIT}'))
     ORDER BY SpanId,
              multiIf(event = '${EVENT_CACHE_RESTORE}', 0, event = '${EVENT_CACHE_REUSE}', 1, 2),
              event_index

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import csv
-import datetime as dt
-import io
 import json
 import sys
 from typing import Any, Sequence
 
 from kvtrace.config import default_database_url, default_spool_dir
 from kvtrace.errors import SchemaMissing
+from kvtrace.jsonable import jsonable
 
 
 def progress_printer(args):
@@ -55,29 +54,17 @@ def open_database(args, ingest: bool = True):
     return client
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, (dt.datetime, dt.date)):
-        return value.isoformat()
-    if isinstance(value, float) and value != value:
-        return None
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
 def print_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str, out=None) -> None:
     out = out or sys.stdout
     if fmt == "json":
-        json.dump([{c: _plain(v) for c, v in zip(columns, row)} for row in rows], out, indent=2)
+        json.dump([{c: jsonable(v) for c, v in zip(columns, row)} for row in rows], out, indent=2)
         out.write("\n")
         return
     if fmt == "csv":
         writer = csv.writer(out)
         writer.writerow(columns)
         for row in rows:
-            writer.writerow([json.dumps(_plain(v)) if isinstance(v, (list, dict)) else _plain(v) for v in row])
+            writer.writerow([json.dumps(jsonable(v)) if isinstance(v, (list, dict)) else jsonable(v) for v in row])
         return
     cells = [[_cell(v) for v in row] for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
@@ -89,7 +76,7 @@ def print_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str, 
 
 
 def _cell(value: Any) -> str:
-    value = _plain(value)
+    value = jsonable(value)
     if isinstance(value, float):
         return f"{value:.6g}"
     if isinstance(value, list):
