@@ -41,10 +41,12 @@ class CapturePolicy:
         hashes mean equal prefixes (like vLLM's block hashes).  A trailing
         partial block is not hashed.
         """
+        packed = _pack(tokens)  # once: each block is a slice of the same bytes
+        width = block_size * _TOKEN_BYTES
         out: list[str] = []
         parent = b""
-        for start in range(0, len(tokens) - block_size + 1, block_size):
-            parent = self._digest(_pack(tokens[start : start + block_size]), parent)
+        for start in range(0, len(packed) - width + 1, width):
+            parent = self._digest(packed[start : start + width], parent)
             out.append(parent.hex())
         return out
 
@@ -65,5 +67,9 @@ class CapturePolicy:
         return out
 
 
+_TOKEN_BYTES = 8
+
+
 def _pack(tokens: Sequence[int]) -> bytes:
-    return struct.pack(f"<{len(tokens)}q", *[int(t) for t in tokens])
+    """Token ids as little-endian int64 (numpy integers pack as they are: struct takes __index__)."""
+    return struct.pack(f"<{len(tokens)}q", *tokens)
