@@ -32,6 +32,17 @@ TABLE = "otel_traces"
 LOG_TABLE = "kvtrace_ingest_files"
 
 
+@dataclass(frozen=True)
+class FileProgress:
+    """What ``kvtrace_ingest_files`` remembers of one file: bytes stored so far and running totals."""
+
+    offset: int = 0
+    complete: bool = False
+    lines: int = 0
+    spans: int = 0
+    quarantined: int = 0
+
+
 @dataclass
 class FileResult:
     path: str
@@ -117,19 +128,26 @@ class Ingestor:
         self.quarantine_dir = Path(quarantine_dir)
         self.progress = progress or (lambda message: None)
         self._state = self._load_state()
+        self._before = dict(self._state)  # progress at the start of this pass, per file
 
-    def _load_state(self) -> dict[str, tuple[int, bool]]:
-        rows = self.client.query(f"SELECT file_key, offset, complete FROM {LOG_TABLE} FINAL").result_rows
-        return {key: (int(offset), bool(complete)) for key, offset, complete in rows}
+    def _load_state(self) -> dict[str, FileProgress]:
+        rows = self.client.query(
+            f"SELECT file_key, offset, complete, lines, spans, quarantined FROM {LOG_TABLE} FINAL").result_rows
+        return {key: FileProgress(int(offset), bool(complete), int(lines), int(spans), int(quarantined))
+                for key, offset, complete, lines, spans, quarantined in rows}
 
     def _save_state(self, key: str, path: Path, offset: int, result: FileResult, complete: bool) -> None:
+        """Remember how far ``path`` is stored; counts are totals over every pass on the file."""
+        before = self._before.get(key, FileProgress())
+        progress = FileProgress(offset, complete, before.lines + result.lines, before.spans + result.spans,
+                                before.quarantined + result.quarantined)
         self.client.insert(
             LOG_TABLE,
-            [[key, str(path), offset, result.lines, result.spans, result.quarantined, int(complete),
+            [[key, str(path), offset, progress.lines, progress.spans, progress.quarantined, int(complete),
               time.time_ns() // 1000]],
             column_names=["file_key", "path", "offset", "lines", "spans", "quarantined", "complete", "updated"],
         )
-        self._state[key] = (offset, complete)
+        self._state[key] = progress
 
     def _quarantine(self, path: Path, line_no: int, text: bytes, error: str, result: FileResult) -> None:
         self.quarantine_dir.mkdir(parents=True, exist_ok=True)
@@ -150,6 +168,9 @@ class Ingestor:
             if _is_pretty_printed(head):
                 f.seek(0)
                 data = f.read()
+                if self._state.get(_file_key(data), FileProgress()).complete:
+                    result.skipped = True
+                    return result
                 try:
                     json.loads(data)
                 except ValueError:
@@ -157,13 +178,12 @@ class Ingestor:
                 else:
                     return self._ingest_single_document(path, data, result)
             key = _file_key(head)
-            offset, complete = self._state.get(key, (0, False))
-            if complete:
+            done = self._state.get(key, FileProgress())
+            if done.complete:
                 result.skipped = True
                 return result
-            # Line numbers are counted from the start so quarantine messages point at the real line.
-            f.seek(0)
-            line_no = f.read(offset).count(b"\n") if offset else 0
+            offset = done.offset
+            line_no = done.lines  # quarantine messages point at the file's real line numbers
             f.seek(offset)
             rows: list[list] = []
             carry = b""
@@ -207,7 +227,7 @@ class Ingestor:
         if not data.strip():
             return result
         key = _file_key(data)
-        if self._state.get(key, (0, False))[1]:
+        if self._state.get(key, FileProgress()).complete:
             result.skipped = True
             return result
         try:

@@ -100,3 +100,17 @@ def test_a_corrupt_first_line_does_not_hide_the_rest_of_the_file(db, tmp_path):
     path.write_text("{garbage\n" + good + "\n" + good + "\n")
     report = ingest_paths(db, [path], quarantine_dir=tmp_path / "q")
     assert report.spans == 2 and report.quarantined == 1
+
+
+def test_a_resumed_file_reports_its_real_line_numbers(db, tmp_path):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    path = spool / f"kvtrace-{spool_host()}-{__import__('os').getpid()}-2-000000.jsonl"
+    good = encode_request(_spans(1))
+    path.write_text(good + "\n" + good + "\n")
+    assert ingest_paths(db, [spool]).spans == 2
+    with open(path, "a") as f:
+        f.write("{broken\n" + good + "\n")
+    report = ingest_paths(db, [spool], quarantine_dir=tmp_path / "q")
+    assert report.spans == 1 and report.quarantined == 1
+    assert ":3:" in report.files[0].messages[0]
