@@ -14,6 +14,7 @@ from __future__ import annotations
 import html
 import math
 from importlib import resources
+from pathlib import Path
 from string import Template
 from typing import Optional, Sequence
 
@@ -39,6 +40,16 @@ def margin_class(margin: float) -> str:
         if margin < upper:
             return css
     return MARGIN_BINS[-1][1]
+
+
+def write_fork_view(client, diff: Diff, path: Path, detokenize: Optional[Detokenizer] = None) -> Path:
+    """Render ``diff`` with the turn timelines of its forked episodes into one HTML file at ``path``."""
+    from kvtrace.forks import episode_turns
+
+    timelines = {f.episode: episode_turns(client, diff.run_a, diff.run_b, f.episode) for f in diff.forks}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_diff(diff, timelines, detokenize), encoding="utf-8")
+    return path
 
 
 def render_diff(diff: Diff, timelines: dict[str, list[Turn]], detokenize: Optional[Detokenizer] = None) -> str:

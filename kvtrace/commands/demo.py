@@ -7,6 +7,7 @@ divergence table, explains one fork the way ``kvtrace diff`` does and writes its
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -30,17 +31,15 @@ def register(sub) -> None:
 def run(args) -> int:
     from kvtrace.commands.common import open_database, progress_printer
     from kvtrace.commands.diff import describe_fork
-    from kvtrace.commands.experiment import _require_llama
+    from kvtrace.commands.experiment import require_llama
     from kvtrace.experiment import Plan, run_experiment
     from kvtrace.experiment.models import generated_models
     from kvtrace.experiment.report import build_report, print_report
-    from kvtrace.forks import diff_runs, episode_turns, gguf_detokenizer
-    from kvtrace.html_view import render_diff
-
-    import os
+    from kvtrace.forks import diff_runs, gguf_detokenizer
+    from kvtrace.html_view import write_fork_view
 
     started = time.monotonic()
-    _require_llama()
+    require_llama()
     # A research run on a generated model: token ids in the clear, so the fork shows real tokens.
     os.environ.setdefault("KVTRACE_CAPTURE", "ids")
     progress = progress_printer(args)
@@ -65,10 +64,7 @@ def run(args) -> int:
         fork = output_forks[0]
         print(f"\none fork explained (kvtrace diff {run_a} {run_b} --episode {fork.episode}):")
         print(describe_fork(fork), end="")
-        html = data_home() / "demo" / "fork-view.html"
-        html.parent.mkdir(parents=True, exist_ok=True)
-        timelines = {f.episode: episode_turns(client, run_a, run_b, f.episode) for f in diff.forks}
-        html.write_text(render_diff(diff, timelines, detokenize), encoding="utf-8")
+        html = write_fork_view(client, diff, data_home() / "demo" / "fork-view.html", detokenize)
         print(f"\nHTML fork view: {html}")
         break
     else:

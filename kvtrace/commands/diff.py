@@ -41,11 +41,9 @@ def run(args) -> int:
     else:
         print_diff(diff, sys.stdout)
     if args.html:
-        from kvtrace.forks import episode_turns
-        from kvtrace.html_view import render_diff
+        from kvtrace.html_view import write_fork_view
 
-        timelines = {f.episode: episode_turns(client, diff.run_a, diff.run_b, f.episode) for f in diff.forks}
-        args.html.write_text(render_diff(diff, timelines, detokenize), encoding="utf-8")
+        write_fork_view(client, diff, args.html, detokenize)
         if not args.quiet:
             print(f"kvtrace: wrote {args.html}", file=sys.stderr)
     return 0

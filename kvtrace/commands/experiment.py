@@ -69,7 +69,7 @@ def run(args) -> int:
     from kvtrace.experiment import run_experiment
     from kvtrace.experiment.report import build_report, plot, print_report
 
-    _require_llama()
+    require_llama()
     plan = plan_from_args(args)
     progress = progress_printer(args)
     models = prepare_models(args, plan, progress)
@@ -90,7 +90,7 @@ def run(args) -> int:
     return 130 if outcome.interrupted else 0
 
 
-def _require_llama() -> None:
+def require_llama() -> None:
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
