@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import kvtrace.bootstrap
+from kvtrace.config import CAPTURE_MODES
 from kvtrace.errors import ConfigError
 
 BOOTSTRAP_DIR = str(Path(kvtrace.bootstrap.__file__).resolve().parent)
@@ -28,7 +29,7 @@ def register(subparsers) -> None:
         "Example: kvtrace run -- python -m llama_cpp.server --model m.gguf --cache true",
     )
     parser.add_argument("--run-id", default=None, help="run id for requests without baggage (env KVTRACE_RUN_ID)")
-    parser.add_argument("--capture", choices=("ids", "hashed", "none"), default=None,
+    parser.add_argument("--capture", choices=CAPTURE_MODES, default=None,
                         help="token capture policy (env KVTRACE_CAPTURE)")
     parser.add_argument("--engines", default=None, metavar="LIST",
                         help="comma-separated engines to patch (default: all supported; env KVTRACE_ENGINES)")
