@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -76,6 +76,3 @@ class ClickHouseSpanExporter(SpanExporter):
     def writer(self):
         """The spool writer behind the fallback (for stats publishing)."""
         return getattr(self.fallback, "writer", None)
-
-    def force_flush(self, timeout_millis: Optional[int] = None) -> bool:
-        return True

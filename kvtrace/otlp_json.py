@@ -113,28 +113,23 @@ def _encode_span(span: ReadableSpan) -> str:
 
 
 def encode_request(spans: Iterable[ReadableSpan]) -> str:
-    """All spans as one ``ExportTraceServiceRequest`` JSON line (no newline)."""
-    groups: dict[tuple[int, int], tuple[Any, Any, list[str]]] = {}
+    """All spans as one ``ExportTraceServiceRequest`` JSON line (no newline), grouped by resource and scope."""
+    resources: dict[int, tuple[Any, dict[int, tuple[Any, list[str]]]]] = {}
     for span in spans:
+        _, scopes = resources.setdefault(id(span.resource), (span.resource, {}))
         scope = span.instrumentation_scope
-        key = (id(span.resource), id(scope))
-        if key not in groups:
-            groups[key] = (span.resource, scope, [])
-        groups[key][2].append(_encode_span(span))
-    resource_spans = []
-    by_resource: dict[int, list[str]] = {}
-    resources: dict[int, Any] = {}
-    for resource, scope, encoded in groups.values():
-        scope_json = '{"scope":{"name":%s,"version":%s},"spans":[%s]}' % (
-            _dumps(scope.name if scope else ""),
-            _dumps((scope.version or "") if scope else ""),
-            ",".join(encoded),
+        scopes.setdefault(id(scope), (scope, []))[1].append(_encode_span(span))
+    return '{"resourceSpans":[%s]}' % ",".join(
+        '{"resource":{"attributes":%s},"scopeSpans":[%s]}' % (
+            encode_attributes(resource.attributes),
+            ",".join(
+                '{"scope":{"name":%s,"version":%s},"spans":[%s]}' % (
+                    _dumps(scope.name if scope else ""),
+                    _dumps((scope.version or "") if scope else ""),
+                    ",".join(encoded),
+                )
+                for scope, encoded in scopes.values()
+            ),
         )
-        by_resource.setdefault(id(resource), []).append(scope_json)
-        resources[id(resource)] = resource
-    for rid, scopes in by_resource.items():
-        resource_spans.append(
-            '{"resource":{"attributes":%s},"scopeSpans":[%s]}'
-            % (encode_attributes(resources[rid].attributes), ",".join(scopes))
-        )
-    return '{"resourceSpans":[%s]}' % ",".join(resource_spans)
+        for resource, scopes in resources.values()
+    )

@@ -63,7 +63,7 @@ class Recorder:
         self.scope = InstrumentationScope(sc.INSTRUMENTATION_SCOPE, _version())
         if exporter is None:
             exporter = build_exporter(settings)
-        spool_writer = getattr(exporter, "writer", None) or getattr(getattr(exporter, "fallback", None), "writer", None)
+        spool_writer = getattr(exporter, "writer", None)  # spool, or the ClickHouse exporter's fallback spool
         publish = None
         if spool_writer is not None:
             publish = stats_publisher(settings.spool_dir, spool_writer.process_tag)
