@@ -72,8 +72,14 @@ def main() -> None:
     os.environ.setdefault("KVTRACE_CAPTURE", "hashed")
     os.environ.setdefault("XDG_DATA_HOME", str(work / "data"))
     try:
-        small_total, small_engine = record(args.requests, 1, work / "spool-1")
-        big_total, big_engine = record(args.requests, args.tokens, work / "spool-n")
+        # Best of three alternating rounds: the per-token figure is a difference of two totals,
+        # so one noisy round on a shared machine would swamp it.
+        rounds = []
+        for i in range(3):
+            rounds.append((record(args.requests, 1, work / f"spool-1-{i}"),
+                           record(args.requests, args.tokens, work / ("spool-n" if i == 0 else f"spool-n-{i}"))))
+        (small_total, small_engine), _ = min(rounds, key=lambda r: r[0][0])
+        _, (big_total, big_engine) = min(rounds, key=lambda r: r[1][0])
         per_token = (big_total - small_total) / (args.requests * (args.tokens - 1))
         per_request = small_total / args.requests - per_token
         engine_per_token = (big_engine - small_engine) / (args.requests * (args.tokens - 1))
