@@ -13,9 +13,18 @@ def kvtrace_env(tmp_path, monkeypatch):
     monkeypatch.setenv("KVTRACE_CLICKHOUSE_URL", f"chdb://{tmp_path / 'db'}")
     monkeypatch.setenv("KVTRACE_CAPTURE", "ids")
     monkeypatch.setenv("KVTRACE_HASH_KEY", "test-deployment-key")
-    for name in ("KVTRACE_EXPORTER", "KVTRACE_RUN_ID", "KVTRACE_EPISODE_ID", "KVTRACE_TURN", "KVTRACE_DISABLED"):
+    for name in ("KVTRACE_EXPORTER", "KVTRACE_RUN_ID", "KVTRACE_EPISODE_ID", "KVTRACE_TURN", "KVTRACE_DISABLED",
+                 "KVTRACE_ARM", "KVTRACE_ENGINES"):
         monkeypatch.delenv(name, raising=False)
-    return tmp_path
+    from kvtrace.recorder import set_recorder
+
+    # The process recorder reads its settings once: one made during a test must not outlive the
+    # test's environment (its spool directory is gone afterwards).
+    set_recorder(None)
+    yield tmp_path
+    stale = set_recorder(None)
+    if stale is not None:
+        stale.pipeline.shutdown()
 
 
 @pytest.fixture
