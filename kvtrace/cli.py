@@ -29,6 +29,9 @@ COMMAND_MODULES = [
     "kvtrace.commands.runs",
     "kvtrace.commands.experiment",
     "kvtrace.commands.demo",
+    "kvtrace.commands.alert",
+    "kvtrace.commands.probe",
+    "kvtrace.commands.import_logs",
 ]
 
 

@@ -165,3 +165,36 @@ REASON_REPLAY_LAST_TOKEN = "replay_last_token"
 # Values of OUTPUT_FINISH_REASON besides the engine's own (stop, length...).
 FINISH_CANCELLED = "cancelled"
 """A stream closed by its consumer before the engine finished."""
+
+# --- records made outside an engine: probes and imported logs (appended) ----------
+
+PROBE_ROLE = "kvtrace.probe.role"
+"""``cold`` (prefix reuse bypassed or flushed) / ``warm`` (sent to be served from cache) / ``flush``."""
+PROBE_BYPASS = "kvtrace.probe.bypass"
+"""How the cold request bypassed prefix reuse (``cache_salt``, ``cache_prompt_false``, ``flush_request``, ``none``)."""
+PROBE_ROLE_COLD = "cold"
+PROBE_ROLE_WARM = "warm"
+
+CACHE_REUSED_TOKENS_SOURCE = "kvtrace.cache.reused_tokens.source"
+"""Where the reused-token count came from when it was not observed inside the engine:
+``usage.prompt_tokens_details.cached_tokens``, ``timings.cache_n``, or ``assumed`` (the server reports
+nothing; 0 for a cold probe request, the whole prompt for a warm one)."""
+REUSED_SOURCE_OPENAI_USAGE = "usage.prompt_tokens_details.cached_tokens"
+REUSED_SOURCE_LLAMA_SERVER_TIMINGS = "timings.cache_n"
+REUSED_SOURCE_ASSUMED = "assumed"
+REUSED_SOURCE_UNKNOWN = "unknown"
+
+OUTPUT_TOKEN_ID_SOURCE = "kvtrace.output.token_id_source"
+"""``engine``: token ids as the server reported them; ``text_hash``: 63-bit keyed hashes of each token's
+bytes (OpenAI-style logprobs carry token text, not ids), comparable across runs that share the hash key."""
+TOKEN_ID_SOURCE_ENGINE = "engine"
+TOKEN_ID_SOURCE_TEXT_HASH = "text_hash"
+
+PROMPT_HASH_SOURCE = "kvtrace.prompt.hash_source"
+"""``token_ids`` (keyed hash of the prompt's token ids) or ``request_text`` (keyed hash of the canonical
+JSON of the request's prompt / messages: the text itself is never stored)."""
+PROMPT_HASH_SOURCE_TOKEN_IDS = "token_ids"
+PROMPT_HASH_SOURCE_REQUEST_TEXT = "request_text"
+
+IMPORT_SOURCE = "kvtrace.import.source"
+"""File name and line number an imported request came from (``log.jsonl:17``)."""

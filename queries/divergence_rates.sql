@@ -10,29 +10,37 @@
 --   fork_rate comes with a Wilson score 95 % interval; median fork turn / position are over forked
 --   episodes (NaN when none forked; position -1 when outputs could only be compared by hash); mean_cached_tokens is the
 --   mean reused prompt tokens per request over the configuration's runs.
--- params: run_prefix String = '', baseline_arm String = ''
+--   Optional scope (what alert rules use): only requests with since <= Timestamp < until and the
+--   given engine / model / weight format ('' = any).
+-- params: run_prefix String = '', baseline_arm String = '', since DateTime64(3) = '1970-01-01 00:00:00',
+--   until DateTime64(3) = '2200-01-01 00:00:00', engine String = '', model String = '',
+--   weight_format String = ''
 -- columns: engine, weight_format, arm, compared_with, runs, pairs, episodes_compared, episodes_forked,
 --   fork_rate, ci_low, ci_high, median_fork_turn, median_fork_position, mean_cached_tokens
 WITH
 ${shared_output_divergence}
 ${shared_wilson_interval}
+${shared_request_scope}
 requests AS (
     SELECT run_id, episode_id, turn, prompt_hash, output_hash, token_ids
-    FROM kvtrace_requests
+    FROM kvtrace_requests AS q
     WHERE startsWith(run_id, {run_prefix:String}) AND episode_id != ''
+      AND in_request_scope(q.Timestamp, q.engine, q.model, q.weight_format)  -- columns, not the aggregates' aliases
     ORDER BY run_id, episode_id, turn, Timestamp
     LIMIT 1 BY run_id, episode_id, turn
 ),
 run_config AS (
     SELECT run_id, any(engine) AS engine, any(weight_format) AS weight_format, any(arm) AS arm
-    FROM kvtrace_requests
+    FROM kvtrace_requests AS q
     WHERE startsWith(run_id, {run_prefix:String}) AND episode_id != ''
+      AND in_request_scope(q.Timestamp, q.engine, q.model, q.weight_format)  -- columns, not the aggregates' aliases
     GROUP BY run_id
 ),
 cached AS (
     SELECT engine, weight_format, arm, avg(reused_tokens) AS mean_cached_tokens
-    FROM kvtrace_requests
+    FROM kvtrace_requests AS q
     WHERE startsWith(run_id, {run_prefix:String}) AND episode_id != ''
+      AND in_request_scope(q.Timestamp, q.engine, q.model, q.weight_format)  -- columns, not the aggregates' aliases
     GROUP BY engine, weight_format, arm
 ),
 pairs AS (

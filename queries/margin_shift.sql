@@ -5,13 +5,18 @@
 --   chosen tokens agree (same chosen prefix), up to and including the first differing position.
 --   shift = hit margin - recompute margin, in raw logits. Runs: those whose id starts with
 --   run_prefix ('' = all). Outputs must carry token ids (ids or hashed capture). One row per weight
---   format plus a row '(all)'.
--- params: run_prefix String = ''
+--   format plus a row '(all)'. Optional scope (what alert rules use): only cache-hit requests with
+--   since <= Timestamp < until and the given engine / model / weight format ('' = any); the
+--   reference recompute may be older than the window.
+-- params: run_prefix String = '', since DateTime64(3) = '1970-01-01 00:00:00',
+--   until DateTime64(3) = '2200-01-01 00:00:00', engine String = '', model String = '',
+--   weight_format String = ''
 -- columns: weight_format, request_pairs, positions, mean_shift, mean_abs_shift, p50_abs_shift,
 --   p95_abs_shift, max_abs_shift
 WITH
 ${shared_output_divergence}
 ${shared_recompute_reference}
+${shared_request_scope}
 matched AS (
     SELECT
         h.weight_format AS format,
@@ -26,6 +31,7 @@ matched AS (
        AND h.weight_format = r.weight_format AND h.kv_cache_type = r.kv_cache_type
        AND h.numerics_settings = r.numerics_settings AND h.prompt_hash = r.prompt_hash
     WHERE startsWith(h.run_id, {run_prefix:String}) AND h.reused_tokens > 0 AND notEmpty(h.token_ids)
+      AND in_request_scope(h.Timestamp, h.engine, h.model, h.weight_format)
 )
 SELECT
     if(grouping(format) = 1, '(all)', format) AS weight_format,

@@ -1,0 +1,1 @@
+"""Alert rules over the saved queries: load, evaluate, track firing/resolved, deliver."""

@@ -1,0 +1,257 @@
+"""The alert rules file (YAML): what to measure, over which window, above which threshold.
+
+Example (see ``examples/alert-rules.yaml`` for a commented one)::
+
+    rules:
+      - name: cache-path-margin-shift
+        metric: margin_shift_p95_abs
+        threshold: 0.05          # fires when the value is above it
+        window: 30m
+        min_samples: 50          # matched positions / compared episodes / generated positions
+        filters: {engine: llama_cpp, weight_format: Q4_K_M}
+    delivery:
+      webhook: {url: "http://hooks.internal/kvtrace"}
+      alertmanager: {url: "http://alertmanager:9093"}
+
+A metric names the saved query that measures it and the column whose value
+is compared; each row of the query's answer (per weight format, per
+configuration...) is its own alert instance, labelled with the row's grouping
+columns.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from kvtrace.errors import ConfigError
+
+
+class AlertRulesError(ConfigError):
+    """The rules file cannot be read or a rule is malformed (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    """What a rule measures: a saved query's column, per row."""
+
+    query: str
+    value_column: str
+    samples_column: str
+    label_columns: tuple[str, ...]
+    description: str
+    rollup_label: Optional[str] = None
+    """A label column whose value ``(all)`` marks a roll-up row (skipped: its parts are alerted on)."""
+
+
+METRICS: dict[str, Metric] = {
+    "margin_shift_mean_abs": Metric(
+        "margin_shift", "mean_abs_shift", "positions", ("weight_format",),
+        "mean |Δ margin| between cache-hit and recompute paths at matched positions", rollup_label="weight_format"),
+    "margin_shift_p95_abs": Metric(
+        "margin_shift", "p95_abs_shift", "positions", ("weight_format",),
+        "p95 |Δ margin| between cache-hit and recompute paths at matched positions", rollup_label="weight_format"),
+    "divergence_rate": Metric(
+        "divergence_rates", "fork_rate", "episodes_compared", ("engine", "weight_format", "arm", "compared_with"),
+        "share of episodes that forked between paired runs"),
+    "near_tie_share": Metric(
+        "near_tie_share", "near_tie_share", "positions", ("engine", "model", "weight_format"),
+        "share of near-tie decisions on cache-hit paths"),
+}
+
+FILTER_KEYS = ("engine", "model", "weight_format")
+SEVERITIES = ("info", "warning", "critical")
+DEFAULT_WINDOW_S = 3600.0
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+
+
+def parse_duration(value: Any, what: str) -> float:
+    """``90``, ``"90s"``, ``"30m"``, ``"2h"``, ``"1d"`` → seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    m = _DURATION.match(str(value)) if isinstance(value, str) else None
+    if not m or float(m.group(1)) <= 0:
+        raise AlertRulesError(f"{what}: {value!r} is not a duration; write e.g. 90s, 30m, 2h or 1d")
+    return float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    metric: str
+    threshold: float
+    window_s: float = DEFAULT_WINDOW_S
+    min_samples: int = 1
+    filters: dict[str, str] = field(default_factory=dict)
+    run_prefix: str = ""
+    baseline_arm: str = ""
+    """divergence_rate only: compare every arm with this one ('' = repeat runs of one configuration)."""
+    near_tie: float = 0.05
+    """near_tie_share only: the margin (raw logits) below which a decision is a near tie."""
+    severity: str = "warning"
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def measure(self) -> Metric:
+        return METRICS[self.metric]
+
+    def query_params(self, since: float, until: float) -> dict[str, Any]:
+        """The saved query's parameters for the window [since, until) (epoch seconds)."""
+        params: dict[str, Any] = {"run_prefix": self.run_prefix, "since": f"{since:.3f}", "until": f"{until:.3f}"}
+        params.update({key: self.filters.get(key, "") for key in FILTER_KEYS})
+        if self.metric == "divergence_rate":
+            params["baseline_arm"] = self.baseline_arm
+        if self.metric == "near_tie_share":
+            params["near_tie"] = self.near_tie
+        return params
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    url: str
+    headers: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class AlertmanagerConfig:
+    url: str
+    """Base URL of the Alertmanager (``http://alertmanager:9093``); alerts go to ``/api/v2/alerts``."""
+    headers: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 5.0
+    ends_after_s: Optional[float] = None
+    """endsAt of a firing alert, relative to the evaluation; None: Alertmanager's resolve_timeout applies."""
+
+
+@dataclass(frozen=True)
+class DeliveryConfig:
+    webhook: Optional[WebhookConfig] = None
+    alertmanager: Optional[AlertmanagerConfig] = None
+    attempts: int = 3
+    retry_delay_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class AlertConfig:
+    rules: tuple[Rule, ...]
+    delivery: DeliveryConfig
+
+
+def load_rules(path: Path) -> AlertConfig:
+    try:
+        document = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise AlertRulesError(f"rules file {path} does not exist; see examples/alert-rules.yaml") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise AlertRulesError(f"cannot read rules file {path}: {exc}") from None
+    return parse_config(document, str(path))
+
+
+def parse_config(document: Any, source: str = "rules") -> AlertConfig:
+    if not isinstance(document, dict) or not isinstance(document.get("rules"), list) or not document["rules"]:
+        raise AlertRulesError(f"{source}: expected a mapping with a non-empty `rules:` list")
+    _no_unknown(document, {"rules", "delivery", "defaults"}, source)
+    defaults = _mapping(document.get("defaults"), f"{source}: defaults")
+    rules = []
+    for index, raw in enumerate(document["rules"]):
+        raw = _mapping(raw, f"{source}: rule #{index + 1}")
+        rules.append(_rule({**defaults, **raw}, f"{source}: rule #{index + 1}"))
+    names = [r.name for r in rules]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise AlertRulesError(f"{source}: rule names must be unique; repeated: {', '.join(duplicates)}")
+    return AlertConfig(tuple(rules), _delivery(document.get("delivery"), f"{source}: delivery"))
+
+
+def _rule(raw: dict[str, Any], where: str) -> Rule:
+    _no_unknown(raw, {"name", "metric", "threshold", "window", "min_samples", "filters", "run_prefix",
+                      "baseline_arm", "near_tie", "severity", "labels", "annotations"}, where)
+    name = raw.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise AlertRulesError(f"{where}: needs a `name`")
+    where = f"{where} ({name})"
+    metric = raw.get("metric")
+    if metric not in METRICS:
+        raise AlertRulesError(f"{where}: metric {metric!r} is not one of {', '.join(METRICS)}")
+    threshold = _number(raw.get("threshold"), f"{where}: threshold")
+    filters = {k: str(v) for k, v in _mapping(raw.get("filters"), f"{where}: filters").items()}
+    unknown = sorted(set(filters) - set(FILTER_KEYS))
+    if unknown:
+        raise AlertRulesError(f"{where}: unknown filter {', '.join(unknown)}; filters are {', '.join(FILTER_KEYS)}")
+    severity = str(raw.get("severity", "warning"))
+    if severity not in SEVERITIES:
+        raise AlertRulesError(f"{where}: severity {severity!r} is not one of {', '.join(SEVERITIES)}")
+    min_samples = raw.get("min_samples", 1)
+    if not isinstance(min_samples, int) or isinstance(min_samples, bool) or min_samples < 1:
+        raise AlertRulesError(f"{where}: min_samples must be a whole number >= 1")
+    return Rule(
+        name=name.strip(), metric=metric, threshold=threshold,
+        window_s=parse_duration(raw.get("window", DEFAULT_WINDOW_S), f"{where}: window"),
+        min_samples=min_samples, filters=filters, run_prefix=str(raw.get("run_prefix", "")),
+        baseline_arm=str(raw.get("baseline_arm", "")),
+        near_tie=_number(raw.get("near_tie", 0.05), f"{where}: near_tie"), severity=severity,
+        labels=_strings(raw.get("labels"), f"{where}: labels"),
+        annotations=_strings(raw.get("annotations"), f"{where}: annotations"),
+    )
+
+
+def _delivery(raw: Any, where: str) -> DeliveryConfig:
+    raw = _mapping(raw, where)
+    _no_unknown(raw, {"webhook", "alertmanager", "attempts", "retry_delay"}, where)
+    webhook = alertmanager = None
+    if raw.get("webhook") is not None:
+        w = _mapping(raw["webhook"], f"{where}: webhook")
+        _no_unknown(w, {"url", "headers", "timeout"}, f"{where}: webhook")
+        webhook = WebhookConfig(_url(w.get("url"), f"{where}: webhook"), _strings(w.get("headers"), where),
+                                parse_duration(w.get("timeout", 5), f"{where}: webhook timeout"))
+    if raw.get("alertmanager") is not None:
+        a = _mapping(raw["alertmanager"], f"{where}: alertmanager")
+        _no_unknown(a, {"url", "headers", "timeout", "ends_after"}, f"{where}: alertmanager")
+        ends_after = a.get("ends_after")
+        alertmanager = AlertmanagerConfig(
+            _url(a.get("url"), f"{where}: alertmanager"), _strings(a.get("headers"), where),
+            parse_duration(a.get("timeout", 5), f"{where}: alertmanager timeout"),
+            parse_duration(ends_after, f"{where}: alertmanager ends_after") if ends_after is not None else None)
+    attempts = raw.get("attempts", 3)
+    if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1:
+        raise AlertRulesError(f"{where}: attempts must be a whole number >= 1")
+    delay = raw.get("retry_delay", 1)
+    return DeliveryConfig(webhook, alertmanager, attempts,
+                          0.0 if delay in (0, "0") else parse_duration(delay, f"{where}: retry_delay"))
+
+
+def _url(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
+        raise AlertRulesError(f"{where}: needs `url: http(s)://...`")
+    return value.rstrip("/")
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise AlertRulesError(f"{where}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _strings(value: Any, where: str) -> dict[str, str]:
+    return {str(k): str(v) for k, v in _mapping(value, where).items()}
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AlertRulesError(f"{where}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _no_unknown(raw: dict[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise AlertRulesError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}")

@@ -1,0 +1,110 @@
+"""``kvtrace alert --rules FILE``: evaluate alert rules once (or ``--watch``), deliver what fires.
+
+Exit codes (one evaluation): 0 all clear, 1 an alert is firing, 2 the rules
+could not be evaluated (rules file invalid, database unreachable, a rule's
+query failed) — with a message saying which.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from kvtrace.errors import ConfigError, KvtraceError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("alert", help="evaluate alert rules on margin shift, divergence and near ties",
+                       description="Evaluate the rules of a YAML file over their time windows (saved queries "
+                                   "margin_shift, divergence_rates, near_tie_share), print firing alerts and "
+                                   "deliver them to the configured webhook / Alertmanager; cleared alerts are "
+                                   "sent as resolved. Exit code: 0 all clear, 1 firing, 2 could not evaluate.")
+    p.add_argument("--rules", required=True, type=Path, metavar="FILE", help="alert rules (YAML)")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="evaluate every SECONDS until interrupted")
+    p.add_argument("--cycles", type=int, metavar="N", help="with --watch: stop after N evaluations")
+    p.add_argument("--at", metavar="TIME", help="evaluate the windows ending at TIME (epoch seconds or ISO 8601) "
+                                                "instead of now; not with --watch")
+    p.add_argument("--state", type=Path, metavar="FILE",
+                   help="where firing alerts are remembered between runs (default: in the data dir, per rules file)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from kvtrace.alerts.delivery import Deliverer
+    from kvtrace.alerts.rules import load_rules
+    from kvtrace.alerts.state import AlertState, default_state_path
+
+    try:
+        if args.watch is not None and (args.watch <= 0 or args.at):
+            raise ConfigError("--watch needs a positive number of seconds and cannot be combined with --at")
+        at = parse_time(args.at) if args.at else None
+        config = load_rules(args.rules)
+    except KvtraceError as exc:
+        print(f"kvtrace: error: could not evaluate: {exc}", file=sys.stderr)
+        return 2
+    state = AlertState.load(args.state or default_state_path(args.rules))
+    deliverer = Deliverer(config.delivery)
+    if args.watch is None:
+        return cycle(args, config, state, deliverer, at if at is not None else time.time())
+    code, done = 0, 0
+    while True:
+        started = time.monotonic()
+        code = cycle(args, config, state, deliverer, time.time())
+        done += 1
+        if args.cycles and done >= args.cycles:
+            return code
+        time.sleep(max(0.0, args.watch - (time.monotonic() - started)))
+
+
+def cycle(args, config, state, deliverer, at: float) -> int:
+    """One evaluation with delivery and printing; never raises for database or delivery trouble."""
+    from kvtrace.alerts import cycle as alert_cycle
+    from kvtrace.alerts.evaluation import Evaluation, RuleOutcome, evaluate
+
+    client = None
+    try:
+        from kvtrace.commands.common import open_database
+
+        client = open_database(args)
+        evaluation = evaluate(client, config, at)
+    except KvtraceError as exc:
+        evaluation = Evaluation(at, [RuleOutcome(rule, error=str(exc)) for rule in config.rules])
+    finally:
+        if client is not None:
+            client.close()  # the embedded database is one process's at a time: free it between cycles
+    report = alert_cycle.apply(state, evaluation, config)
+    alert_cycle.deliver(state, report, config, deliverer)
+    state.save()
+    print_report(report)
+    return report.exit_code
+
+
+def print_report(report) -> None:
+    evaluation = report.evaluation
+    stamp = datetime.fromtimestamp(evaluation.at).isoformat(timespec="seconds")
+    for alert in evaluation.firing:
+        print(f"{stamp} FIRING   {alert.rule}: {alert.annotations['summary']} "
+              f"[{alert.samples} samples]", flush=True)
+    for tracked in report.resolved:
+        print(f"{stamp} RESOLVED {tracked.rule}: {tracked.annotations.get('summary', '')}", flush=True)
+    for outcome in evaluation.failed:
+        print(f"kvtrace: error: could not evaluate rule {outcome.rule.name}: {outcome.error}", file=sys.stderr)
+    for message in report.delivery_errors:
+        print(f"kvtrace: warning: {message}", file=sys.stderr)
+    if not evaluation.firing and not evaluation.failed:
+        judged = sum(o.rows for o in evaluation.outcomes)
+        print(f"{stamp} all clear: {len(evaluation.outcomes)} rule(s), {judged} measurement(s) with enough samples",
+              flush=True)
+
+
+def parse_time(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise ConfigError(f"--at {text!r}: give epoch seconds or an ISO 8601 time") from None

@@ -1,0 +1,69 @@
+"""``kvtrace probe --url http://host:port/v1 --prompts FILE``: cold vs warm canary for a running server."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from kvtrace.errors import ConfigError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("probe", help="probe a running OpenAI-compatible server: cold vs warm requests as spans",
+                       description="For each prompt send a cold request (prefix reuse bypassed as the server "
+                                   "allows: vLLM cache_salt, llama-server cache_prompt=false, a flush request "
+                                   "for llama-cpp-python) and warm requests, greedy with top-2 logprobs, and "
+                                   "record them as kvtrace spans (run id, episode = prompt id, turn 0 = cold). "
+                                   "The margin_shift query and alert rules then compare warm against cold.")
+    p.add_argument("--url", required=True, metavar="URL", help="the server's OpenAI base URL, e.g. http://host:8000/v1")
+    p.add_argument("--prompts", required=True, type=Path, metavar="FILE",
+                   help='JSON lines: {"id": ..., "messages": [...]} or {"id": ..., "prompt": "..."}')
+    p.add_argument("--server", choices=("auto", "vllm", "llama-server", "llama-cpp-python", "openai"),
+                   default="auto", help="server kind (default: detected from GET /models)")
+    p.add_argument("--warm", type=int, default=2, metavar="N", help="warm requests per prompt (default 2)")
+    p.add_argument("--max-tokens", type=int, default=16, metavar="N", help="tokens per request (default 16)")
+    p.add_argument("--run-id", metavar="RUN", help="run id of the recorded spans (default probe-<time>)")
+    p.add_argument("--model", default="", help="model name to request (default: the server's first model)")
+    p.add_argument("--weight-format", default="", metavar="FMT",
+                   help="weight format label for the spans (e.g. Q4_K_M), used by alert filters")
+    p.add_argument("--arm", default="probe", help="arm label of the spans (default probe)")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS", help="per request (default 120)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from kvtrace.outside_recorder import OutsideRecorder
+    from kvtrace.probe import SERVER_KINDS, ProbeError, Prober, ProbeSettings, compare, detect_server, load_prompts
+
+    if args.warm < 1 or args.max_tokens < 1:
+        raise ConfigError("--warm and --max-tokens must be at least 1")
+    prompts = load_prompts(args.prompts)
+    base_url = args.url.rstrip("/")
+    detected, first_model = detect_server(base_url, timeout_s=min(args.timeout, 30.0))
+    kind = detected if args.server == "auto" else SERVER_KINDS[args.server]
+    run_id = args.run_id or f"probe-{time.strftime('%Y%m%dT%H%M%S')}"
+    print(f"kvtrace: probing {base_url} as {kind.name}: {kind.note}", file=sys.stderr)
+    settings = ProbeSettings(base_url, run_id, warm=args.warm, max_tokens=args.max_tokens,
+                             model=args.model or first_model, weight_format=args.weight_format, arm=args.arm,
+                             timeout_s=args.timeout)
+    recorder = OutsideRecorder()
+    prober = Prober(settings, kind, recorder)
+    failed = 0
+    try:
+        for prompt in prompts:
+            try:
+                results = prober.probe(prompt)
+            except ProbeError as exc:
+                failed += 1
+                print(f"kvtrace: error: {exc}", file=sys.stderr)
+                continue
+            for warm in results[1:]:
+                print(compare(results[0], warm))
+    finally:
+        counters = recorder.close()
+    dropped = counters.get("spans_dropped_queue_full", 0)
+    print(f"kvtrace: recorded {recorder.recorded} request span(s) as run {run_id}"
+          + (f"; {dropped} dropped" if dropped else "")
+          + f"; see `kvtrace query margin_shift --param run_prefix={run_id}`", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,131 @@
+"""Import recorded OpenAI-compatible request/response logs (JSON lines) as kvtrace runs.
+
+One line per request::
+
+    {"run_id": "agent-a",          # optional: else --run-id, else the file name's stem
+     "episode_id": "task-17", "request_index": 3,    # request_index becomes the turn
+     "arm": "reuse",               # optional
+     "timestamp": 1718000000.25,   # optional: epoch seconds or ISO 8601 (request start)
+     "request": {...},             # the body sent to /v1/chat/completions or /v1/completions
+     "response": {...}}            # the non-streamed answer, with logprobs
+
+The response must carry logprobs (``top_logprobs`` >= 2 for margins).  How
+token ids, margins, prompt hashes and reused tokens are derived is described
+in ``openai_exchange.py``; reused tokens the server did not report are
+recorded as 0 with source ``unknown`` (the request then counts as a
+recompute).  A malformed line is reported with its line number and skipped;
+every other line is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from kvtrace import semconv as sc
+from kvtrace.openai_exchange import ExchangeError, parse_exchange
+from kvtrace.outside_recorder import OutsideRecorder
+
+
+@dataclass(frozen=True)
+class ImportOptions:
+    run_id: str = ""
+    engine: str = "openai-compatible"
+    weight_format: str = ""
+    arm: str = ""
+
+
+@dataclass
+class ImportReport:
+    imported: int = 0
+    runs: Counter = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+    """``FILE:LINE: what is wrong`` per rejected line."""
+
+
+class LineError(ValueError):
+    pass
+
+
+def import_files(paths: Iterable[Path], options: ImportOptions,
+                 recorder: Optional[OutsideRecorder] = None) -> ImportReport:
+    own = recorder is None
+    recorder = recorder or OutsideRecorder()
+    report = ImportReport()
+    # Lines without a timestamp keep their file order: the queries take the earliest request per turn.
+    clock = time.time_ns()
+    try:
+        for path in paths:
+            try:
+                handle = open(path, encoding="utf-8", errors="surrogateescape")
+            except OSError as exc:
+                report.problems.append(f"{path}: {exc.strerror or exc}")
+                continue
+            with handle:
+                for number, line in enumerate(handle, 1):
+                    if not line.strip():
+                        continue
+                    clock += 1000
+                    try:
+                        run_id = import_line(recorder, line, path, number, options, clock)
+                    except LineError as exc:
+                        report.problems.append(f"{path}:{number}: {exc}")
+                        continue
+                    report.imported += 1
+                    report.runs[run_id] += 1
+    finally:
+        if own:
+            recorder.close()
+    return report
+
+
+def import_line(recorder: OutsideRecorder, line: str, path: Path, number: int, options: ImportOptions,
+                default_start_ns: int) -> str:
+    try:
+        entry = json.loads(line)
+    except ValueError as exc:
+        raise LineError(f"not JSON ({exc})") from None
+    if not isinstance(entry, dict):
+        raise LineError("expected a JSON object per line")
+    episode = entry.get("episode_id")
+    index = entry.get("request_index")
+    if episode is None or str(episode) == "":
+        raise LineError("missing episode_id")
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise LineError(f"request_index must be a whole number >= 0, got {index!r}")
+    for key in ("request", "response"):
+        if not isinstance(entry.get(key), dict):
+            raise LineError(f"missing `{key}` object")
+    try:
+        exchange = parse_exchange(entry["request"], entry["response"], recorder.hasher, recorder.hash_prompt_ids)
+    except ExchangeError as exc:
+        raise LineError(str(exc)) from None
+    start_ns = _start_ns(entry.get("timestamp"), default_start_ns)
+    run_id = str(entry.get("run_id") or options.run_id or Path(path).stem)
+    reused = exchange.cached_tokens if exchange.cached_tokens is not None else 0
+    engine = str(entry.get("engine") or options.engine)
+    layer = sc.LAYER_PREFIX_BLOCKS if engine == "vllm" else sc.LAYER_KV_REUSE
+    config = {sc.MODEL_WEIGHT_FORMAT: options.weight_format or None, sc.IMPORT_SOURCE: f"{Path(path).name}:{number}"}
+    recorder.record(exchange, engine=engine, run_id=run_id, episode_id=str(episode), turn=index,
+                    arm=str(entry.get("arm") or options.arm), reused_tokens=reused,
+                    reused_source=exchange.cached_tokens_source, cache_layer=layer, start_ns=start_ns,
+                    end_ns=start_ns, config=config)
+    return run_id
+
+
+def _start_ns(raw: Any, default: int) -> int:
+    if raw is None:
+        return default
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        return int(raw * 1e9)
+    if isinstance(raw, str):
+        try:
+            return int(datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp() * 1e9)
+        except ValueError:
+            pass
+    raise LineError(f"timestamp {raw!r} is neither epoch seconds nor ISO 8601")

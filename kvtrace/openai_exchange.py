@@ -1,0 +1,243 @@
+"""One OpenAI-compatible request/response pair → a kvtrace request record.
+
+Shared by ``kvtrace probe`` (requests it sends itself) and ``kvtrace import``
+(requests some other harness logged).  Such a server is not instrumented, so
+what an engine patch observes directly is read back from the response:
+
+* **Margins.**  ``logprobs.content[i].top_logprobs`` (chat) or the legacy
+  ``logprobs.top_logprobs[i]`` (completions): top-1 − top-2 log-probability.
+  Log-softmax subtracts the same log-sum-exp from every logit of a position,
+  so this equals the raw-logit margin the engine patches record.  A request
+  whose positions lack a second alternative keeps its tokens but no margins.
+* **Token ids.**  Used as given when the server reports them (llama-server's
+  ``id``, vLLM's ``token_id:N`` strings with ``return_tokens_as_token_ids``);
+  otherwise each token's bytes (``bytes``, else the UTF-8 of ``token``) are
+  turned into a 63-bit keyed hash under the deployment key
+  (``KVTRACE_HASH_KEY``): equal tokens compare equal across runs, the text
+  cannot be recovered.  The capture policy then applies to these ids as to
+  any others.  ``kvtrace.output.token_id_source`` says which.
+* **Prompt hash.**  The keyed hash of the prompt token ids when the response
+  carries them (vLLM ``return_token_ids``), else a keyed hash of the canonical
+  JSON of the prompt-shaping request fields (messages / prompt, tools,
+  response format).  Text is hashed, never stored.
+* **Reused prompt tokens.**  ``usage.prompt_tokens_details.cached_tokens``
+  (OpenAI, vLLM with ``--enable-prompt-tokens-details``) or llama-server's
+  ``timings.cache_n``; when the server reports neither the caller says what
+  it knows (the probe: how it sent the request), and
+  ``kvtrace.cache.reused_tokens.source`` records where the number came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from kvtrace import semconv as sc
+from kvtrace.records import RequestRecord
+
+PROMPT_FIELDS = ("messages", "prompt", "suffix", "tools", "tool_choice", "functions", "function_call",
+                 "response_format", "chat_template_kwargs")
+"""Request fields that shape the prompt the model sees (sampling settings do not)."""
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_completion_tokens",
+                   "presence_penalty", "frequency_penalty", "repeat_penalty", "stop", "n")
+
+
+class ExchangeError(ValueError):
+    """The response cannot be read as a completion with logprobs (the message says what is missing)."""
+
+
+@dataclass
+class Exchange:
+    """What kvtrace reads from one request/response pair."""
+
+    operation: str
+    model: str
+    prompt_hash: str
+    prompt_hash_source: str
+    prompt_token_ids: Optional[list[int]]
+    prompt_tokens: int
+    cached_tokens: Optional[int]
+    cached_tokens_source: str
+    token_ids: list[int] = field(default_factory=list)
+    top1_ids: list[int] = field(default_factory=list)
+    runner_up_ids: list[int] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    """Empty when some position had no second alternative (invariant: else parallel to token_ids)."""
+    logprobs: list[float] = field(default_factory=list)
+    token_id_source: str = sc.TOKEN_ID_SOURCE_TEXT_HASH
+    finish_reason: str = ""
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+class TextHasher:
+    """Keyed hashes of text, under the same deployment key as the capture policy's token hashes."""
+
+    def __init__(self, key: bytes):
+        self._key = hashlib.blake2b(key, digest_size=32).digest()
+        self._memo: dict[bytes, int] = {}
+
+    def _digest(self, domain: bytes, payload: bytes) -> bytes:
+        # The domain keeps text hashes apart from the capture policy's token-id hashes.
+        return hashlib.blake2b(domain + b"\0" + payload, key=self._key, digest_size=8).digest()
+
+    def request_hash(self, request: dict[str, Any]) -> str:
+        shaping = {k: request[k] for k in PROMPT_FIELDS if request.get(k) is not None}
+        canonical = json.dumps(shaping, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return self._digest(b"kvtrace.request_text", canonical.encode("utf-8", "surrogatepass")).hex()
+
+    def token_id(self, token_bytes: bytes) -> int:
+        value = self._memo.get(token_bytes)
+        if value is None:
+            value = int.from_bytes(self._digest(b"kvtrace.token_text", token_bytes), "little") >> 1
+            self._memo[token_bytes] = value
+        return value
+
+
+@dataclass
+class _Token:
+    text: str
+    logprob: float
+    raw_bytes: Optional[bytes]
+    engine_id: Optional[int]
+
+
+def parse_exchange(request: dict[str, Any], response: dict[str, Any], hasher: TextHasher,
+                   prompt_hash_of_ids) -> Exchange:
+    """Read one non-streamed completion.  ``prompt_hash_of_ids``: the capture policy's ``hash_tokens``."""
+    if not isinstance(request, dict) or not isinstance(response, dict):
+        raise ExchangeError("request and response must be JSON objects")
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ExchangeError("response has no choices[0]")
+    choice = choices[0]
+    chat = "messages" in request or response.get("object") == "chat.completion"
+    positions = _positions(choice.get("logprobs"))
+    usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
+    prompt_ids = response.get("prompt_token_ids") or choice.get("prompt_token_ids")
+    if isinstance(prompt_ids, list) and prompt_ids and all(isinstance(t, int) for t in prompt_ids):
+        prompt_hash, hash_source = prompt_hash_of_ids(prompt_ids), sc.PROMPT_HASH_SOURCE_TOKEN_IDS
+    else:
+        prompt_ids = None
+        prompt_hash, hash_source = hasher.request_hash(request), sc.PROMPT_HASH_SOURCE_REQUEST_TEXT
+    cached, cached_source = _cached_tokens(response, usage)
+    exchange = Exchange(
+        operation=sc.OPERATION_CHAT if chat else sc.OPERATION_TEXT_COMPLETION,
+        model=str(response.get("model") or request.get("model") or ""),
+        prompt_hash=prompt_hash, prompt_hash_source=hash_source, prompt_token_ids=prompt_ids,
+        prompt_tokens=_int(usage.get("prompt_tokens"), len(prompt_ids or [])),
+        cached_tokens=cached, cached_tokens_source=cached_source,
+        finish_reason=str(choice.get("finish_reason") or ""),
+        sampling={k: request[k] for k in SAMPLING_FIELDS if k in request},
+    )
+    every = [t for chosen, alternatives in positions for t in (chosen, *alternatives)]
+    use_engine_ids = bool(every) and all(t.engine_id is not None for t in every)
+    exchange.token_id_source = sc.TOKEN_ID_SOURCE_ENGINE if use_engine_ids else sc.TOKEN_ID_SOURCE_TEXT_HASH
+
+    def ident(t: _Token) -> int:
+        if use_engine_ids:
+            return t.engine_id
+        return hasher.token_id(t.raw_bytes if t.raw_bytes is not None else t.text.encode("utf-8", "surrogatepass"))
+
+    complete = True
+    for chosen, alternatives in positions:
+        ranked = sorted(alternatives, key=lambda t: -t.logprob)
+        exchange.token_ids.append(ident(chosen))
+        exchange.logprobs.append(chosen.logprob)
+        exchange.top1_ids.append(ident(ranked[0]) if ranked else ident(chosen))
+        if len(ranked) >= 2:
+            exchange.runner_up_ids.append(ident(ranked[1]))
+            exchange.margins.append(ranked[0].logprob - ranked[1].logprob)
+        else:
+            complete = False
+            exchange.runner_up_ids.append(-1)
+    if not complete:
+        exchange.margins = []
+    return exchange
+
+
+def _positions(logprobs: Any) -> list[tuple[_Token, list[_Token]]]:
+    """(chosen token, top alternatives) per generated position, from either logprobs format."""
+    if not isinstance(logprobs, dict):
+        raise ExchangeError("response has no logprobs: send logprobs=true with top_logprobs=2 "
+                            "(completions: logprobs=2)")
+    if isinstance(logprobs.get("content"), list):
+        out = []
+        for i, entry in enumerate(logprobs["content"]):
+            if not isinstance(entry, dict) or "logprob" not in entry:
+                raise ExchangeError(f"logprobs.content[{i}] has no logprob")
+            alternatives = entry.get("top_logprobs") or []
+            out.append((_token(entry, i), [_token(a, i) for a in alternatives if isinstance(a, dict)]))
+        return out
+    tokens, token_logprobs = logprobs.get("tokens"), logprobs.get("token_logprobs")
+    if isinstance(tokens, list) and isinstance(token_logprobs, list) and len(tokens) == len(token_logprobs):
+        tops = logprobs.get("top_logprobs") or [None] * len(tokens)
+        out = []
+        for text, lp, top in zip(tokens, token_logprobs, tops):
+            alternatives = [_Token(str(t), float(v), None, _vllm_id(str(t))) for t, v in (top or {}).items()
+                            if v is not None]
+            out.append((_Token(str(text), float(lp if lp is not None else 0.0), None, _vllm_id(str(text))),
+                        alternatives))
+        return out
+    raise ExchangeError("logprobs has neither `content` (chat) nor `tokens`/`token_logprobs` (completions)")
+
+
+def _token(entry: dict[str, Any], position: int) -> _Token:
+    try:
+        logprob = float(entry["logprob"])
+    except (KeyError, TypeError, ValueError):
+        raise ExchangeError(f"logprobs position {position}: a token without a numeric logprob") from None
+    text = str(entry.get("token", ""))
+    raw = entry.get("bytes")
+    raw_bytes = bytes(raw) if isinstance(raw, list) and all(isinstance(b, int) and 0 <= b < 256 for b in raw) else None
+    engine_id = entry.get("id") if isinstance(entry.get("id"), int) else _vllm_id(text)
+    return _Token(text, logprob, raw_bytes, engine_id)
+
+
+def _vllm_id(text: str) -> Optional[int]:
+    """vLLM's ``return_tokens_as_token_ids`` writes tokens as ``token_id:123``."""
+    if text.startswith("token_id:") and text[9:].isdigit():
+        return int(text[9:])
+    return None
+
+
+def _cached_tokens(response: dict[str, Any], usage: dict[str, Any]) -> tuple[Optional[int], str]:
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return details["cached_tokens"], sc.REUSED_SOURCE_OPENAI_USAGE
+    timings = response.get("timings")
+    if isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
+        return timings["cache_n"], sc.REUSED_SOURCE_LLAMA_SERVER_TIMINGS
+    return None, sc.REUSED_SOURCE_UNKNOWN
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def fill_record(record: RequestRecord, exchange: Exchange, reused_tokens: int, reused_source: str,
+                cache_layer: str) -> None:
+    """Copy an exchange into a record made by ``Recorder.start_request`` (correlation already set)."""
+    record.model = record.model or exchange.model
+    record.operation = exchange.operation
+    record.config[sc.MODEL_FINGERPRINT] = record.config.get(sc.MODEL_FINGERPRINT) or exchange.model
+    record.config[sc.SAMPLING_SETTINGS] = exchange.sampling or None
+    record.config[sc.CACHE_REUSED_TOKENS_SOURCE] = reused_source
+    record.config[sc.OUTPUT_TOKEN_ID_SOURCE] = exchange.token_id_source
+    record.config[sc.PROMPT_HASH_SOURCE] = exchange.prompt_hash_source
+    if exchange.prompt_token_ids is not None:
+        record.prompt_token_ids = exchange.prompt_token_ids
+    else:
+        # The recorder only hashes token ids; a text-derived hash goes in as a ready attribute.
+        record.config[sc.PROMPT_HASH] = exchange.prompt_hash
+    record.prompt_tokens = exchange.prompt_tokens
+    record.reused_tokens = max(0, min(reused_tokens, exchange.prompt_tokens or reused_tokens))
+    record.recomputed_tokens = max(0, exchange.prompt_tokens - record.reused_tokens)
+    record.cache_layer = cache_layer if record.reused_tokens > 0 else sc.LAYER_NONE
+    record.output_token_ids = list(exchange.token_ids)
+    record.top1_ids = list(exchange.top1_ids)
+    record.runner_up_ids = list(exchange.runner_up_ids)
+    record.margins = list(exchange.margins)
+    record.logprobs = list(exchange.logprobs)
+    record.finish_reason = exchange.finish_reason or None

@@ -1,0 +1,170 @@
+"""Alerting on cache-path margin shift.  A production server's cache hits on its Q4_K_M model start
+moving margins by 0.25 logits while its F16 model stays within 0.01: the margin-shift rule fires for
+Q4_K_M only, its webhook and Alertmanager hear about it, and once the window has passed without more
+shifted hits both hear it resolved.  Exit codes say firing / all clear / could not evaluate."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+import yaml
+
+from diff_scenarios import CachePath, ScenarioBook
+from kvtrace import semconv as sc
+from kvtrace.cli import main
+from receivers import Receiver
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+TOKENS = [10, 11, 12, 13]
+REFERENCE = [1.0, 0.5, 0.3, 2.0]
+HIT = CachePath(sc.LAYER_KV_REUSE, 8, event=sc.EVENT_CACHE_REUSE)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    from kvtrace.collectors.schema import init_schema
+    from kvtrace.db import connect
+
+    root = tmp_path_factory.mktemp("alerts")
+    book = ScenarioBook(root / "spool")
+    # F16's third position is a near tie on both paths (0.03, 0.04 with the hit's shift).
+    for fmt, shift, reference in (("Q4_K_M", 0.25, REFERENCE), ("F16", 0.01, [1.0, 0.5, 0.03, 2.0])):
+        for e in range(3):  # recomputes first: they are the reference of every prompt
+            book.turn(f"prod-off-{fmt}", f"e{e}", 0, PROMPT + [e], TOKENS, reference, arm="off", weight_format=fmt)
+        for e in range(3):
+            book.turn(f"prod-hit-{fmt}", f"e{e}", 0, PROMPT + [e], TOKENS, [m + shift for m in reference], cache=HIT,
+                      arm="reuse", weight_format=fmt)
+    url = f"chdb://{root / 'db'}"
+    client = connect(url)
+    init_schema(client)
+    book.ingest(client)
+    yield {"url": url, "spool": str(root / "spool"), "root": root, "client": client}
+    client.close()
+
+
+def write_rules(path, rules, delivery=None):
+    path.write_text(yaml.safe_dump({"rules": rules, **({"delivery": delivery} if delivery else {})}))
+    return path
+
+
+SHIFT_RULE = {"name": "margin-shift-p95", "metric": "margin_shift_p95_abs", "threshold": 0.1, "window": "30m",
+              "min_samples": 4}
+
+
+def kvtrace(recorded, tmp_path, *args):
+    return main(["--db", recorded["url"], "--spool-dir", recorded["spool"], "-q", "alert",
+                 "--state", str(tmp_path / "state.json"), *args])
+
+
+def test_margin_shift_rule_fires_above_its_threshold_and_stays_quiet_below(recorded):
+    from kvtrace.alerts.evaluation import evaluate
+    from kvtrace.alerts.rules import parse_config
+
+    now = time.time()
+    config = parse_config({"rules": [SHIFT_RULE, {**SHIFT_RULE, "name": "lenient", "threshold": 0.3},
+                                     {**SHIFT_RULE, "name": "mean", "metric": "margin_shift_mean_abs"}]})
+    strict, lenient, mean = evaluate(recorded["client"], config, now).outcomes
+    assert [a.labels["weight_format"] for a in strict.firing] == ["Q4_K_M"]
+    assert strict.firing[0].value == pytest.approx(0.25)
+    assert strict.firing[0].samples == 12 and strict.rows == 2  # both formats judged, one fired
+    assert lenient.firing == [] and lenient.rows == 2
+    assert [a.labels["weight_format"] for a in mean.firing] == ["Q4_K_M"]
+
+
+def test_filters_min_samples_and_window_scope_a_rule(recorded):
+    from kvtrace.alerts.evaluation import evaluate
+    from kvtrace.alerts.rules import parse_config
+
+    now = time.time()
+    rules = [
+        {**SHIFT_RULE, "name": "f16-only", "filters": {"weight_format": "F16"}, "threshold": 0.005},
+        {**SHIFT_RULE, "name": "too-few", "min_samples": 1000},
+        {"name": "near-ties", "metric": "near_tie_share", "threshold": 0.2, "window": "1h"},
+        {"name": "forks", "metric": "divergence_rate", "threshold": 0.5, "baseline_arm": "off", "window": "1h"},
+    ]
+    outcomes = evaluate(recorded["client"], parse_config({"rules": rules}), now).outcomes
+    f16, too_few, ties, forks = outcomes
+    assert [a.value for a in f16.firing] == [pytest.approx(0.01)]
+    assert (too_few.firing, too_few.rows) == ([], 0)
+    assert [(a.labels["weight_format"], a.value) for a in ties.firing] == [("F16", 0.25)]
+    assert forks.firing == [] and forks.rows == 2 and not forks.error  # same tokens: no episode forked
+    later = evaluate(recorded["client"], parse_config({"rules": rules}), now + 7200).outcomes
+    assert all(o.firing == [] and o.rows == 0 for o in later)
+
+
+def test_webhook_and_alertmanager_hear_firing_then_resolved(recorded, tmp_path, capsys):
+    with Receiver() as hook, Receiver() as manager:
+        rules = write_rules(tmp_path / "rules.yaml", [SHIFT_RULE],
+                            {"webhook": {"url": f"{hook.url}/kvtrace"}, "alertmanager": {"url": manager.url}})
+        assert kvtrace(recorded, tmp_path, "--rules", str(rules)) == 1
+        assert "FIRING   margin-shift-p95" in capsys.readouterr().out
+        ((path, body),) = hook.take()
+        assert path == "/kvtrace" and body["status"] == "firing"
+        (alert,) = body["alerts"]
+        assert alert["labels"]["alertname"] == "margin-shift-p95" and alert["labels"]["weight_format"] == "Q4_K_M"
+        ((path, posted),) = manager.take()
+        assert path == "/api/v2/alerts" and "endsAt" not in posted[0]
+        assert posted[0]["labels"] == alert["labels"] and posted[0]["startsAt"] == alert["startsAt"]
+
+        # Still firing: the Alertmanager is kept up to date, the webhook is not told twice.
+        assert kvtrace(recorded, tmp_path, "--rules", str(rules)) == 1
+        assert hook.take() == [] and len(manager.take()) == 1
+
+        # Two hours later the window holds no shifted hits: resolved, to both.
+        assert kvtrace(recorded, tmp_path, "--rules", str(rules), "--at", str(time.time() + 7200)) == 0
+        out = capsys.readouterr().out
+        assert "RESOLVED margin-shift-p95" in out
+        ((_, body),) = hook.take()
+        assert body["status"] == "resolved" and body["alerts"][0]["status"] == "resolved"
+        ((_, posted),) = manager.take()
+        assert posted[0]["labels"] == alert["labels"] and posted[0]["endsAt"] > posted[0]["startsAt"]
+        assert json.loads((tmp_path / "state.json").read_text())["alerts"] == {}
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_failed_delivery_is_reported_retried_and_sent_later(recorded, tmp_path, capsys):
+    dead = f"http://127.0.0.1:{closed_port()}"
+    rules = write_rules(tmp_path / "rules.yaml", [SHIFT_RULE],
+                        {"webhook": {"url": dead}, "attempts": 2, "retry_delay": 0})
+    assert kvtrace(recorded, tmp_path, "--rules", str(rules)) == 1  # the evaluation stands
+    err = capsys.readouterr().err
+    assert "webhook delivery failed" in err and "after 2 attempt(s)" in err
+    with Receiver() as hook:
+        write_rules(rules, [SHIFT_RULE], {"webhook": {"url": hook.url}})
+        assert kvtrace(recorded, tmp_path, "--rules", str(rules), "--watch", "0.01", "--cycles", "2") == 1
+        posts = hook.take()
+        assert len(posts) == 1 and posts[0][1]["status"] == "firing"  # the pending notice, once
+
+
+def test_exit_codes(recorded, tmp_path, capsys):
+    quiet = write_rules(tmp_path / "quiet.yaml", [{**SHIFT_RULE, "threshold": 5.0}])
+    assert kvtrace(recorded, tmp_path, "--rules", str(quiet)) == 0
+    assert "all clear" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rules:\n  - name: x\n    metric: margin_vibes\n    threshold: 1\n")
+    assert kvtrace(recorded, tmp_path, "--rules", str(bad)) == 2
+    assert "metric 'margin_vibes' is not one of" in capsys.readouterr().err
+    assert kvtrace(recorded, tmp_path, "--rules", str(tmp_path / "missing.yaml")) == 2
+    unreachable = main(["--db", f"http://127.0.0.1:{closed_port()}/default", "-q", "alert", "--rules", str(quiet),
+                        "--state", str(tmp_path / "s2.json")])
+    assert unreachable == 2
+    assert "could not evaluate rule margin-shift-p95" in capsys.readouterr().err
+
+
+def test_the_example_rules_file_is_valid():
+    from pathlib import Path
+
+    from kvtrace.alerts.rules import load_rules
+
+    config = load_rules(Path(__file__).resolve().parent.parent / "examples" / "alert-rules.yaml")
+    assert [r.metric for r in config.rules] == ["margin_shift_p95_abs", "margin_shift_mean_abs", "divergence_rate",
+                                                "near_tie_share"]
+    assert config.rules[0].window_s == 1800 and config.delivery.alertmanager.ends_after_s == 900
