@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from kvtrace import semconv as sc
+from kvtrace.patches.hooks import HookFailures, Wrappings, add_trace_context_middleware, version_supported
 from kvtrace.records import CacheEvent, RequestRecord, StateOrigin
 from kvtrace.recorder import Recorder, get_recorder
 
@@ -59,9 +60,9 @@ DISTRIBUTION = "llama-cpp-python"
 SUPPORTED = ">=0.3.30,<0.4"
 
 _patched = False
-_wrapped: list[tuple[Any, str]] = []  # (owner, attribute) pairs replaced by wrappers
+_wrappings = Wrappings()
 _patched_cache_classes: set[type] = set()
-_warned: set[str] = set()
+_failures = HookFailures(ENGINE)
 
 
 # --- versions ----------------------------------------------------------------------------
@@ -88,13 +89,7 @@ def supported_versions() -> dict[str, str]:
 
 
 def is_supported(version: str) -> bool:
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version) in SpecifierSet(SUPPORTED)
-    except InvalidVersion:
-        return False
+    return version_supported(version, SUPPORTED)
 
 
 # --- per-request state ---------------------------------------------------------------------
@@ -131,18 +126,7 @@ def _state_for(llama: Any) -> Optional[_CallState]:
 
 def _count_error(where: str, recorder: Optional[Recorder] = None) -> None:
     """Count (and log once per hook) an instrumentation failure; never raises."""
-    try:
-        recorder = recorder or get_recorder()
-        if recorder is not None:
-            recorder.pipeline.counters["instrumentation_errors"] += 1
-        if where not in _warned:
-            _warned.add(where)
-            log.warning("kvtrace: llama_cpp instrumentation error in %s (counted; engine unaffected)", where,
-                        exc_info=True)
-        else:
-            log.debug("kvtrace: llama_cpp instrumentation error in %s", where, exc_info=True)
-    except Exception:
-        pass
+    _failures.count(where, recorder)
 
 
 # --- generation calls ----------------------------------------------------------------------
@@ -622,8 +606,7 @@ def _patch_cache_class(cls: type) -> None:
         attr = owner.__dict__[name]
         if isinstance(attr, wrapt.ObjectProxy) or getattr(attr, "__isabstractmethod__", False):
             continue
-        wrapt.wrap_function_wrapper(owner, name, wrapper)
-        _wrapped.append((owner, name))
+        _wrappings.wrap(owner, name, wrapper)
 
 
 def _all_subclasses(cls: type) -> list[type]:
@@ -756,61 +739,21 @@ def _system_info() -> str:
 # --- server: W3C trace context per HTTP request --------------------------------------------
 
 
-class TraceContextMiddleware:
-    """ASGI middleware: the request's ``traceparent`` and ``baggage`` become the current context.
-
-    Uses the global propagator (W3C tracecontext + baggage unless
-    ``OTEL_PROPAGATORS`` says otherwise).  Work the app hands to threads
-    (``run_in_threadpool`` / ``iterate_in_threadpool``) copies the context, so
-    the ``Llama`` call sees it — including every step of a stream.
-    """
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope.get("type") != "http":
-            await self.app(scope, receive, send)
-            return
-        try:
-            from opentelemetry import context, propagate
-
-            carrier: dict[str, str] = {}
-            for name, value in scope.get("headers") or ():
-                key = name.decode("latin-1").lower()
-                text = value.decode("latin-1")
-                carrier[key] = f"{carrier[key]},{text}" if key in carrier else text
-            token = context.attach(propagate.extract(carrier))
-        except Exception:
-            _count_error("server trace context")
-            await self.app(scope, receive, send)
-            return
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            context.detach(token)
-
-
 def _create_app_wrapper(wrapped, instance, args, kwargs):
     app = wrapped(*args, **kwargs)
     if _patched:
         try:
-            if not getattr(app, "_kvtrace_middleware", False):
-                app.add_middleware(TraceContextMiddleware)
-                app._kvtrace_middleware = True
+            add_trace_context_middleware(app, _failures)
         except Exception:
             _count_error("server create_app")
     return app
 
 
 def _on_server_app_import(module: Any) -> None:
-    if not _patched or (module, "create_app") in _wrapped:
+    if not _patched or (module, "create_app") in _wrappings:
         return
     try:
-        import wrapt
-
-        wrapt.wrap_function_wrapper(module, "create_app", _create_app_wrapper)
-        _wrapped.append((module, "create_app"))
+        _wrappings.wrap(module, "create_app", _create_app_wrapper)
     except Exception:
         _count_error("server patch")
 
@@ -845,8 +788,7 @@ def patch() -> bool:
         ("sample", _sample_wrapper),
         ("load_state", _load_state_wrapper),
     ):
-        wrapt.wrap_function_wrapper(Llama, name, wrapper)
-        _wrapped.append((Llama, name))
+        _wrappings.wrap(Llama, name, wrapper)
     for cls in [llama_cache.LlamaRAMCache, llama_cache.LlamaDiskCache, *_all_subclasses(llama_cache.BaseLlamaCache)]:
         _patch_cache_class(cls)
     wrapt.when_imported("llama_cpp.server.app")(_on_server_app_import)
@@ -857,10 +799,5 @@ def unpatch() -> None:
     """Restore every wrapped attribute.  Idempotent."""
     global _patched
     _patched = False
-    while _wrapped:
-        owner, name = _wrapped.pop()
-        attr = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
-        wrapped = getattr(attr, "__wrapped__", None)
-        if wrapped is not None:
-            setattr(owner, name, wrapped)
+    _wrappings.restore_all()
     _patched_cache_classes.clear()
