@@ -50,6 +50,17 @@ class CapturePolicy:
             out.append(parent.hex())
         return out
 
+    def engine_hash(self, engine_hash_hex: str) -> str:
+        """A content hash computed by the engine itself (vLLM's block hashes), as it may leave the process.
+
+        Unchanged with ``ids`` capture, so it matches the engine's own events;
+        keyed otherwise: an engine's unkeyed hash of token ids lets anyone
+        confirm a guessed prompt.  Equal inputs still give equal outputs.
+        """
+        if self.mode == "ids":
+            return engine_hash_hex
+        return self._digest(engine_hash_hex.encode(), b"engine:").hex()
+
     def token_ids(self, tokens: Sequence[int]) -> Optional[list[int]]:
         """Token ids as this policy lets them leave the process (``None``: not at all)."""
         if self.mode == "ids":

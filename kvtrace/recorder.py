@@ -159,7 +159,8 @@ class Recorder:
         prompt = r.prompt_token_ids
         if prompt is not None:
             a[sc.PROMPT_HASH] = capture.hash_tokens(prompt)
-            a[sc.PROMPT_BLOCK_SIZE] = self.settings.block_size
+            # An engine that hashes its own blocks (vLLM) reports its block size in the config.
+            a.setdefault(sc.PROMPT_BLOCK_SIZE, self.settings.block_size)
             a[sc.PROMPT_BLOCK_HASHES] = r.vendor_block_hashes or capture.block_hashes(prompt, self.settings.block_size)
             ids = capture.token_ids(prompt)
             if ids is not None:

@@ -115,5 +115,9 @@ def test_hashed_capture_keeps_equality_but_not_content(monkeypatch, spool_dir):
     assert not set(hashed) & set(tokens)             # content not in the clear
     assert other.token_ids(tokens) != hashed         # and not recomputable without the key
     assert CapturePolicy("none", b"k").token_ids(tokens) is None
+    engine_hash = "9f" * 32  # e.g. a vLLM block hash: sha256 of the block's token ids
+    assert CapturePolicy("ids", b"key-1").engine_hash(engine_hash) == engine_hash
+    assert a.engine_hash(engine_hash) == b.engine_hash(engine_hash) != engine_hash
+    assert other.engine_hash(engine_hash) != a.engine_hash(engine_hash)
     assert a.block_hashes(list(range(40)), 16)[:2] == b.block_hashes(list(range(33)), 16)[:2]
     assert len(a.block_hashes(list(range(40)), 16)) == 2

