@@ -211,7 +211,15 @@ def _build_app_wrapper(wrapped, instance, args, kwargs):
     app = wrapped(*args, **kwargs)
     if _patched:
         try:
+            # vLLM 0.32's build_app ends with the SageMaker bootstrap, which may already build the
+            # middleware stack; Starlette then refuses add_middleware.  Drop the built stack, add
+            # ours, and rebuild it as it was (Starlette would otherwise rebuild it on first call).
+            built = getattr(app, "middleware_stack", None) is not None
+            if built and not getattr(app, "_kvtrace_middleware", False):
+                app.middleware_stack = None
             add_trace_context_middleware(app, _failures)
+            if built and app.middleware_stack is None:
+                app.middleware_stack = app.build_middleware_stack()
         except Exception:
             _count_error("server build_app")
     return app

