@@ -76,12 +76,13 @@ class Settings:
         disabled = os.environ.get("KVTRACE_DISABLED", "").lower() in ("1", "true", "yes") or (
             os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true"
         )
+        exporter = _choice_env("KVTRACE_EXPORTER", "spool", EXPORTERS)
         block_size = _int_env("KVTRACE_BLOCK_SIZE", 16)
         if block_size <= 0:
             raise ConfigError(f"KVTRACE_BLOCK_SIZE must be positive, got {block_size}")
         return cls(
             disabled=disabled,
-            exporter=_choice_env("KVTRACE_EXPORTER", "spool", EXPORTERS),
+            exporter=exporter,
             spool_dir=default_spool_dir(),
             clickhouse_url=default_database_url(),
             capture_mode=_choice_env("KVTRACE_CAPTURE", "hashed", CAPTURE_MODES),
@@ -90,7 +91,9 @@ class Settings:
             spool_rotate_bytes=_int_env("KVTRACE_SPOOL_ROTATE_BYTES", 64 * 1024 * 1024),
             queue_size=_int_env("OTEL_BSP_MAX_QUEUE_SIZE", 2048),
             batch_size=_int_env("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
-            schedule_delay_ms=_int_env("OTEL_BSP_SCHEDULE_DELAY", 1000),
+            # A spool write is a local append: export almost at once, so a process killed right
+            # after a request (vLLM stops its engine core that way) loses as little as possible.
+            schedule_delay_ms=_int_env("OTEL_BSP_SCHEDULE_DELAY", 100 if exporter == "spool" else 1000),
             run_id=os.environ.get("KVTRACE_RUN_ID", ""),
             episode_id=os.environ.get("KVTRACE_EPISODE_ID", ""),
             turn=_int_env("KVTRACE_TURN", -1),
