@@ -21,8 +21,10 @@ from typing import Optional, Sequence
 from kvtrace import semconv as sc
 from kvtrace.forks import Detokenizer, Diff, Fork, Turn
 
-# Margin bins shared with queries/flip_rate_by_margin.sql: a reader sees the same boundaries.
-MARGIN_BINS = ((0.1, "m0", "< 0.1"), (0.3, "m1", "0.1 – 0.3"), (1.0, "m2", "0.3 – 1"), (math.inf, "m3", "≥ 1"))
+MARGIN_BINS = tuple(zip(sc.MARGIN_BIN_EDGES + (math.inf,), (f"m{i}" for i in range(len(sc.MARGIN_BIN_LABELS))),
+                        sc.MARGIN_BIN_LABELS))
+"""(upper edge, CSS class, label) per margin bin: the bins of flip_rate_by_margin, so a reader sees the
+same boundaries (fork_view.html has a colour for each of m0…m3)."""
 LAYER_CLASSES = {sc.LAYER_NONE: "l-none", sc.LAYER_KV_REUSE: "l-kv", sc.LAYER_PROMPT_CACHE: "l-pc",
                  sc.LAYER_PREFIX_BLOCKS: "l-pb"}
 TOKENS_PAST_FORK = 40

@@ -166,6 +166,15 @@ REASON_REPLAY_LAST_TOKEN = "replay_last_token"
 FINISH_CANCELLED = "cancelled"
 """A stream closed by its consumer before the engine finished."""
 
+# --- margin bins (appended) -------------------------------------------------------------
+
+MARGIN_BIN_EDGES = (0.1, 0.3, 1.0)
+"""Upper edges, in raw logits, of the bins top-two margins are read in: ``flip_rate_by_margin``
+reports one row per bin and the fork view colours each token by its bin. The last bin is open."""
+MARGIN_BIN_LABELS = tuple(f"[{low:g},{high:g})" for low, high in zip((0,) + MARGIN_BIN_EDGES, MARGIN_BIN_EDGES)) + (
+    f">={MARGIN_BIN_EDGES[-1]:g}",)
+"""Values of ``flip_rate_by_margin``'s ``margin_bin`` column, one per bin: ``[0,0.1)`` … ``>=1``."""
+
 # --- records made outside an engine: probes and imported logs (appended) ----------
 
 PROBE_ROLE = "kvtrace.probe.role"
