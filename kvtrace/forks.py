@@ -72,12 +72,23 @@ class Culprit:
     source: Optional[Provenance]
 
     def describe(self) -> str:
+        return "\n    ".join(part for part in self.describe_parts() if part)
+
+    def describe_parts(self, text: Callable[[str], str] = str,
+                       literal: Optional[Callable[[str], str]] = None) -> tuple[str, Optional[str]]:
+        """The culprit in words: the cached state it used, then who stored that state (``None``: unknown).
+
+        ``text`` is applied to every value and phrase, ``literal`` (default: ``text``) to the ids a
+        reader copies; the HTML view passes escaping and ``<code>``, so the CLI and the page say the same.
+        """
+        literal = literal or text
         event = self.event or "request-level cache fields (no cache event recorded)"
-        text = f"run {self.run} span {self.span_id}: {event} ({self.layer}, {self.reused_tokens} tokens"
-        text += f", key {self.key_hash})" if self.key_hash else ")"
+        used = f"run {text(self.run)} span {literal(self.span_id)}: {text(event)} ({text(self.layer)}, " \
+               f"{self.reused_tokens} tokens" + (f", key {literal(self.key_hash)})" if self.key_hash else ")")
+        stored = None
         if self.source:
-            text += f"\n    restored state <- {self.source.describe()} (span {self.source.span_id})"
-        return text
+            stored = f"{text('restored state <- ' + self.source.describe())} (span {literal(self.source.span_id)})"
+        return used, stored
 
 
 @dataclass
@@ -112,6 +123,10 @@ class Fork:
     margin_share: float
     capture_mode: str
     culprit: Optional[Culprit]
+
+    def where(self) -> str:
+        """``turn 3, token 17`` (the token only when the position is known)."""
+        return f"turn {self.turn}" + (f", token {self.position}" if self.position >= 0 else "")
 
     def to_json(self) -> dict[str, Any]:
         return jsonable(asdict(self))

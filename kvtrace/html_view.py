@@ -78,17 +78,11 @@ def render_diff(diff: Diff, timelines: dict[str, list[Turn]], detokenize: Option
 def _fork_section(fork: Fork, turns: list[Turn], detokenize: Optional[Detokenizer], first: bool) -> str:
     a_turn = next((t for t in turns if t.side == "a" and t.turn == fork.turn), None)
     b_turn = next((t for t in turns if t.side == "b" and t.turn == fork.turn), None)
-    where = f"turn {fork.turn}" + (f", token {fork.position}" if fork.position >= 0 else "")
     culprit = ""
     if fork.culprit:
-        c = fork.culprit
-        culprit = (f'<p class="culprit"><b>Culprit</b> run {_e(c.run)} span <code>{_e(c.span_id)}</code>: '
-                   f'{_e(c.event or "request-level cache fields")} ({_e(c.layer)}, {c.reused_tokens} tokens'
-                   + (f', key <code>{_e(c.key_hash)}</code>' if c.key_hash else "") + ")")
-        if c.source:
-            culprit += (f'<br><span class="chain">restored state &larr; {_e(c.source.describe())} '
-                        f'(span <code>{_e(c.source.span_id)}</code>)</span>')
-        culprit += "</p>"
+        used, stored = fork.culprit.describe_parts(_e, lambda value: f"<code>{_e(value)}</code>")
+        chain = f'<br><span class="chain">{stored}</span>' if stored else ""
+        culprit = f'<p class="culprit"><b>Culprit</b> {used}{chain}</p>'
     sides = "".join(
         f'<tr><th>{label} <span class="run">{_e(s.run)}</span></th><td>{_e(_token_label(s.token, s.text))}</td>'
         f'<td class="{margin_class(s.margin)}">{_fmt(s.margin)}</td><td>{_e(s.cache.describe())}</td></tr>'
@@ -96,7 +90,7 @@ def _fork_section(fork: Fork, turns: list[Turn], detokenize: Optional[Detokenize
     tie = ("near tie" if fork.near_tie else "not a near tie") if fork.position >= 0 else "position unknown"
     return f"""
 <section class="fork-section" data-episode="{_e(fork.episode)}" data-attribution="{_e(fork.attribution)}">
-  <h2>Episode {_e(fork.episode)} <span class="where">forked at {_e(where)}</span>
+  <h2>Episode {_e(fork.episode)} <span class="where">forked at {_e(fork.where())}</span>
       <span class="badge {_e(fork.attribution)}">{_e(fork.attribution)}</span></h2>
   <p class="note">{_e(fork.note)} &middot; {_e(tie)}</p>
   <table class="sides"><tr><th></th><th>chose</th><th>margin</th><th>cache path at the fork</th></tr>{sides}</table>

@@ -61,8 +61,7 @@ def print_diff(diff: Diff, out: TextIO) -> None:
 
 
 def describe_fork(fork: Fork) -> str:
-    where = f"turn {fork.turn}" + (f", token {fork.position}" if fork.position >= 0 else "")
-    lines = [f"episode {fork.episode}: forked at {where} [{fork.attribution}]"]
+    lines = [f"episode {fork.episode}: forked at {fork.where()} [{fork.attribution}]"]
     if fork.kind == "prompt":
         lines.append(f"  {fork.note}")
     for label, side in (("A", fork.a), ("B", fork.b)):
