@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvtrace import queries
+from kvtrace import semconv as sc
 from kvtrace.errors import UnknownRun
 from kvtrace.jsonable import jsonable
 
@@ -139,7 +140,7 @@ class Diff:
     episodes_compared: int
     forks: list[Fork] = field(default_factory=list)
     unforked: list[str] = field(default_factory=list)
-    compared_by: str = "token_ids"
+    compared_by: str = sc.COMPARED_BY_TOKEN_IDS
 
 
 def known_runs(client) -> list[str]:
@@ -164,8 +165,8 @@ def diff_runs(client, run_a: str, run_b: str, episode: Optional[str] = None,
     summary = [dict(zip(columns, row)) for row in rows]
     diff = Diff(run_a, run_b, episodes_compared=len(summary))
     diff.unforked = [r["episode_id"] for r in summary if not r["forked"]]
-    if summary and all(r["compared_by"] == "output_hash" for r in summary):
-        diff.compared_by = "output_hash"
+    if summary and all(r["compared_by"] == sc.COMPARED_BY_OUTPUT_HASH for r in summary):
+        diff.compared_by = sc.COMPARED_BY_OUTPUT_HASH
     if len(diff.unforked) == len(summary):
         return diff
     columns, rows = queries.run(client, "fork_attribution", {**params, "near_tie": near_tie})
@@ -182,7 +183,7 @@ def _fork(row: dict[str, Any], detokenize: Optional[Detokenizer]) -> Fork:
             cache=CachePath(row[f"layer_{s}"], row[f"reused_tokens_{s}"], row[f"prompt_tokens_{s}"],
                             row[f"state_key_{s}"], row[f"source_episode_id_{s}"], row[f"source_turn_{s}"]),
         )
-        if detokenize and row["capture_mode"] == "ids" and sides[s].token >= 0:
+        if detokenize and row["capture_mode"] == sc.CAPTURE_IDS and sides[s].token >= 0:
             sides[s].text = detokenize([sides[s].token])
     culprit = None
     if row["culprit_side"]:

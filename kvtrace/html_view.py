@@ -161,7 +161,7 @@ def _streams(fork: Fork, a: Optional[Turn], b: Optional[Turn], detokenize: Optio
     end = min(length, fork_at + TOKENS_PAST_FORK + 1)
     texts = {}
     for turn in (a, b):
-        if detokenize and turn.capture_mode == "ids":
+        if detokenize and turn.capture_mode == sc.CAPTURE_IDS:
             texts[turn.side] = [detokenize([tok]) for tok in turn.token_ids[:end]]
     columns = []
     for i in range(end):

@@ -343,7 +343,7 @@ def _on_admission(manager: Any, request: Any, num_hits: int) -> None:
         block_hashes=hit_hashes, block_ids=hit_ids[:hit_blocks], source=source,
     )
     if live is not None:  # re-admission after preemption: the request recomputes, note the lookup
-        lookup.reason = "preempted"
+        lookup.reason = sc.REASON_PREEMPTED
         live.record.events.append(lookup)
         return
     recorder = get_recorder()

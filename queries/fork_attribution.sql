@@ -73,19 +73,20 @@ attributed AS (
     SELECT
         *,
         multiIf(
-            prompt_differs, 'prompt_mismatch',
-            (reused_tokens_a > 0) != (reused_tokens_b > 0), 'hit_vs_recompute',
-            reused_tokens_a > 0 AND reused_tokens_a != reused_tokens_b, 'reuse_length',
+            prompt_differs, '${ATTRIBUTION_PROMPT_MISMATCH}',
+            (reused_tokens_a > 0) != (reused_tokens_b > 0), '${ATTRIBUTION_HIT_VS_RECOMPUTE}',
+            reused_tokens_a > 0 AND reused_tokens_a != reused_tokens_b, '${ATTRIBUTION_REUSE_LENGTH}',
             reused_tokens_a > 0 AND (layer_a != layer_b OR state_key_a != state_key_b
                 OR hit_block_hashes_a != hit_block_hashes_b
-                OR source_episode_id_a != source_episode_id_b OR source_turn_a != source_turn_b), 'cache_source',
-            'same_cache_path') AS attribution,
+                OR source_episode_id_a != source_episode_id_b OR source_turn_a != source_turn_b),
+                '${ATTRIBUTION_CACHE_SOURCE}',
+            '${ATTRIBUTION_SAME_CACHE_PATH}') AS attribution,
         (source_episode_id_a != '' AND source_episode_id_a != episode_id) AS foreign_source_a,
         (source_episode_id_b != '' AND source_episode_id_b != episode_id) AS foreign_source_b,
         multiIf(
-            attribution = 'hit_vs_recompute', if(reused_tokens_a > 0, 'a', 'b'),
-            attribution = 'reuse_length', if(reused_tokens_a > reused_tokens_b, 'a', 'b'),
-            attribution = 'cache_source', if(foreign_source_b AND NOT foreign_source_a, 'b', 'a'),
+            attribution = '${ATTRIBUTION_HIT_VS_RECOMPUTE}', if(reused_tokens_a > 0, 'a', 'b'),
+            attribution = '${ATTRIBUTION_REUSE_LENGTH}', if(reused_tokens_a > reused_tokens_b, 'a', 'b'),
+            attribution = '${ATTRIBUTION_CACHE_SOURCE}', if(foreign_source_b AND NOT foreign_source_a, 'b', 'a'),
             '') AS culprit_side,
         multiIf(culprit_side = 'a', span_id_a, culprit_side = 'b', span_id_b, '') AS culprit_span_id
     FROM first_fork
@@ -112,14 +113,15 @@ margin_levels AS (
 SELECT
     f.episode_id AS episode_id,
     toInt64(f.turn) AS fork_turn,
-    if(f.prompt_differs, 'prompt', 'output') AS fork_kind,
+    if(f.prompt_differs, '${FORK_KIND_PROMPT}', '${FORK_KIND_OUTPUT}') AS fork_kind,
     f.position AS position,
     f.attribution AS attribution,
     multiIf(
-        f.attribution = 'prompt_mismatch',
+        f.attribution = '${ATTRIBUTION_PROMPT_MISMATCH}',
         concat('prompts differ at turn ', toString(f.turn),
                ': the fork happened upstream of this request (earlier output or harness input)'),
-        f.attribution = 'same_cache_path', 'both sides took the same cache path: not explained by caching',
+        f.attribution = '${ATTRIBUTION_SAME_CACHE_PATH}',
+        'both sides took the same cache path: not explained by caching',
         concat('side ', upper(f.culprit_side), ' ',
                if(f.culprit_side = 'a', f.layer_a, f.layer_b), ' served ',
                toString(if(f.culprit_side = 'a', f.reused_tokens_a, f.reused_tokens_b)), ' of ',

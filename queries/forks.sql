@@ -47,9 +47,10 @@ SELECT
     e.episode_id AS episode_id,
     toUInt8(f.found) AS forked,
     if(f.found = 1, toInt64(f.turn), toInt64(-1)) AS fork_turn,
-    multiIf(f.found = 0, '', f.prompt_differs, 'prompt', 'output') AS fork_kind,
+    multiIf(f.found = 0, '', f.prompt_differs, '${FORK_KIND_PROMPT}', '${FORK_KIND_OUTPUT}') AS fork_kind,
     if(f.found = 1, f.position, toInt64(-1)) AS position,
-    if(if(f.found = 1, f.by_ids, e.any_by_ids), 'token_ids', 'output_hash') AS compared_by,
+    if(if(f.found = 1, f.by_ids, e.any_by_ids), '${COMPARED_BY_TOKEN_IDS}', '${COMPARED_BY_OUTPUT_HASH}')
+        AS compared_by,
     e.turns_compared AS turns_compared,
     ta.turns AS turns_a,
     tb.turns AS turns_b,
