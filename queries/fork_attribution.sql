@@ -1,7 +1,7 @@
 -- answers: Why runs A and B forked: per forked episode, each side's cache path at the forking turn,
 --   an attribution label, the culprit cache event with its provenance, and the margins at the fork.
---   Forks are found exactly as in forks.sql (first turn whose prompt or output differs; first
---   differing token position). Labels, most specific first:
+--   Forks are found exactly as in forks.sql (queries/shared/first_fork.sql: the first turn whose
+--   prompt or output differs; the first differing token position). Labels, most specific first:
 --     prompt_mismatch   the prompts already differ at this turn: the fork happened upstream (in what
 --                       was sent, e.g. an earlier turn's output fed back), not in this request;
 --     hit_vs_recompute  one side reused cached state (reused_tokens > 0), the other recomputed;
@@ -31,44 +31,7 @@
 WITH
 ${shared_output_divergence}
 ${shared_diff_sides}
-compared AS (
-    SELECT
-        a.episode_id AS episode_id,
-        a.turn AS turn,
-        a.prompt_hash != b.prompt_hash AS prompt_differs,
-        outputs_differ(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS output_differs,
-        first_divergent_position(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS position,
-        a.span_id AS span_id_a, b.span_id AS span_id_b,
-        a.request_id AS request_id_a, b.request_id AS request_id_b,
-        a.capture_mode AS capture_mode,
-        if(position >= 0 AND position < length(a.token_ids), a.token_ids[position + 1], toInt64(-1)) AS token_a,
-        if(position >= 0 AND position < length(b.token_ids), b.token_ids[position + 1], toInt64(-1)) AS token_b,
-        if(position >= 0 AND position < length(a.runner_up_ids), a.runner_up_ids[position + 1], toInt64(-1))
-            AS runner_up_a,
-        if(position >= 0 AND position < length(b.runner_up_ids), b.runner_up_ids[position + 1], toInt64(-1))
-            AS runner_up_b,
-        if(position >= 0 AND position < length(a.margins), a.margins[position + 1], nan) AS margin_a,
-        if(position >= 0 AND position < length(b.margins), b.margins[position + 1], nan) AS margin_b,
-        a.cache_layer AS layer_a, a.reused_tokens AS reused_tokens_a, a.prompt_tokens AS prompt_tokens_a,
-        a.state_key AS state_key_a, a.hit_block_hashes AS hit_block_hashes_a,
-        a.source_span_id AS source_span_id_a, a.source_request_id AS source_request_id_a,
-        a.source_run_id AS source_run_id_a, a.source_episode_id AS source_episode_id_a,
-        a.source_turn AS source_turn_a,
-        b.cache_layer AS layer_b, b.reused_tokens AS reused_tokens_b, b.prompt_tokens AS prompt_tokens_b,
-        b.state_key AS state_key_b, b.hit_block_hashes AS hit_block_hashes_b,
-        b.source_span_id AS source_span_id_b, b.source_request_id AS source_request_id_b,
-        b.source_run_id AS source_run_id_b, b.source_episode_id AS source_episode_id_b,
-        b.source_turn AS source_turn_b
-    FROM side_a AS a
-    INNER JOIN side_b AS b ON a.episode_id = b.episode_id AND a.turn = b.turn
-),
-first_fork AS (
-    SELECT *
-    FROM compared
-    WHERE prompt_differs OR output_differs
-    ORDER BY episode_id, turn
-    LIMIT 1 BY episode_id
-),
+${shared_first_fork}
 attributed AS (
     SELECT
         *,
