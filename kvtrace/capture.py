@@ -18,6 +18,8 @@ import hashlib
 import struct
 from typing import Optional, Sequence
 
+from kvtrace import semconv as sc
+
 _HASH_BYTES = 8
 
 
@@ -57,15 +59,15 @@ class CapturePolicy:
         keyed otherwise: an engine's unkeyed hash of token ids lets anyone
         confirm a guessed prompt.  Equal inputs still give equal outputs.
         """
-        if self.mode == "ids":
+        if self.mode == sc.CAPTURE_IDS:
             return engine_hash_hex
         return self._digest(engine_hash_hex.encode(), b"engine:").hex()
 
     def token_ids(self, tokens: Sequence[int]) -> Optional[list[int]]:
         """Token ids as this policy lets them leave the process (``None``: not at all)."""
-        if self.mode == "ids":
+        if self.mode == sc.CAPTURE_IDS:
             return [int(t) for t in tokens]
-        if self.mode == "none":
+        if self.mode == sc.CAPTURE_NONE:
             return None
         memo = self._token_memo
         out = []

@@ -13,10 +13,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtrace import semconv
 from kvtrace.errors import ConfigError
 
 EXPORTERS = ("spool", "otlp", "clickhouse", "none")
-CAPTURE_MODES = ("ids", "hashed", "none")
 
 
 def data_home() -> Path:
@@ -85,7 +85,7 @@ class Settings:
             exporter=exporter,
             spool_dir=default_spool_dir(),
             clickhouse_url=default_database_url(),
-            capture_mode=_choice_env("KVTRACE_CAPTURE", "hashed", CAPTURE_MODES),
+            capture_mode=_choice_env("KVTRACE_CAPTURE", semconv.CAPTURE_HASHED, semconv.CAPTURE_MODES),
             hash_key=load_hash_key(),
             block_size=block_size,
             spool_rotate_bytes=_int_env("KVTRACE_SPOOL_ROTATE_BYTES", 64 * 1024 * 1024),

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvtrace import queries
+from kvtrace import semconv as sc
 from kvtrace.errors import UnknownRun
 from kvtrace.jsonable import jsonable
 
@@ -72,12 +73,23 @@ class Culprit:
     source: Optional[Provenance]
 
     def describe(self) -> str:
+        return "\n    ".join(part for part in self.describe_parts() if part)
+
+    def describe_parts(self, text: Callable[[str], str] = str,
+                       literal: Optional[Callable[[str], str]] = None) -> tuple[str, Optional[str]]:
+        """The culprit in words: the cached state it used, then who stored that state (``None``: unknown).
+
+        ``text`` is applied to every value and phrase, ``literal`` (default: ``text``) to the ids a
+        reader copies; the HTML view passes escaping and ``<code>``, so the CLI and the page say the same.
+        """
+        literal = literal or text
         event = self.event or "request-level cache fields (no cache event recorded)"
-        text = f"run {self.run} span {self.span_id}: {event} ({self.layer}, {self.reused_tokens} tokens"
-        text += f", key {self.key_hash})" if self.key_hash else ")"
+        used = f"run {text(self.run)} span {literal(self.span_id)}: {text(event)} ({text(self.layer)}, " \
+               f"{self.reused_tokens} tokens" + (f", key {literal(self.key_hash)})" if self.key_hash else ")")
+        stored = None
         if self.source:
-            text += f"\n    restored state <- {self.source.describe()} (span {self.source.span_id})"
-        return text
+            stored = f"{text('restored state <- ' + self.source.describe())} (span {literal(self.source.span_id)})"
+        return used, stored
 
 
 @dataclass
@@ -113,6 +125,10 @@ class Fork:
     capture_mode: str
     culprit: Optional[Culprit]
 
+    def where(self) -> str:
+        """``turn 3, token 17`` (the token only when the position is known)."""
+        return f"turn {self.turn}" + (f", token {self.position}" if self.position >= 0 else "")
+
     def to_json(self) -> dict[str, Any]:
         return jsonable(asdict(self))
 
@@ -124,7 +140,7 @@ class Diff:
     episodes_compared: int
     forks: list[Fork] = field(default_factory=list)
     unforked: list[str] = field(default_factory=list)
-    compared_by: str = "token_ids"
+    compared_by: str = sc.COMPARED_BY_TOKEN_IDS
 
 
 def known_runs(client) -> list[str]:
@@ -149,8 +165,8 @@ def diff_runs(client, run_a: str, run_b: str, episode: Optional[str] = None,
     summary = [dict(zip(columns, row)) for row in rows]
     diff = Diff(run_a, run_b, episodes_compared=len(summary))
     diff.unforked = [r["episode_id"] for r in summary if not r["forked"]]
-    if summary and all(r["compared_by"] == "output_hash" for r in summary):
-        diff.compared_by = "output_hash"
+    if summary and all(r["compared_by"] == sc.COMPARED_BY_OUTPUT_HASH for r in summary):
+        diff.compared_by = sc.COMPARED_BY_OUTPUT_HASH
     if len(diff.unforked) == len(summary):
         return diff
     columns, rows = queries.run(client, "fork_attribution", {**params, "near_tie": near_tie})
@@ -167,7 +183,7 @@ def _fork(row: dict[str, Any], detokenize: Optional[Detokenizer]) -> Fork:
             cache=CachePath(row[f"layer_{s}"], row[f"reused_tokens_{s}"], row[f"prompt_tokens_{s}"],
                             row[f"state_key_{s}"], row[f"source_episode_id_{s}"], row[f"source_turn_{s}"]),
         )
-        if detokenize and row["capture_mode"] == "ids" and sides[s].token >= 0:
+        if detokenize and row["capture_mode"] == sc.CAPTURE_IDS and sides[s].token >= 0:
             sides[s].text = detokenize([sides[s].token])
     culprit = None
     if row["culprit_side"]:

@@ -21,8 +21,10 @@ from typing import Optional, Sequence
 from kvtrace import semconv as sc
 from kvtrace.forks import Detokenizer, Diff, Fork, Turn
 
-# Margin bins shared with queries/flip_rate_by_margin.sql: a reader sees the same boundaries.
-MARGIN_BINS = ((0.1, "m0", "< 0.1"), (0.3, "m1", "0.1 – 0.3"), (1.0, "m2", "0.3 – 1"), (math.inf, "m3", "≥ 1"))
+MARGIN_BINS = tuple(zip(sc.MARGIN_BIN_EDGES + (math.inf,), (f"m{i}" for i in range(len(sc.MARGIN_BIN_LABELS))),
+                        sc.MARGIN_BIN_LABELS))
+"""(upper edge, CSS class, label) per margin bin: the bins of flip_rate_by_margin, so a reader sees the
+same boundaries (fork_view.html has a colour for each of m0…m3)."""
 LAYER_CLASSES = {sc.LAYER_NONE: "l-none", sc.LAYER_KV_REUSE: "l-kv", sc.LAYER_PROMPT_CACHE: "l-pc",
                  sc.LAYER_PREFIX_BLOCKS: "l-pb"}
 TOKENS_PAST_FORK = 40
@@ -76,17 +78,11 @@ def render_diff(diff: Diff, timelines: dict[str, list[Turn]], detokenize: Option
 def _fork_section(fork: Fork, turns: list[Turn], detokenize: Optional[Detokenizer], first: bool) -> str:
     a_turn = next((t for t in turns if t.side == "a" and t.turn == fork.turn), None)
     b_turn = next((t for t in turns if t.side == "b" and t.turn == fork.turn), None)
-    where = f"turn {fork.turn}" + (f", token {fork.position}" if fork.position >= 0 else "")
     culprit = ""
     if fork.culprit:
-        c = fork.culprit
-        culprit = (f'<p class="culprit"><b>Culprit</b> run {_e(c.run)} span <code>{_e(c.span_id)}</code>: '
-                   f'{_e(c.event or "request-level cache fields")} ({_e(c.layer)}, {c.reused_tokens} tokens'
-                   + (f', key <code>{_e(c.key_hash)}</code>' if c.key_hash else "") + ")")
-        if c.source:
-            culprit += (f'<br><span class="chain">restored state &larr; {_e(c.source.describe())} '
-                        f'(span <code>{_e(c.source.span_id)}</code>)</span>')
-        culprit += "</p>"
+        used, stored = fork.culprit.describe_parts(_e, lambda value: f"<code>{_e(value)}</code>")
+        chain = f'<br><span class="chain">{stored}</span>' if stored else ""
+        culprit = f'<p class="culprit"><b>Culprit</b> {used}{chain}</p>'
     sides = "".join(
         f'<tr><th>{label} <span class="run">{_e(s.run)}</span></th><td>{_e(_token_label(s.token, s.text))}</td>'
         f'<td class="{margin_class(s.margin)}">{_fmt(s.margin)}</td><td>{_e(s.cache.describe())}</td></tr>'
@@ -94,7 +90,7 @@ def _fork_section(fork: Fork, turns: list[Turn], detokenize: Optional[Detokenize
     tie = ("near tie" if fork.near_tie else "not a near tie") if fork.position >= 0 else "position unknown"
     return f"""
 <section class="fork-section" data-episode="{_e(fork.episode)}" data-attribution="{_e(fork.attribution)}">
-  <h2>Episode {_e(fork.episode)} <span class="where">forked at {_e(where)}</span>
+  <h2>Episode {_e(fork.episode)} <span class="where">forked at {_e(fork.where())}</span>
       <span class="badge {_e(fork.attribution)}">{_e(fork.attribution)}</span></h2>
   <p class="note">{_e(fork.note)} &middot; {_e(tie)}</p>
   <table class="sides"><tr><th></th><th>chose</th><th>margin</th><th>cache path at the fork</th></tr>{sides}</table>
@@ -165,7 +161,7 @@ def _streams(fork: Fork, a: Optional[Turn], b: Optional[Turn], detokenize: Optio
     end = min(length, fork_at + TOKENS_PAST_FORK + 1)
     texts = {}
     for turn in (a, b):
-        if detokenize and turn.capture_mode == "ids":
+        if detokenize and turn.capture_mode == sc.CAPTURE_IDS:
             texts[turn.side] = [detokenize([tok]) for tok in turn.token_ids[:end]]
     columns = []
     for i in range(end):

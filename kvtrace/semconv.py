@@ -50,6 +50,14 @@ SAMPLING_SETTINGS = "kvtrace.sampling.settings"
 ARM = "kvtrace.arm"
 """Free-form label of the experiment arm / cache configuration (e.g. ``reuse``, ``off``)."""
 CAPTURE_MODE = "kvtrace.capture.mode"
+"""What of the token content left the engine (values below; see ``kvtrace.capture``)."""
+CAPTURE_IDS = "ids"
+"""Plain token ids."""
+CAPTURE_HASHED = "hashed"
+"""Every token id replaced by a keyed hash: equality across runs survives, content does not."""
+CAPTURE_NONE = "none"
+"""No per-token ids (margins and aggregate hashes stay)."""
+CAPTURE_MODES = (CAPTURE_IDS, CAPTURE_HASHED, CAPTURE_NONE)
 
 # --- prompt -------------------------------------------------------------------
 
@@ -161,10 +169,39 @@ REASON_TAKEN_ON_LOOKUP = "taken_on_lookup"
 """evict: the cache hands the entry out and removes it (llama-cpp-python's disk cache)."""
 REASON_REPLAY_LAST_TOKEN = "replay_last_token"
 """reuse: the whole prompt was cached but its last token was re-evaluated to refresh the logits."""
+REASON_PREEMPTED = "preempted"
+"""lookup (vLLM): a preempted request admitted again; it recomputes what it had lost."""
 
 # Values of OUTPUT_FINISH_REASON besides the engine's own (stop, length...).
 FINISH_CANCELLED = "cancelled"
 """A stream closed by its consumer before the engine finished."""
+
+# --- values of the fork queries' answers (appended) -------------------------------------------
+# Rendered into queries/forks.sql and queries/fork_attribution.sql; read by kvtrace.forks and the CLI.
+
+FORK_KIND_PROMPT = "prompt"
+"""fork_kind: the prompts already differ at the forking turn (the fork happened upstream)."""
+FORK_KIND_OUTPUT = "output"
+"""fork_kind: same prompt, different output."""
+COMPARED_BY_TOKEN_IDS = "token_ids"
+"""compared_by: outputs compared token by token (both sides captured token ids)."""
+COMPARED_BY_OUTPUT_HASH = "output_hash"
+"""compared_by: outputs compared by their hashes only (no fork position)."""
+ATTRIBUTION_PROMPT_MISMATCH = "prompt_mismatch"
+ATTRIBUTION_HIT_VS_RECOMPUTE = "hit_vs_recompute"
+ATTRIBUTION_REUSE_LENGTH = "reuse_length"
+ATTRIBUTION_CACHE_SOURCE = "cache_source"
+ATTRIBUTION_SAME_CACHE_PATH = "same_cache_path"
+"""attribution labels, most specific first (their meaning: queries/fork_attribution.sql)."""
+
+# --- margin bins (appended) -------------------------------------------------------------
+
+MARGIN_BIN_EDGES = (0.1, 0.3, 1.0)
+"""Upper edges, in raw logits, of the bins top-two margins are read in: ``flip_rate_by_margin``
+reports one row per bin and the fork view colours each token by its bin. The last bin is open."""
+MARGIN_BIN_LABELS = tuple(f"[{low:g},{high:g})" for low, high in zip((0,) + MARGIN_BIN_EDGES, MARGIN_BIN_EDGES)) + (
+    f">={MARGIN_BIN_EDGES[-1]:g}",)
+"""Values of ``flip_rate_by_margin``'s ``margin_bin`` column, one per bin: ``[0,0.1)`` … ``>=1``."""
 
 # --- records made outside an engine: probes and imported logs (appended) ----------
 

@@ -24,6 +24,18 @@ ENGINES: dict[str, tuple[str, str]] = {
 _registered: set[str] = set()
 
 
+def supported_requirements() -> tuple[str, ...]:
+    """Each engine distribution with the versions its patch supports (``"vllm>=0.32,<0.34"``).
+
+    The patch modules own their ranges (``supported_versions()``); the
+    OpenTelemetry instrumentor and the packaging test read them from here.
+    Importing a patch module does not import its engine.
+    """
+    return tuple(f"{distribution}{specifier}"
+                 for module, _ in ENGINES.values()
+                 for distribution, specifier in importlib.import_module(module).supported_versions().items())
+
+
 def _apply(engine: str) -> None:
     try:
         importlib.import_module(ENGINES[engine][0]).patch()

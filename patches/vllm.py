@@ -62,7 +62,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.patches.hooks import HookFailures, Wrappings, add_trace_context_middleware, version_supported
@@ -110,14 +110,30 @@ def is_supported(version: str) -> bool:
 # --- per-process state (engine core) ---------------------------------------------------------
 
 
+class SampledRow(NamedTuple):
+    """What the sampler did for one request at one step, with the raw logits' top two.
+
+    Computed on the device as one float32 row per request (:func:`_top2_stats` stacks the
+    columns in this order); a worker process ships a row to the engine core as its plain
+    list of floats, read back with ``SampledRow._make(values)``.
+    """
+
+    chosen: float  # the sampled token id
+    top1: float  # raw-logit arg-max token id
+    runner_up: float  # second-highest raw-logit token id
+    margin: float  # top-1 minus top-2 raw logit
+    chosen_logprob: float  # log-probability of the chosen token under the raw logits
+    sampled: float  # 1.0 when the row sampled a token; 0.0 for a partial or chunked prefill
+
+
 @dataclass
 class _Live:
     """A request the engine core admitted and has not finished."""
 
     recorder: Recorder
     record: RequestRecord
-    sampled_rows: list[list[float]] = field(default_factory=list)
-    """Per generated token: chosen, top-1, runner-up, margin, chosen logprob (from the sampler)."""
+    sampled_rows: list[SampledRow] = field(default_factory=list)
+    """One per generated token, in order."""
 
 
 @dataclass
@@ -140,7 +156,8 @@ _pending_rows: deque = deque()  # (request ids, stats tensor or row lists, CUDA 
 _outgoing: deque = deque()  # worker process: rows of the current RPC, for its output
 _shipping = False  # worker process: the running RPC's output goes to the engine core
 ROWS_ATTR = "kvtrace_sampled_rows"
-"""Attribute a worker sets on the ``ModelRunnerOutput`` it sends: ``[(request ids, rows)]``, plain lists."""
+"""Attribute a worker sets on the ``ModelRunnerOutput`` it sends: ``[(request ids, rows)]``, each row a
+:class:`SampledRow` as a plain list of floats."""
 _vllm_config: Any = None
 _static: dict[str, Any] = {}
 
@@ -343,7 +360,7 @@ def _on_admission(manager: Any, request: Any, num_hits: int) -> None:
         block_hashes=hit_hashes, block_ids=hit_ids[:hit_blocks], source=source,
     )
     if live is not None:  # re-admission after preemption: the request recomputes, note the lookup
-        lookup.reason = "preempted"
+        lookup.reason = sc.REASON_PREEMPTED
         live.record.events.append(lookup)
         return
     recorder = get_recorder()
@@ -530,7 +547,7 @@ def _on_finish(request: Any) -> None:
         rows = live.sampled_rows
         if len(rows) >= len(outputs) and outputs:
             for token, row in zip(outputs, rows):
-                record.add_token(token, int(row[1]), int(row[2]), row[3], row[4])
+                record.add_token(token, int(row.top1), int(row.runner_up), row.margin, row.chosen_logprob)
         else:  # no rows reached this process (an executor that does not ship them): ids only
             record.output_token_ids = outputs
         reason = request.get_finished_reason() if hasattr(request, "get_finished_reason") else None
@@ -544,7 +561,7 @@ def _on_finish(request: Any) -> None:
 
 
 def _top2_stats(logits: Any, chosen: Any, valid: Any) -> Any:
-    """[rows, 6] float32 on the logits' device: chosen, top-1, runner-up, margin, chosen logprob, valid."""
+    """One :class:`SampledRow` per logits row, as a [rows, 6] float32 tensor on the logits' device."""
     import torch
 
     with torch.no_grad():
@@ -552,8 +569,10 @@ def _top2_stats(logits: Any, chosen: Any, valid: Any) -> Any:
         top = torch.topk(x, 2, dim=-1)
         ids = chosen.reshape(x.shape[0], -1)[:, 0].long().clamp(0, x.shape[1] - 1)
         chosen_logprob = x.gather(1, ids[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
-        return torch.stack([ids.float(), top.indices[:, 0].float(), top.indices[:, 1].float(),
-                            top.values[:, 0] - top.values[:, 1], chosen_logprob, valid.float()], dim=1)
+        columns = SampledRow(chosen=ids.float(), top1=top.indices[:, 0].float(), runner_up=top.indices[:, 1].float(),
+                             margin=top.values[:, 0] - top.values[:, 1], chosen_logprob=chosen_logprob,
+                             sampled=valid.float())
+        return torch.stack(columns, dim=1)
 
 
 def _queue_rows(req_ids: list[str], stats: Any) -> None:
@@ -581,10 +600,12 @@ def _drain_rows(block: bool) -> None:
         _pending_rows.popleft()
         rows = host.tolist() if hasattr(host, "tolist") else host
         with _lock:
-            for rid, row in zip(req_ids, rows):
+            for rid, values in zip(req_ids, rows):
                 live = _live.get(rid)
-                if live is not None and row[5] > 0.5:
-                    live.sampled_rows.append(list(row[:5]))
+                if live is not None:
+                    row = SampledRow._make(values)
+                    if row.sampled > 0.5:
+                        live.sampled_rows.append(row)
 
 
 def _sample_v1_wrapper(wrapped, instance, args, kwargs):

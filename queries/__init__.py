@@ -9,9 +9,11 @@ Each file starts with a header of ``--`` comment lines::
 Parameters appear in the statement as ClickHouse placeholders
 (``{run_a:String}``) and are bound by the server — never spliced into SQL.
 ``${NAME}`` placeholders are ``kvtrace.semconv`` constants (event names,
-layer names) substituted when the file is loaded; ``${shared_NAME}`` inserts
+layer names; a tuple such as ``MARGIN_BIN_EDGES`` as an array literal)
+substituted when the file is loaded; ``${shared_NAME}`` inserts
 ``shared/NAME.sql`` (WITH-clause definitions several queries must agree on,
-such as where two outputs diverge), comment lines removed.
+such as where two outputs diverge), comment lines removed, its own ``${NAME}``
+placeholders substituted.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from importlib import resources
 from string import Template
 from typing import Any, Optional
 
+from kvtrace import semconv
 from kvtrace.errors import QueryParameterError, UnknownQuery
 
 _PARAM = re.compile(r"^\s*(?P<name>[a-z_][a-z0-9_]*)\s+(?P<type>[A-Za-z0-9_()]+)\s*(?:=\s*(?P<default>.*))?$")
@@ -87,13 +90,28 @@ def names() -> list[str]:
     return sorted(f.name[:-4] for f in folder.iterdir() if f.name.endswith(".sql"))
 
 
-def _shared_fragments() -> dict[str, str]:
+def _semconv_arrays() -> dict[str, str]:
+    """``semconv`` tuples of names or numbers as ClickHouse array literals (constants, never user input)."""
+    arrays = {}
+    for key, value in vars(semconv).items():
+        if key.isupper() and isinstance(value, tuple) and all(isinstance(v, (str, int, float)) for v in value):
+            arrays[key] = "[" + ", ".join(_sql_literal(v) for v in value) + "]"
+    return arrays
+
+
+def _sql_literal(value: str | int | float) -> str:
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return repr(value)
+
+
+def _shared_fragments(constants: dict[str, str]) -> dict[str, str]:
     folder = resources.files(__name__) / "shared"
     fragments = {}
     for f in folder.iterdir():
         if f.name.endswith(".sql"):
             text = "\n".join(line for line in f.read_text().splitlines() if not line.lstrip().startswith("--"))
-            fragments[f"shared_{f.name[:-4]}"] = text.strip()
+            fragments[f"shared_{f.name[:-4]}"] = Template(text.strip()).substitute(constants)
     return fragments
 
 
@@ -120,7 +138,8 @@ def load(name: str) -> SavedQuery:
         body_lines.append(line)
     from kvtrace.collectors.schema import semconv_names
 
-    sql = Template("\n".join(body_lines)).substitute({**semconv_names(), **_shared_fragments()})
+    constants = {**semconv_names(), **_semconv_arrays()}
+    sql = Template("\n".join(body_lines)).substitute({**constants, **_shared_fragments(constants)})
     sql = sql.strip().rstrip(";")
     params = []
     for chunk in ",".join(header.get("params", [])).split(","):

@@ -1,38 +1,25 @@
 -- answers: How often the top-1 token flips between a cache hit and a recompute, by margin.
 --   Matched positions as in margin_shift.sql (a cache-hit request against the earliest request that
 --   recomputed the same prompt under the same engine, model, weight format, KV cache type and
---   numerics; positions while the chosen prefix agrees, up to the first differing one). A position
---   flips when the raw-logit arg-max differs (top1_ids; chosen token_ids when top-1 ids are absent).
---   Binned by the recompute path's margin: [0,0.1), [0.1,0.3), [0.3,1), >=1 raw logits; with a
---   Wilson score 95 % interval. Rows per weight format and bin, plus weight_format '(all)'.
+--   numerics; positions while the chosen prefix agrees, up to the first differing one, where both
+--   requests have a margin: queries/shared/matched_positions.sql). A position flips when the
+--   raw-logit arg-max differs (top1_ids; chosen token_ids when top-1 ids are absent).
+--   Binned by the recompute path's margin: [0,0.1), [0.1,0.3), [0.3,1), >=1 raw logits
+--   (semconv.MARGIN_BIN_EDGES, queries/shared/margin_bins.sql); with a Wilson score 95 % interval.
+--   Rows per weight format and bin, plus weight_format '(all)'.
 -- params: run_prefix String = ''
 -- columns: weight_format, margin_bin, positions, flips, flip_rate, ci_low, ci_high
 WITH
 ${shared_output_divergence}
 ${shared_wilson_interval}
+${shared_margin_bins}
 ${shared_recompute_reference}
-matched AS (
-    SELECT
-        h.weight_format AS format,
-        first_mismatch_index(h.token_ids, r.token_ids) AS first_mismatch,
-        least(if(first_mismatch > 0, first_mismatch, least(length(h.token_ids), length(r.token_ids))),
-              length(r.margins)) AS matched_positions,
-        if(notEmpty(h.top1_ids), h.top1_ids, h.token_ids) AS hit_top_ids,
-        arrayMap((x, y) -> x != y, arraySlice(hit_top_ids, 1, matched_positions),
-                 arraySlice(r.top_ids, 1, matched_positions)) AS flipped,
-        arraySlice(r.margins, 1, matched_positions) AS recompute_margins
-    FROM kvtrace_requests AS h
-    INNER JOIN recomputed AS r
-        ON h.engine = r.engine AND h.model_fingerprint = r.model_fingerprint
-       AND h.weight_format = r.weight_format AND h.kv_cache_type = r.kv_cache_type
-       AND h.numerics_settings = r.numerics_settings AND h.prompt_hash = r.prompt_hash
-    WHERE startsWith(h.run_id, {run_prefix:String}) AND h.reused_tokens > 0 AND notEmpty(h.token_ids)
-),
+${shared_matched_positions}
 positions AS (
-    SELECT format, flip, margin,
-           multiIf(margin < 0.1, '[0,0.1)', margin < 0.3, '[0.1,0.3)', margin < 1, '[0.3,1)', '>=1') AS margin_bin
+    SELECT format, flip, margin, margin_bin_of(margin) AS margin_bin
     FROM matched
-    ARRAY JOIN flipped AS flip, recompute_margins AS margin
+    ARRAY JOIN arrayMap((x, y) -> x != y, hit_top_ids, recompute_top_ids) AS flip,
+               recompute_margins AS margin
 ),
 binned AS (
     SELECT

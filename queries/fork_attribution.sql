@@ -1,7 +1,7 @@
 -- answers: Why runs A and B forked: per forked episode, each side's cache path at the forking turn,
 --   an attribution label, the culprit cache event with its provenance, and the margins at the fork.
---   Forks are found exactly as in forks.sql (first turn whose prompt or output differs; first
---   differing token position). Labels, most specific first:
+--   Forks are found exactly as in forks.sql (queries/shared/first_fork.sql: the first turn whose
+--   prompt or output differs; the first differing token position). Labels, most specific first:
 --     prompt_mismatch   the prompts already differ at this turn: the fork happened upstream (in what
 --                       was sent, e.g. an earlier turn's output fed back), not in this request;
 --     hit_vs_recompute  one side reused cached state (reused_tokens > 0), the other recomputed;
@@ -31,61 +31,25 @@
 WITH
 ${shared_output_divergence}
 ${shared_diff_sides}
-compared AS (
-    SELECT
-        a.episode_id AS episode_id,
-        a.turn AS turn,
-        a.prompt_hash != b.prompt_hash AS prompt_differs,
-        outputs_differ(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS output_differs,
-        first_divergent_position(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS position,
-        a.span_id AS span_id_a, b.span_id AS span_id_b,
-        a.request_id AS request_id_a, b.request_id AS request_id_b,
-        a.capture_mode AS capture_mode,
-        if(position >= 0 AND position < length(a.token_ids), a.token_ids[position + 1], toInt64(-1)) AS token_a,
-        if(position >= 0 AND position < length(b.token_ids), b.token_ids[position + 1], toInt64(-1)) AS token_b,
-        if(position >= 0 AND position < length(a.runner_up_ids), a.runner_up_ids[position + 1], toInt64(-1))
-            AS runner_up_a,
-        if(position >= 0 AND position < length(b.runner_up_ids), b.runner_up_ids[position + 1], toInt64(-1))
-            AS runner_up_b,
-        if(position >= 0 AND position < length(a.margins), a.margins[position + 1], nan) AS margin_a,
-        if(position >= 0 AND position < length(b.margins), b.margins[position + 1], nan) AS margin_b,
-        a.cache_layer AS layer_a, a.reused_tokens AS reused_tokens_a, a.prompt_tokens AS prompt_tokens_a,
-        a.state_key AS state_key_a, a.hit_block_hashes AS hit_block_hashes_a,
-        a.source_span_id AS source_span_id_a, a.source_request_id AS source_request_id_a,
-        a.source_run_id AS source_run_id_a, a.source_episode_id AS source_episode_id_a,
-        a.source_turn AS source_turn_a,
-        b.cache_layer AS layer_b, b.reused_tokens AS reused_tokens_b, b.prompt_tokens AS prompt_tokens_b,
-        b.state_key AS state_key_b, b.hit_block_hashes AS hit_block_hashes_b,
-        b.source_span_id AS source_span_id_b, b.source_request_id AS source_request_id_b,
-        b.source_run_id AS source_run_id_b, b.source_episode_id AS source_episode_id_b,
-        b.source_turn AS source_turn_b
-    FROM side_a AS a
-    INNER JOIN side_b AS b ON a.episode_id = b.episode_id AND a.turn = b.turn
-),
-first_fork AS (
-    SELECT *
-    FROM compared
-    WHERE prompt_differs OR output_differs
-    ORDER BY episode_id, turn
-    LIMIT 1 BY episode_id
-),
+${shared_first_fork}
 attributed AS (
     SELECT
         *,
         multiIf(
-            prompt_differs, 'prompt_mismatch',
-            (reused_tokens_a > 0) != (reused_tokens_b > 0), 'hit_vs_recompute',
-            reused_tokens_a > 0 AND reused_tokens_a != reused_tokens_b, 'reuse_length',
+            prompt_differs, '${ATTRIBUTION_PROMPT_MISMATCH}',
+            (reused_tokens_a > 0) != (reused_tokens_b > 0), '${ATTRIBUTION_HIT_VS_RECOMPUTE}',
+            reused_tokens_a > 0 AND reused_tokens_a != reused_tokens_b, '${ATTRIBUTION_REUSE_LENGTH}',
             reused_tokens_a > 0 AND (layer_a != layer_b OR state_key_a != state_key_b
                 OR hit_block_hashes_a != hit_block_hashes_b
-                OR source_episode_id_a != source_episode_id_b OR source_turn_a != source_turn_b), 'cache_source',
-            'same_cache_path') AS attribution,
+                OR source_episode_id_a != source_episode_id_b OR source_turn_a != source_turn_b),
+                '${ATTRIBUTION_CACHE_SOURCE}',
+            '${ATTRIBUTION_SAME_CACHE_PATH}') AS attribution,
         (source_episode_id_a != '' AND source_episode_id_a != episode_id) AS foreign_source_a,
         (source_episode_id_b != '' AND source_episode_id_b != episode_id) AS foreign_source_b,
         multiIf(
-            attribution = 'hit_vs_recompute', if(reused_tokens_a > 0, 'a', 'b'),
-            attribution = 'reuse_length', if(reused_tokens_a > reused_tokens_b, 'a', 'b'),
-            attribution = 'cache_source', if(foreign_source_b AND NOT foreign_source_a, 'b', 'a'),
+            attribution = '${ATTRIBUTION_HIT_VS_RECOMPUTE}', if(reused_tokens_a > 0, 'a', 'b'),
+            attribution = '${ATTRIBUTION_REUSE_LENGTH}', if(reused_tokens_a > reused_tokens_b, 'a', 'b'),
+            attribution = '${ATTRIBUTION_CACHE_SOURCE}', if(foreign_source_b AND NOT foreign_source_a, 'b', 'a'),
             '') AS culprit_side,
         multiIf(culprit_side = 'a', span_id_a, culprit_side = 'b', span_id_b, '') AS culprit_span_id
     FROM first_fork
@@ -112,14 +76,15 @@ margin_levels AS (
 SELECT
     f.episode_id AS episode_id,
     toInt64(f.turn) AS fork_turn,
-    if(f.prompt_differs, 'prompt', 'output') AS fork_kind,
+    if(f.prompt_differs, '${FORK_KIND_PROMPT}', '${FORK_KIND_OUTPUT}') AS fork_kind,
     f.position AS position,
     f.attribution AS attribution,
     multiIf(
-        f.attribution = 'prompt_mismatch',
+        f.attribution = '${ATTRIBUTION_PROMPT_MISMATCH}',
         concat('prompts differ at turn ', toString(f.turn),
                ': the fork happened upstream of this request (earlier output or harness input)'),
-        f.attribution = 'same_cache_path', 'both sides took the same cache path: not explained by caching',
+        f.attribution = '${ATTRIBUTION_SAME_CACHE_PATH}',
+        'both sides took the same cache path: not explained by caching',
         concat('side ', upper(f.culprit_side), ' ',
                if(f.culprit_side = 'a', f.layer_a, f.layer_b), ' served ',
                toString(if(f.culprit_side = 'a', f.reused_tokens_a, f.reused_tokens_b)), ' of ',

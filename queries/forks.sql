@@ -11,31 +11,7 @@
 WITH
 ${shared_output_divergence}
 ${shared_diff_sides}
--- One row per turn both runs made; arrays are compared whole, never exploded per token.
-compared AS (
-    SELECT
-        a.episode_id AS episode_id,
-        a.turn AS turn,
-        a.span_id AS span_id_a,
-        b.span_id AS span_id_b,
-        a.prompt_hash != b.prompt_hash AS prompt_differs,
-        outputs_compared_by_ids(a.token_ids, b.token_ids) AS by_ids,
-        outputs_differ(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS output_differs,
-        first_divergent_position(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS position,
-        if(position >= 0 AND position < length(a.token_ids), a.token_ids[position + 1], toInt64(-1)) AS token_a,
-        if(position >= 0 AND position < length(b.token_ids), b.token_ids[position + 1], toInt64(-1)) AS token_b,
-        a.output_tokens AS output_tokens_a,
-        b.output_tokens AS output_tokens_b
-    FROM side_a AS a
-    INNER JOIN side_b AS b ON a.episode_id = b.episode_id AND a.turn = b.turn
-),
-first_fork AS (
-    SELECT *, 1 AS found
-    FROM compared
-    WHERE prompt_differs OR output_differs
-    ORDER BY episode_id, turn
-    LIMIT 1 BY episode_id
-),
+${shared_first_fork}
 per_episode AS (
     SELECT episode_id, count() AS turns_compared, max(by_ids) AS any_by_ids
     FROM compared
@@ -47,9 +23,10 @@ SELECT
     e.episode_id AS episode_id,
     toUInt8(f.found) AS forked,
     if(f.found = 1, toInt64(f.turn), toInt64(-1)) AS fork_turn,
-    multiIf(f.found = 0, '', f.prompt_differs, 'prompt', 'output') AS fork_kind,
+    multiIf(f.found = 0, '', f.prompt_differs, '${FORK_KIND_PROMPT}', '${FORK_KIND_OUTPUT}') AS fork_kind,
     if(f.found = 1, f.position, toInt64(-1)) AS position,
-    if(if(f.found = 1, f.by_ids, e.any_by_ids), 'token_ids', 'output_hash') AS compared_by,
+    if(if(f.found = 1, f.by_ids, e.any_by_ids), '${COMPARED_BY_TOKEN_IDS}', '${COMPARED_BY_OUTPUT_HASH}')
+        AS compared_by,
     e.turns_compared AS turns_compared,
     ta.turns AS turns_a,
     tb.turns AS turns_b,

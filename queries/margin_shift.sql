@@ -2,7 +2,8 @@
 --   Each request that reused cached state (reused_tokens > 0) is matched with a reference request
 --   that recomputed the same prompt (same prompt_hash, engine, model fingerprint, weight format, KV
 --   cache type and numerics settings; the earliest such request). Positions are matched while the
---   chosen tokens agree (same chosen prefix), up to and including the first differing position.
+--   chosen tokens agree (same chosen prefix), up to and including the first differing position, where
+--   both requests have a margin (queries/shared/matched_positions.sql).
 --   shift = hit margin - recompute margin, in raw logits. Runs: those whose id starts with
 --   run_prefix ('' = all). Outputs must carry token ids (ids or hashed capture). One row per weight
 --   format plus a row '(all)'. Optional scope (what alert rules use): only cache-hit requests with
@@ -17,21 +18,11 @@ WITH
 ${shared_output_divergence}
 ${shared_recompute_reference}
 ${shared_request_scope}
-matched AS (
-    SELECT
-        h.weight_format AS format,
-        first_mismatch_index(h.token_ids, r.token_ids) AS first_mismatch,
-        least(if(first_mismatch > 0, first_mismatch, least(length(h.token_ids), length(r.token_ids))),
-              length(h.margins), length(r.margins)) AS matched_positions,
-        arrayMap((x, y) -> x - y, arraySlice(h.margins, 1, matched_positions),
-                 arraySlice(r.margins, 1, matched_positions)) AS shifts
-    FROM kvtrace_requests AS h
-    INNER JOIN recomputed AS r
-        ON h.engine = r.engine AND h.model_fingerprint = r.model_fingerprint
-       AND h.weight_format = r.weight_format AND h.kv_cache_type = r.kv_cache_type
-       AND h.numerics_settings = r.numerics_settings AND h.prompt_hash = r.prompt_hash
-    WHERE startsWith(h.run_id, {run_prefix:String}) AND h.reused_tokens > 0 AND notEmpty(h.token_ids)
-      AND in_request_scope(h.Timestamp, h.engine, h.model, h.weight_format)
+${shared_matched_positions}
+hit_shifts AS (
+    SELECT format, matched_positions, arrayMap((x, y) -> x - y, hit_margins, recompute_margins) AS shifts
+    FROM matched
+    WHERE in_request_scope(hit_time, engine, model, format)
 )
 SELECT
     if(grouping(format) = 1, '(all)', format) AS weight_format,
@@ -42,6 +33,6 @@ SELECT
     quantileExactArray(0.5)(arrayMap(x -> abs(x), shifts)) AS p50_abs_shift,
     quantileExactArray(0.95)(arrayMap(x -> abs(x), shifts)) AS p95_abs_shift,
     maxArray(arrayMap(x -> abs(x), shifts)) AS max_abs_shift
-FROM matched
+FROM hit_shifts
 GROUP BY GROUPING SETS ((format), ())
 ORDER BY grouping(format), weight_format

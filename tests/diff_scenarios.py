@@ -64,7 +64,8 @@ class ScenarioBook:
              margins: Optional[Sequence[float]] = None, runner_up: Optional[Sequence[int]] = None,
              cache: CachePath = RECOMPUTE, arm: str = "reuse", weight_format: str = "F16",
              engine: str = "llama.cpp") -> RequestRecord:
-        """Record one request: ``tokens`` chosen with ``margins`` (default 1.0 each)."""
+        """Record one request: ``tokens`` chosen with ``margins`` (default 1.0 each; ``[]``: token ids only,
+        as from an engine path that ships no per-token statistics)."""
         margins = [float(m) for m in margins] if margins is not None else [1.0] * len(tokens)
         runner_up = list(runner_up) if runner_up is not None else [t + 1 for t in tokens]
         with kvtrace.correlate(run_id=run, episode_id=episode, turn=turn):
@@ -84,6 +85,8 @@ class ScenarioBook:
                 tokens=cache.reused, block_hashes=cache.block_hashes or None, source=cache.origin))
         for chosen, margin, second in zip(tokens, margins, runner_up):
             record.add_token(chosen, chosen, second, margin, -0.1)
+        if not margins:
+            record.output_token_ids = list(tokens)
         record.finish_reason = "length"
         self.recorder.finish(record)
         self.records[(run, episode, turn)] = record

@@ -55,6 +55,13 @@ def client(tmp_path_factory):
     book.turn("exp-q4-reuse", "q", 0, PROMPT, SECOND, [m + 0.2 for m in OFF_MARGINS], cache=reuse,
               arm="reuse", weight_format="Q4_K_M")
     book.turn("other-reuse", "e0", 0, PROMPT + [0], [5], arm="reuse")
+    # Two cache hits of another configuration; one has token ids but no margins (an engine path that
+    # ships no per-token statistics).
+    for episode, hit_margins in (("with-margins", OFF_MARGINS), ("ids-only", [])):
+        book.turn("q8-off", episode, 0, PROMPT + [len(hit_margins)], SECOND, OFF_MARGINS, arm="off",
+                  weight_format="Q8_0")
+        book.turn("q8-reuse", episode, 0, PROMPT + [len(hit_margins)], SECOND, hit_margins, cache=reuse,
+                  arm="reuse", weight_format="Q8_0")
     connection = connect(f"chdb://{root / 'db'}")
     init_schema(connection)
     book.ingest(connection)
@@ -119,3 +126,11 @@ def test_flip_rate_binned_by_the_recompute_margin(client):
     assert (flips[("F16", ">=1")]["positions"], flips[("F16", ">=1")]["flips"]) == (36, 0)
     assert ("F16", "[0.1,0.3)") not in flips
     assert flips[("(all)", "[0,0.1)")]["positions"] == 21  # plus the Q4_K_M position
+
+
+def test_margin_shift_and_flip_rate_compare_the_same_positions(client):
+    shift = _by(client, "margin_shift", ("weight_format",), run_prefix="q8-")[("Q8_0",)]
+    flips = _by(client, "flip_rate_by_margin", ("weight_format", "margin_bin"), run_prefix="q8-")
+    # Both hits are paired with their recompute; only the one with margins has positions to compare.
+    assert (shift["request_pairs"], shift["positions"]) == (2, len(SECOND))
+    assert sum(row["positions"] for (fmt, _), row in flips.items() if fmt == "Q8_0") == shift["positions"]

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from kvtrace import __version__
 from kvtrace.alerts.rules import AlertmanagerConfig, DeliveryConfig, WebhookConfig
-from kvtrace.alerts.state import FIRING, TrackedAlert
+from kvtrace.alerts.state import FIRING, RESOLVED, TrackedAlert
 
 WEBHOOK = "webhook"
 ALERTMANAGER = "alertmanager"
@@ -35,7 +35,7 @@ def webhook_payload(alerts: list[TrackedAlert]) -> dict[str, Any]:
     return {
         "version": "4",
         "receiver": "kvtrace",
-        "status": FIRING if any(a.status == FIRING for a in alerts) else "resolved",
+        "status": FIRING if any(a.status == FIRING for a in alerts) else RESOLVED,
         "alerts": [
             {"status": a.status, "labels": a.labels, "annotations": a.annotations, "startsAt": iso(a.starts_at),
              "endsAt": iso(a.ends_at) if a.ends_at else "0001-01-01T00:00:00Z", "value": a.value}

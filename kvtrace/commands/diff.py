@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from kvtrace import semconv as sc
 from kvtrace.forks import DEFAULT_NEAR_TIE, Diff, Fork, Side
 
 
@@ -50,7 +51,7 @@ def run(args) -> int:
 
 
 def print_diff(diff: Diff, out: TextIO) -> None:
-    how = "token ids" if diff.compared_by == "token_ids" else "output hashes (no token ids captured)"
+    how = "token ids" if diff.compared_by == sc.COMPARED_BY_TOKEN_IDS else "output hashes (no token ids captured)"
     out.write(f"{diff.run_a} vs {diff.run_b}: {len(diff.forks)} of {diff.episodes_compared} episode(s) "
               f"forked (outputs compared by {how})\n")
     for fork in diff.forks:
@@ -61,9 +62,8 @@ def print_diff(diff: Diff, out: TextIO) -> None:
 
 
 def describe_fork(fork: Fork) -> str:
-    where = f"turn {fork.turn}" + (f", token {fork.position}" if fork.position >= 0 else "")
-    lines = [f"episode {fork.episode}: forked at {where} [{fork.attribution}]"]
-    if fork.kind == "prompt":
+    lines = [f"episode {fork.episode}: forked at {fork.where()} [{fork.attribution}]"]
+    if fork.kind == sc.FORK_KIND_PROMPT:
         lines.append(f"  {fork.note}")
     for label, side in (("A", fork.a), ("B", fork.b)):
         lines.append(f"  {label} {side.run:<14} chose {_token(side)}  margin {_margin(side.margin)}  "
@@ -74,7 +74,7 @@ def describe_fork(fork: Fork) -> str:
         lines.append(f"  near tie: {tie}{share}")
     if fork.culprit:
         lines.append(f"  culprit: {fork.culprit.describe()}")
-    elif fork.attribution == "same_cache_path":
+    elif fork.attribution == sc.ATTRIBUTION_SAME_CACHE_PATH:
         lines.append(f"  {fork.note}")
     return "\n".join(lines) + "\n"
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import kvtrace.bootstrap
-from kvtrace.config import CAPTURE_MODES
+from kvtrace.semconv import CAPTURE_MODES
 from kvtrace.errors import ConfigError
 
 BOOTSTRAP_DIR = str(Path(kvtrace.bootstrap.__file__).resolve().parent)

@@ -33,7 +33,7 @@ def run(args) -> int:
     run_id = f"selfcheck-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="kvtrace-selfcheck-") as spool:
-        os.environ["KVTRACE_CAPTURE"] = "ids"
+        os.environ["KVTRACE_CAPTURE"] = semconv.CAPTURE_IDS
         settings = Settings.from_env()
         recorder = Recorder(settings, exporter=SpoolExporter(Path(spool)), service_name="kvtrace-selfcheck")
         expected = {}
