@@ -178,14 +178,10 @@ def render_view_queries(database: str = "default", cluster: str | None = None) -
     return updates
 
 
-def _table_names(client, database: str) -> set[str]:
-    return {row[0] for row in client.query(
-        "SELECT name FROM system.tables WHERE database = {db:String}", parameters={"db": database}).result_rows}
-
-
 def _inspect(client, database: str) -> tuple[set[str], set[int]]:
     """The database's table names and the schema versions it has recorded."""
-    tables = _table_names(client, database)
+    tables = {row[0] for row in client.query(
+        "SELECT name FROM system.tables WHERE database = {db:String}", parameters={"db": database}).result_rows}
     if VERSIONS_TABLE not in tables:
         return tables, set()
     return tables, {int(row[0]) for row in client.query(
@@ -202,6 +198,12 @@ def _version(tables: set[str], recorded: set[int]) -> int:
 def schema_version(client, database: str | None = None) -> int:
     """The database's schema version: 0 when it has no kvtrace schema, 1 when it predates recorded versions."""
     return _version(*_inspect(client, database or client.database or "default"))
+
+
+def schema_state(client, database: str | None = None) -> tuple[int, list[str]]:
+    """The schema version and the kvtrace tables missing (what opening a database checks, in two queries)."""
+    tables, recorded = _inspect(client, database or client.database or "default")
+    return _version(tables, recorded), [t for t in TABLES if t not in tables]
 
 
 def cluster_of(client, database: str) -> str | None:
@@ -276,8 +278,3 @@ def distributed_column_additions(client, database: str, cluster: str) -> list[st
 def _first_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
-
-
-def missing_tables(client, database: str | None = None) -> list[str]:
-    tables = _table_names(client, database or client.database or "default")
-    return [t for t in TABLES if t not in tables]

@@ -32,15 +32,15 @@ def open_database(args, ingest: bool = True):
     shared server is the operator's decision).  Either is upgraded here when
     this kvtrace knows a newer schema version than the database has.
     """
-    from kvtrace.collectors.schema import init_schema, latest_version, missing_tables, schema_version
+    from kvtrace.collectors.schema import init_schema, latest_version, schema_state
     from kvtrace.db import connect
 
     url = default_database_url()
     client = connect(url)
-    version = schema_version(client)
+    version, missing = schema_state(client)
     if version == 0 and not url.startswith("chdb:"):
         raise SchemaMissing(f"{url} has no kvtrace tables yet; run `kvtrace --db URL db init` first")
-    if version < latest_version() or missing_tables(client):
+    if version < latest_version() or missing:
         init_schema(client)
     if ingest:
         spool = default_spool_dir()
