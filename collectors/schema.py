@@ -134,7 +134,7 @@ def _variables(database: str, cluster: str | None) -> dict[str, str]:
     return variables
 
 
-def _statements(sql: str) -> list[str]:
+def split_statements(sql: str) -> list[str]:
     """The statements of a rendered file: comment lines dropped, split at a ``;`` that ends a line."""
     text = "\n".join(line for line in sql.splitlines() if not line.lstrip().startswith("--"))
     return [s.strip() for s in re.split(r";[ \t]*(?:\n|$)", text) if s.strip()]
@@ -149,10 +149,10 @@ def render_ddl(database: str = "default", cluster: str | None = None) -> list[st
         if name.startswith("90_distributed"):
             distributed_template = text
             continue
-        statements.extend(_statements(Template(text).substitute(variables)))
+        statements.extend(split_statements(Template(text).substitute(variables)))
     if cluster and distributed_template:
         for table in DISTRIBUTED:
-            statements.extend(_statements(Template(distributed_template).substitute(
+            statements.extend(split_statements(Template(distributed_template).substitute(
                 variables,
                 table=f"`{table}`",
                 local_table=f"`{table}_local`",
@@ -164,7 +164,7 @@ def render_ddl(database: str = "default", cluster: str | None = None) -> list[st
 
 
 def render_migration(migration: Migration, database: str = "default", cluster: str | None = None) -> list[str]:
-    return _statements(Template(migration.template).substitute(_variables(database, cluster)))
+    return split_statements(Template(migration.template).substitute(_variables(database, cluster)))
 
 
 def render_view_queries(database: str = "default", cluster: str | None = None) -> list[str]:

@@ -39,7 +39,7 @@ def open_db(kvtrace_env):
         client = connect(f"chdb://{kvtrace_env / name}")
         opened.append(client)
         if first_release:  # the tables and views the first release's `kvtrace db init` created
-            for statement in schema._statements(FIRST_RELEASE_DDL.read_text()):
+            for statement in schema.split_statements(FIRST_RELEASE_DDL.read_text()):
                 client.command(statement)
         return client
 
@@ -212,7 +212,8 @@ def test_distributed_tables_get_the_columns_their_local_tables_gained(open_db):
     # chDB has no cluster; plain tables stand in for a Distributed table and the local table behind it.
     client = open_db()
     client.command("CREATE DATABASE otel")
-    client.command("CREATE TABLE otel.kvtrace_requests_local (a String, b String, c UInt32) ENGINE = MergeTree ORDER BY a")
+    client.command("CREATE TABLE otel.kvtrace_requests_local (a String, b String, c UInt32) "
+                   "ENGINE = MergeTree ORDER BY a")
     client.command("CREATE TABLE otel.kvtrace_requests (a String, c UInt32) ENGINE = MergeTree ORDER BY a")
     assert schema.distributed_column_additions(client, "otel", "prod") == [
         "ALTER TABLE `otel`.`kvtrace_requests` ON CLUSTER `prod` ADD COLUMN IF NOT EXISTS `b` String AFTER `a`"]
