@@ -1,4 +1,4 @@
-"""The ClickHouse schema: render the DDL in ``collectors/sql`` and apply it.
+"""The ClickHouse schema: render the DDL in ``collectors/sql``, create it, upgrade older databases.
 
 Templates use ``${name}`` placeholders: the database, the table names, the
 engine and ``ON CLUSTER`` clause, and every ``kvtrace.semconv`` constant (so
@@ -10,23 +10,73 @@ object ``ON CLUSTER NAME``, tables as ``<name>_local`` with Replicated engines,
 and a Distributed table under the plain name in front of each, so queries and
 inserts address the same names either way (the materialized views hang off
 the local tables, so each shard explodes what it stores).
+
+Versions.  ``collectors/sql`` is always the current schema.  A change that an
+existing database needs (a new column) also gets a numbered migration,
+``collectors/migrations/NNNN_name.sql``, rendered with the same placeholders;
+``kvtrace_schema_migrations`` lists the versions a database has.
+``init_schema`` (``kvtrace db init``, and every command through
+``open_database``):
+
+* creates a database that has no kvtrace tables at the latest version;
+* takes one whose kvtrace tables predate recorded versions to be at version 1;
+* runs each missing migration in order, then the current DDL (objects new
+  since then); then points every materialized view at its current SELECT with
+  ``ALTER TABLE … MODIFY QUERY`` (the views write TO their tables: no stored
+  row is touched, and no insert meets a missing view); in cluster mode it adds
+  the new columns to the Distributed tables in front; it records the versions
+  last, so an interrupted upgrade is simply run again.
+
+Every statement may run twice (``IF NOT EXISTS``).  An embedded database is
+opened by one process at a time, so its upgrade never races; two processes
+upgrading one server run the same idempotent statements and may record a
+version twice, which is still one version.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from importlib import resources
 from string import Template
 
 from kvtrace import semconv
+from kvtrace.errors import SchemaUpgradeFailed
 
 TABLES = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens",
           "kvtrace_cache_events", "kvtrace_ingest_files")
+VERSIONS_TABLE = "kvtrace_schema_migrations"
 VIEWS = ("otel_traces_trace_id_ts_mv", "kvtrace_requests_mv", "kvtrace_tokens_mv", "kvtrace_cache_events_mv")
 # Tables that get a Distributed table in front of them in cluster mode.
 DISTRIBUTED = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
+# The table whose presence says a database has a kvtrace schema at all.
+_MARKER_TABLE = "kvtrace_requests"
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MIGRATION_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+_VIEW_SELECT = re.compile(r"^CREATE MATERIALIZED VIEW IF NOT EXISTS (\S+) .*?^AS (SELECT\b.*)$", re.S | re.M)
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One numbered file of ``collectors/migrations``: the statements that bring version - 1 to version."""
+
+    version: int
+    name: str
+    template: str = field(repr=False)
+
+    @property
+    def label(self) -> str:
+        return f"{self.version:04d}_{self.name}"
+
+
+@dataclass(frozen=True)
+class SchemaChange:
+    """What ``init_schema`` did: the version before (0: no kvtrace schema) and after, migrations run."""
+
+    version_before: int
+    version: int
+    applied: tuple[str, ...]
 
 
 def _ident(name: str, what: str) -> str:
@@ -44,11 +94,23 @@ def _templates() -> list[tuple[str, str]]:
     return sorted((f.name, f.read_text()) for f in folder.iterdir() if re.match(r"^\d\d_.*\.sql$", f.name))
 
 
-def render_ddl(database: str = "default", cluster: str | None = None) -> list[str]:
-    """The statements ``kvtrace db init`` runs, in order."""
+def migrations() -> list[Migration]:
+    """Every migration, oldest first (version 1 is the first release's schema)."""
+    folder = resources.files("kvtrace.collectors") / "migrations"
+    found = sorted((Migration(int(m[1]), m[2], f.read_text())
+                    for f in folder.iterdir() if (m := _MIGRATION_FILE.match(f.name))), key=lambda m: m.version)
+    if [m.version for m in found] != list(range(1, len(found) + 1)):
+        raise RuntimeError("collectors/migrations must hold 0001_*.sql, 0002_*.sql, … without gaps or repeats")
+    return found
+
+
+def latest_version() -> int:
+    return migrations()[-1].version
+
+
+def _variables(database: str, cluster: str | None) -> dict[str, str]:
     _ident(database, "database name")
-    names = semconv_names()
-    variables: dict[str, str] = {**names, "database": f"`{database}`"}
+    variables: dict[str, str] = {**semconv_names(), "database": f"`{database}`"}
     if cluster:
         _ident(cluster, "cluster name")
         variables["on_cluster"] = f"ON CLUSTER `{cluster}`"
@@ -56,26 +118,41 @@ def render_ddl(database: str = "default", cluster: str | None = None) -> list[st
         variables["replacing_engine"] = (
             "ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', updated)"
         )
-        for table in TABLES:
-            variables[table] = f"`{table}_local`" if table in DISTRIBUTED else f"`{table}`"
+        # The schema version belongs to the whole cluster: one replica set across all shards.
+        variables["versions_engine"] = (
+            "ReplicatedMergeTree('/clickhouse/tables/all_shards/{database}/{table}', '{shard}-{replica}')"
+        )
     else:
         variables["on_cluster"] = ""
         variables["engine"] = "MergeTree()"
         variables["replacing_engine"] = "ReplacingMergeTree(updated)"
-        for table in TABLES:
-            variables[table] = f"`{table}`"
+        variables["versions_engine"] = "MergeTree()"
+    for table in TABLES + (VERSIONS_TABLE,):
+        variables[table] = f"`{table}_local`" if cluster and table in DISTRIBUTED else f"`{table}`"
     for view in VIEWS:
         variables[view] = f"`{view}`"
+    return variables
+
+
+def split_statements(sql: str) -> list[str]:
+    """The statements of a rendered file: comment lines dropped, split at a ``;`` that ends a line."""
+    text = "\n".join(line for line in sql.splitlines() if not line.lstrip().startswith("--"))
+    return [s.strip() for s in re.split(r";[ \t]*(?:\n|$)", text) if s.strip()]
+
+
+def render_ddl(database: str = "default", cluster: str | None = None) -> list[str]:
+    """The statements that create the current schema (``kvtrace db init --print``), in order."""
+    variables = _variables(database, cluster)
     statements = []
     distributed_template = None
     for name, text in _templates():
         if name.startswith("90_distributed"):
             distributed_template = text
             continue
-        statements.append(_strip_comments(Template(text).substitute(variables)))
+        statements.extend(split_statements(Template(text).substitute(variables)))
     if cluster and distributed_template:
         for table in DISTRIBUTED:
-            statements.append(_strip_comments(Template(distributed_template).substitute(
+            statements.extend(split_statements(Template(distributed_template).substitute(
                 variables,
                 table=f"`{table}`",
                 local_table=f"`{table}_local`",
@@ -86,24 +163,118 @@ def render_ddl(database: str = "default", cluster: str | None = None) -> list[st
     return statements
 
 
-def _strip_comments(sql: str) -> str:
-    return "\n".join(line for line in sql.splitlines() if not line.lstrip().startswith("--")).strip()
+def render_migration(migration: Migration, database: str = "default", cluster: str | None = None) -> list[str]:
+    return split_statements(Template(migration.template).substitute(_variables(database, cluster)))
 
 
-def init_schema(client, database: str | None = None, cluster: str | None = None) -> list[str]:
-    """Create every kvtrace object (idempotent).  Returns the statements run."""
-    database = database or client.database or "default"
+def render_view_queries(database: str = "default", cluster: str | None = None) -> list[str]:
+    """``ALTER TABLE view MODIFY QUERY`` for every materialized view: its SELECT as the current DDL has it."""
+    on_cluster = _variables(database, cluster)["on_cluster"]
+    updates = []
+    for statement in render_ddl(database, cluster):
+        match = _VIEW_SELECT.match(statement)
+        if match:
+            updates.append(f"ALTER TABLE {match[1]} {on_cluster} MODIFY QUERY {match[2]}")
+    return updates
+
+
+def _inspect(client, database: str) -> tuple[set[str], set[int]]:
+    """The database's table names and the schema versions it has recorded."""
+    tables = {row[0] for row in client.query(
+        "SELECT name FROM system.tables WHERE database = {db:String}", parameters={"db": database}).result_rows}
+    if VERSIONS_TABLE not in tables:
+        return tables, set()
+    return tables, {int(row[0]) for row in client.query(
+        "SELECT DISTINCT version FROM {db:Identifier}.{table:Identifier}",
+        parameters={"db": database, "table": VERSIONS_TABLE}).result_rows}
+
+
+def _version(tables: set[str], recorded: set[int]) -> int:
+    if recorded:
+        return max(recorded)
+    return 1 if _MARKER_TABLE in tables else 0
+
+
+def schema_version(client, database: str | None = None) -> int:
+    """The database's schema version: 0 when it has no kvtrace schema, 1 when it predates recorded versions."""
+    return _version(*_inspect(client, database or client.database or "default"))
+
+
+def schema_state(client, database: str | None = None) -> tuple[int, list[str]]:
+    """The schema version and the kvtrace tables missing (what opening a database checks, in two queries)."""
+    tables, recorded = _inspect(client, database or client.database or "default")
+    return _version(tables, recorded), [t for t in TABLES if t not in tables]
+
+
+def cluster_of(client, database: str) -> str | None:
+    """The cluster a schema was created on (the one its Distributed ``kvtrace_requests`` names), if any."""
+    rows = client.query(
+        "SELECT engine_full FROM system.tables WHERE database = {db:String} AND name = {table:String} "
+        "AND engine = 'Distributed'", parameters={"db": database, "table": _MARKER_TABLE}).result_rows
+    match = re.match(r"^Distributed\('([^']+)'", rows[0][0]) if rows else None
+    return match[1] if match else None
+
+
+def init_schema(client, database: str | None = None, cluster: str | None = None) -> SchemaChange:
+    """Create the kvtrace schema, or bring an existing one to the latest version (idempotent)."""
+    database = _ident(database or client.database or "default", "database name")
+    cluster = cluster or cluster_of(client, database)
+    tables, recorded = _inspect(client, database)
+    before = _version(tables, recorded)
+    everything = migrations()
+    to_apply = [m for m in everything if m.version > before] if before else []
+
+    def execute(step: str, statements: list[str]) -> None:
+        for statement in statements:
+            try:
+                client.command(statement)
+            except Exception as exc:
+                raise SchemaUpgradeFailed(
+                    f"cannot bring database {database!r} from schema version {before} to {everything[-1].version}: "
+                    f"{step} failed: {_first_line(exc)}. Nothing is recorded as applied; fix the cause and run "
+                    "`kvtrace db init` again."
+                ) from None
+
     if database != "default":
         on_cluster = f" ON CLUSTER `{_ident(cluster, 'cluster name')}`" if cluster else ""
-        client.command(f"CREATE DATABASE IF NOT EXISTS `{_ident(database, 'database name')}`{on_cluster}")
-    statements = render_ddl(database, cluster)
-    for statement in statements:
-        client.command(statement)
-    return statements
+        execute("creating the database", [f"CREATE DATABASE IF NOT EXISTS `{database}`{on_cluster}"])
+    for migration in to_apply:
+        execute(f"migration {migration.label}", render_migration(migration, database, cluster))
+    execute("creating the current schema", render_ddl(database, cluster))
+    if to_apply:
+        execute("pointing the views at their current SELECT", render_view_queries(database, cluster))
+        if cluster:
+            execute("adding the new columns to the Distributed tables",
+                    distributed_column_additions(client, database, cluster))
+    unrecorded = [[m.version, m.name] for m in everything if m.version not in recorded]
+    if unrecorded:
+        try:
+            client.insert(VERSIONS_TABLE, unrecorded, column_names=["version", "name"], database=database)
+        except Exception as exc:
+            raise SchemaUpgradeFailed(f"database {database!r} has the schema of version {everything[-1].version} "
+                                      f"but recording it failed: {_first_line(exc)}") from None
+    return SchemaChange(before, everything[-1].version, tuple(m.label for m in to_apply))
 
 
-def missing_tables(client, database: str | None = None) -> list[str]:
-    database = database or client.database or "default"
-    present = {row[0] for row in client.query(
-        "SELECT name FROM system.tables WHERE database = {db:String}", parameters={"db": database}).result_rows}
-    return [t for t in TABLES if t not in present]
+def distributed_column_additions(client, database: str, cluster: str) -> list[str]:
+    """``ADD COLUMN`` for each column a local table has and its Distributed table in front lacks."""
+    columns: dict[str, list[tuple[str, str]]] = {}
+    for table, name, type_ in client.query(
+            "SELECT table, name, type FROM system.columns WHERE database = {db:String} ORDER BY table, position",
+            parameters={"db": database}).result_rows:
+        columns.setdefault(table, []).append((name, type_))
+    additions = []
+    for table in DISTRIBUTED:
+        present = {name for name, _ in columns.get(table, [])}
+        local = columns.get(f"{table}_local", [])
+        for index, (name, type_) in enumerate(local):
+            if name not in present:
+                after = f" AFTER `{local[index - 1][0]}`" if index else " FIRST"
+                additions.append(f"ALTER TABLE `{database}`.`{table}` ON CLUSTER `{cluster}` "
+                                 f"ADD COLUMN IF NOT EXISTS `{name}` {type_}{after}")
+    return additions
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -39,3 +39,7 @@ class UnknownRun(KvtraceError):
 
 class SchemaMissing(KvtraceError):
     """The database has no kvtrace tables yet."""
+
+
+class SchemaUpgradeFailed(KvtraceError):
+    """A statement that creates or upgrades the kvtrace schema failed (rights, a server problem)."""

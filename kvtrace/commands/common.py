@@ -25,22 +25,23 @@ def progress_printer(args):
 
 
 def open_database(args, ingest: bool = True):
-    """Connect, make sure the schema exists, and take in pending spool files first.
+    """Connect, make sure the schema exists at the latest version, and take in pending spool files first.
 
     The embedded database gets its schema created on first use; a server must
     be initialised explicitly with ``kvtrace db init`` (creating tables on a
-    shared server is the operator's decision).
+    shared server is the operator's decision).  Either is upgraded here when
+    this kvtrace knows a newer schema version than the database has.
     """
-    from kvtrace.collectors.schema import init_schema, missing_tables
+    from kvtrace.collectors.schema import init_schema, latest_version, schema_state
     from kvtrace.db import connect
 
     url = default_database_url()
     client = connect(url)
-    if missing_tables(client):
-        if url.startswith("chdb:"):
-            init_schema(client)
-        else:
-            raise SchemaMissing(f"{url} has no kvtrace tables yet; run `kvtrace --db URL db init` first")
+    version, missing = schema_state(client)
+    if version == 0 and not url.startswith("chdb:"):
+        raise SchemaMissing(f"{url} has no kvtrace tables yet; run `kvtrace --db URL db init` first")
+    if version < latest_version() or missing:
+        init_schema(client)
     if ingest:
         spool = default_spool_dir()
         if spool.is_dir():

@@ -12,11 +12,12 @@ def register(sub) -> None:
     dbsub = p.add_subparsers(dest="db_command", metavar="ACTION")
     dbsub.required = True
 
-    init = dbsub.add_parser("init", help="create otel_traces and the kvtrace tables and views (idempotent)")
+    init = dbsub.add_parser("init", help="create otel_traces and the kvtrace tables and views, or upgrade them "
+                                         "to this version's schema (idempotent)")
     init.add_argument("--cluster", metavar="NAME",
                       help="create every object ON CLUSTER NAME: replicated local tables behind Distributed ones")
     init.add_argument("--database", metavar="NAME", help="database to create the objects in (default: the URL's)")
-    init.add_argument("--print", action="store_true", help="print the DDL instead of running it")
+    init.add_argument("--print", action="store_true", help="print the DDL of a new database instead of running it")
     init.set_defaults(func=run_init)
 
     ingest = dbsub.add_parser("ingest", help="load spool / OTLP-JSON span files into ClickHouse")
@@ -25,7 +26,8 @@ def register(sub) -> None:
     ingest.add_argument("--format", choices=("text", "json"), default="text")
     ingest.set_defaults(func=run_ingest)
 
-    status = dbsub.add_parser("status", help="database, tables, row counts, pending spool files, drop counters")
+    status = dbsub.add_parser("status", help="database, schema version, tables, row counts, pending spool files, "
+                                             "drop counters")
     status.add_argument("--format", choices=("text", "json"), default="text")
     status.set_defaults(func=run_status)
 
@@ -41,8 +43,14 @@ def run_init(args) -> int:
         return 0
     url = default_database_url()
     client = connect(url)
-    statements = init_schema(client, database=args.database, cluster=args.cluster)
-    print(f"kvtrace: schema ready in {describe(url)} ({len(statements)} statements)")
+    change = init_schema(client, database=args.database, cluster=args.cluster)
+    if change.applied:
+        done = f"upgraded from schema version {change.version_before}: {', '.join(change.applied)}"
+    elif change.version_before == 0:
+        done = f"created at schema version {change.version}"
+    else:
+        done = f"schema version {change.version}, nothing to upgrade"
+    print(f"kvtrace: schema ready in {describe(url)} ({done})")
     return 0
 
 
@@ -75,7 +83,7 @@ def run_ingest(args) -> int:
 
 def run_status(args) -> int:
     from kvtrace.collectors.ingest import pending_files
-    from kvtrace.collectors.schema import TABLES
+    from kvtrace.collectors.schema import TABLES, latest_version, schema_version
     from kvtrace.commands.common import open_database
     from kvtrace.config import default_database_url, default_spool_dir
     from kvtrace.db import describe
@@ -95,6 +103,7 @@ def run_status(args) -> int:
                 totals[k] = totals.get(k, 0) + int(v)
     status = {
         "database": describe(default_database_url()),
+        "schema_version": schema_version(client),
         "tables": counts,
         "spool_dir": str(spool),
         "pending_files": [{"path": str(p), "bytes": n} for p, n in pending],
@@ -105,6 +114,9 @@ def run_status(args) -> int:
         print(json.dumps(status, indent=2))
         return 0
     print(f"database:    {status['database']}")
+    newer = status["schema_version"] > latest_version()
+    print(f"schema:      version {status['schema_version']}"
+          + (f" (newer than this kvtrace, which knows up to {latest_version()})" if newer else ""))
     for table, n in counts.items():
         print(f"  {table:<26} {n:>12,} rows")
     print(f"spool:       {spool}  ({len(pending)} file(s) with {sum(n for _, n in pending):,} bytes pending)")

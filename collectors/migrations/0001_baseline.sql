@@ -1,0 +1,3 @@
+-- Version 1: the schema as first released (kvtrace 0.1.0).  No statements: a new database is created
+-- from collectors/sql at the latest version; a database whose kvtrace tables predate the recording of
+-- versions is taken to be at version 1 and gets every later migration.
