@@ -39,3 +39,7 @@ class UnknownRun(KvtraceError):
 
 class SchemaMissing(KvtraceError):
     """The database has no kvtrace tables yet."""
+
+
+class EngineFailed(KvtraceError):
+    """An engine process crashed or hung during one of kvtrace's own runs (experiment, demo)."""
