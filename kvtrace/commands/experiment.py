@@ -58,7 +58,8 @@ def register(sub) -> None:
     p.add_argument("--n-ctx", type=int, default=1024, metavar="TOKENS")
     p.add_argument("--threads", type=int, default=1, metavar="N")
     add_pass_timeout_option(p)
-    p.add_argument("--plot", type=Path, metavar="FILE.png", help="bar chart of divergence rates (needs matplotlib)")
+    p.add_argument("--plot", type=Path, metavar="FILE.png",
+                   help="divergence rates as a PNG, one panel per compared pair (pip install 'kvtrace[plot]')")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.set_defaults(func=run)
 
@@ -88,7 +89,7 @@ def prepare_models(args, plan, progress):
 def run(args) -> int:
     from kvtrace.commands.common import open_database, progress_printer
     from kvtrace.experiment import run_experiment
-    from kvtrace.experiment.report import build_report, plot, print_report
+    from kvtrace.experiment.report import build_report, print_report
 
     require_llama()
     plan = plan_from_args(args)
@@ -107,10 +108,21 @@ def run(args) -> int:
     else:
         print_report(report, sys.stdout)
     if args.plot:
-        written = plot(report, args.plot)
-        print(f"kvtrace: wrote {written}" if written else "kvtrace: plot skipped (matplotlib is not installed)",
-              file=sys.stderr)
+        write_plot_or_say_why(report, args.plot)
     return 130 if outcome.interrupted else 0
+
+
+def write_plot_or_say_why(report: dict, path: Path) -> None:
+    """The plot is an extra: without matplotlib the command says how to get it and carries on."""
+    from kvtrace.experiment import plot
+
+    try:
+        written = plot.write_plot(report, path)
+    except ImportError:
+        print(f"kvtrace: no plot written: it needs matplotlib ({plot.INSTALL_HINT})", file=sys.stderr)
+        return
+    print(f"kvtrace: wrote {written}" if written else "kvtrace: no plot written: no compared pair has a rate",
+          file=sys.stderr)
 
 
 def require_llama() -> None:
