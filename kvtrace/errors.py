@@ -43,3 +43,7 @@ class SchemaMissing(KvtraceError):
 
 class SchemaUpgradeFailed(KvtraceError):
     """A statement that creates or upgrades the kvtrace schema failed (rights, a server problem)."""
+
+
+class EngineFailed(KvtraceError):
+    """An engine process crashed or hung during one of kvtrace's own runs (experiment, demo)."""

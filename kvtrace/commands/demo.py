@@ -11,7 +11,9 @@ import os
 import sys
 import time
 
+from kvtrace.commands.experiment import add_pass_timeout_option
 from kvtrace.config import data_home
+from kvtrace.errors import EngineFailed
 
 DEMO_FORMATS = ("Q4_0", "Q8_0")
 DEMO_ARMS = ("off", "reuse")
@@ -25,6 +27,7 @@ def register(sub) -> None:
     p.add_argument("--turns", type=int, default=8, metavar="T")
     p.add_argument("--tokens", type=int, default=32, metavar="K")
     p.add_argument("--seed", type=int, default=0, metavar="S")
+    add_pass_timeout_option(p)
     p.set_defaults(func=run)
 
 
@@ -48,10 +51,12 @@ def run(args) -> int:
     models = generated_models("tiny", plan.formats, progress)
     print(f"kvtrace demo: {plan.episodes} episodes x {plan.turns} turns x {plan.tokens} tokens, greedy, serial; "
           f"arms {' vs '.join(plan.arms)}; formats {', '.join(plan.formats)}; runs under {plan.prefix}/")
-    outcome = run_experiment(plan, models, progress)
+    outcome = run_experiment(plan, models, progress, args.pass_timeout)
     progress("ingesting")
     client = open_database(args)
     progress("")
+    if outcome.failure is not None:
+        raise EngineFailed(outcome.failure.describe())
     print_report(build_report(client, plan, outcome), sys.stdout)
 
     for fmt in plan.formats:

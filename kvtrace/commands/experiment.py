@@ -3,11 +3,31 @@ weight formats, recorded through the real instrumentation and reported with the 
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
-from kvtrace.errors import ConfigError
+from kvtrace.errors import ConfigError, EngineFailed
+from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def add_pass_timeout_option(parser) -> None:
+    """Shared with ``kvtrace demo``: each engine pass runs in its own process, watched for stalls."""
+    parser.add_argument("--pass-timeout", type=_seconds, default=DEFAULT_PASS_TIMEOUT, metavar="SECONDS",
+                        help="end the command when one request (or model load) of a pass takes longer than "
+                             "this: the engine hangs (default %(default)g)")
 
 
 def _list(text: str) -> tuple[str, ...]:
@@ -37,7 +57,9 @@ def register(sub) -> None:
     p.add_argument("--prefix", default=None, help="run id prefix (default exp-<seed>-<time>)")
     p.add_argument("--n-ctx", type=int, default=1024, metavar="TOKENS")
     p.add_argument("--threads", type=int, default=1, metavar="N")
-    p.add_argument("--plot", type=Path, metavar="FILE.png", help="bar chart of divergence rates (needs matplotlib)")
+    add_pass_timeout_option(p)
+    p.add_argument("--plot", type=Path, metavar="FILE.png",
+                   help="divergence rates as a PNG, one panel per compared pair (pip install 'kvtrace[plot]')")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.set_defaults(func=run)
 
@@ -67,27 +89,40 @@ def prepare_models(args, plan, progress):
 def run(args) -> int:
     from kvtrace.commands.common import open_database, progress_printer
     from kvtrace.experiment import run_experiment
-    from kvtrace.experiment.report import build_report, plot, print_report
+    from kvtrace.experiment.report import build_report, print_report
 
     require_llama()
     plan = plan_from_args(args)
     progress = progress_printer(args)
     models = prepare_models(args, plan, progress)
-    outcome = run_experiment(plan, models, progress)
+    outcome = run_experiment(plan, models, progress, args.pass_timeout)
     progress("ingesting")
     client = open_database(args)
-    report = build_report(client, plan, outcome)
     progress("")
+    if outcome.failure is not None:
+        raise EngineFailed(outcome.failure.describe())
+    report = build_report(client, plan, outcome)
     if args.format == "json":
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print_report(report, sys.stdout)
     if args.plot:
-        written = plot(report, args.plot)
-        print(f"kvtrace: wrote {written}" if written else "kvtrace: plot skipped (matplotlib is not installed)",
-              file=sys.stderr)
+        write_plot_or_say_why(report, args.plot)
     return 130 if outcome.interrupted else 0
+
+
+def write_plot_or_say_why(report: dict, path: Path) -> None:
+    """The plot is an extra: without matplotlib the command says how to get it and carries on."""
+    from kvtrace.experiment import plot
+
+    try:
+        written = plot.write_plot(report, path)
+    except ImportError:
+        print(f"kvtrace: no plot written: it needs matplotlib ({plot.INSTALL_HINT})", file=sys.stderr)
+        return
+    print(f"kvtrace: wrote {written}" if written else "kvtrace: no plot written: no compared pair has a rate",
+          file=sys.stderr)
 
 
 def require_llama() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import math
-from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from kvtrace import queries
@@ -110,30 +109,3 @@ def print_report(report: dict, out: TextIO) -> None:
         out.write(f"\nrestore control: {report['restore_checks']} request(s) rerun from a saved state, "
                   f"{len(bad)} differed{': ' + ', '.join(bad[:5]) if bad else ' (each path is deterministic)'}\n")
     out.write(f"\n{report['requests']} requests in {report['seconds']:.0f} s\n")
-
-
-def plot(report: dict, path: Path) -> Optional[Path]:
-    """A bar chart of the divergence rate against `off` by format and arm; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    pairs = [p for p in report["pairs"] if p["rate"] is not None]
-    if not pairs:
-        return None
-    labels = [f"{p['format']}\n{p['arm_a']} vs {p['arm_b']}" for p in pairs]
-    rates = [p["rate"] for p in pairs]
-    low = [p["rate"] - (p["ci95"][0] or 0) for p in pairs]
-    high = [(p["ci95"][1] or 0) - p["rate"] for p in pairs]
-    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(pairs)), 3.5))
-    ax.bar(range(len(pairs)), rates, yerr=[low, high], capsize=3)
-    ax.set_xticks(range(len(pairs)), labels, fontsize=7)
-    ax.set_ylabel("episodes forked")
-    ax.set_ylim(0, 1)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

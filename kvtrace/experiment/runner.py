@@ -1,8 +1,10 @@
 """Run the plan: one fresh ``Llama`` per pass, serial requests, batch size one, greedy decoding.
 
-Every request goes through the instrumented engine and is tagged with run / episode / turn / arm
-through ``kvtrace.correlate``, so the spool holds everything the report needs. A Ctrl-C stops
-between requests; what was recorded stays usable (the spool is durable) and is reported.
+Each pass runs in a process of its own (``isolation``), so a native crash or hang of the engine
+ends that pass with a clear error while the passes before it stay recorded. Every request goes
+through the instrumented engine and is tagged with run / episode / turn / arm through
+``kvtrace.correlate``, so the spool holds everything the report needs. A Ctrl-C stops between
+requests; what was recorded stays usable (the spool is durable) and is reported.
 """
 
 from __future__ import annotations
@@ -10,13 +12,42 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from kvtrace import correlate
+from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT, PassDied, PassResult, PassSpec, run_isolated
 from kvtrace.experiment.plan import Plan
 from kvtrace.experiment.workload import episode_order, make_episodes
 
 RAM_CACHE_BYTES = 1 << 30
+
+
+def engine_crash_hint() -> str:
+    """What to suspect when an engine pass dies or hangs (one place, so a CPU check can refine it)."""
+    return "on Intel AMX CPUs llama.cpp's weight repack is known to crash quantized models"
+
+
+@dataclass(frozen=True)
+class PassFailure:
+    """A pass whose engine process died or hung; the passes before it finished and are recorded."""
+
+    format: str
+    arm: str
+    repeat: int
+    order: str
+    run_id: str
+    cause: str
+    requests: int
+    passes_kept: int
+
+    def describe(self) -> str:
+        """One line: which pass, what happened, what is kept, what to try next."""
+        kept = (f"the {self.passes_kept} pass(es) before it are kept (kvtrace runs)" if self.passes_kept
+                else "no pass had finished before it")
+        return (f"the engine {self.cause} in pass {self.run_id} (format {self.format}, arm {self.arm}, repeat "
+                f"{self.repeat}, order {self.order}) after {self.requests} finished request(s); {kept}; to "
+                f"reproduce, run that pass alone (kvtrace experiment ... --formats {self.format} --arms "
+                f"{self.arm}); {engine_crash_hint()}")
 
 
 @dataclass
@@ -28,7 +59,14 @@ class Outcome:
     restore_checks: int = 0
     restore_mismatches: list[str] = field(default_factory=list)
     interrupted: bool = False
+    failure: Optional[PassFailure] = None
     seconds: float = 0.0
+
+    def add(self, result: PassResult) -> None:
+        self.requests += result.requests
+        self.restore_checks += result.restore_checks
+        self.restore_mismatches += result.restore_mismatches
+        self.interrupted = self.interrupted or result.interrupted
 
 
 def open_llama(model: Path, plan: Plan):
@@ -40,14 +78,10 @@ def open_llama(model: Path, plan: Plan):
                            verbose=False)
 
 
-def run_experiment(plan: Plan, models: dict[str, Path],
-                   progress: Callable[[str], None] = lambda m: None) -> Outcome:
-    from kvtrace.patches import llama_cpp as llama_patch
-    from kvtrace.recorder import get_recorder
-
-    # Patched directly (idempotent) rather than through the import hook: llama_cpp is already
-    # imported here, and a hook registered earlier in the process may have been unpatched since.
-    llama_patch.patch()
+def run_experiment(plan: Plan, models: dict[str, Path], progress: Callable[[str], None] = lambda m: None,
+                   pass_timeout: float = DEFAULT_PASS_TIMEOUT) -> Outcome:
+    """Run every pass of ``plan``, each in its own process; stop at the first that dies or hangs
+    (``Outcome.failure``) or at Ctrl-C (``Outcome.interrupted``)."""
     outcome = Outcome()
     started = time.monotonic()
     total = sum(1 for _ in plan.passes())
@@ -55,20 +89,27 @@ def run_experiment(plan: Plan, models: dict[str, Path],
         for i, (fmt, arm, repeat, order) in enumerate(plan.passes(), 1):
             run_id = plan.run_id(fmt, arm, repeat, order)
             progress(f"[{i}/{total}] {run_id}")
+            try:
+                result = run_isolated(PassSpec(plan, models[fmt], run_id, arm, order), pass_timeout, progress)
+            except PassDied as died:
+                outcome.failure = PassFailure(fmt, arm, repeat, order, run_id, died.cause, died.requests,
+                                              passes_kept=len(outcome.runs))
+                break
             outcome.runs.append({"run_id": run_id, "format": fmt, "arm": arm, "repeat": repeat, "order": order})
-            run_pass(plan, models[fmt], run_id, arm, order, outcome, progress)
+            outcome.add(result)
+            if outcome.interrupted:
+                break
     except KeyboardInterrupt:
         outcome.interrupted = True
     finally:
-        recorder = get_recorder()
-        if recorder is not None:
-            recorder.pipeline.force_flush()
         outcome.seconds = time.monotonic() - started
     return outcome
 
 
-def run_pass(plan: Plan, model: Path, run_id: str, arm: str, order: str, outcome: Outcome,
+def run_pass(plan: Plan, model: Path, run_id: str, arm: str, order: str, result: PassResult,
              progress: Callable[[str], None]) -> None:
+    """One pass in this process (the child of ``run_isolated``); a message before every request
+    tells the parent it is alive."""
     import llama_cpp
 
     llm = open_llama(model, plan)  # fresh history per pass: nothing cached from another run
@@ -78,19 +119,19 @@ def run_pass(plan: Plan, model: Path, run_id: str, arm: str, order: str, outcome
         episodes = make_episodes(plan.episodes, plan.seed)
         for n, index in enumerate(episode_order(plan.episodes, order, plan.seed), 1):
             episode = episodes[index]
-            progress(f"{run_id} episode {n}/{plan.episodes}")
             prompt = llm.tokenize(episode.opening().encode())
             for turn in range(plan.turns):
                 if len(prompt) + plan.tokens > plan.n_ctx:
                     break  # context full: the episode ends here (the same way in every run that got here)
                 if arm in ("off", "prompt-cache"):
                     llm.reset()  # nothing reused in context: full recompute, or a prompt-cache restore
+                progress(f"{run_id} episode {n}/{plan.episodes} turn {turn + 1}/{plan.turns}")
                 snapshot = llm.save_state() if arm == "restore" else None
                 text = complete(llm, prompt, plan.tokens, run_id, arm, episode.episode_id, turn)
-                outcome.requests += 1
+                result.requests += 1
                 after = llm.input_ids[: llm.n_tokens].tolist()
                 if snapshot is not None:
-                    check_restore(llm, snapshot, prompt, plan.tokens, run_id, episode.episode_id, turn, text, outcome)
+                    check_restore(llm, snapshot, prompt, plan.tokens, run_id, episode.episode_id, turn, text, result)
                 observation = llm.tokenize(episode.observe(text, turn).encode(), add_bos=False)
                 prompt = after + observation
     finally:
@@ -103,13 +144,13 @@ def complete(llm, prompt: list[int], tokens: int, run_id: str, arm: str, episode
     return out["choices"][0]["text"]
 
 
-def check_restore(llm, snapshot, prompt, tokens, run_id, episode_id, turn, text, outcome: Outcome) -> None:
+def check_restore(llm, snapshot, prompt, tokens, run_id, episode_id, turn, text, result: PassResult) -> None:
     """The control: restore the state saved before the request and rerun it; it must reproduce exactly.
 
     The rerun is recorded as run ``<run_id>-replay`` so the database can confirm it too.
     """
     llm.load_state(snapshot)
     again = complete(llm, prompt, tokens, run_id + "-replay", "restore-replay", episode_id, turn)
-    outcome.restore_checks += 1
+    result.restore_checks += 1
     if again != text:
-        outcome.restore_mismatches.append(f"{run_id} {episode_id} turn {turn}")
+        result.restore_mismatches.append(f"{run_id} {episode_id} turn {turn}")
