@@ -35,8 +35,11 @@ from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from kvtrace import semconv as sc
 from kvtrace.capture import CapturePolicy
 from kvtrace.config import Settings
-from kvtrace.pipeline import SpanPipeline, stats_publisher
+from kvtrace.delivery import SinkWithSpool
+from kvtrace.pipeline import SpanPipeline
 from kvtrace.records import CacheEvent, Correlation, RequestRecord, StateOrigin
+from kvtrace.spool import SpoolExporter
+from kvtrace.stats import StatsFile
 
 log = logging.getLogger("kvtrace")
 
@@ -63,16 +66,15 @@ class Recorder:
         self.scope = InstrumentationScope(sc.INSTRUMENTATION_SCOPE, _version())
         if exporter is None:
             exporter = build_exporter(settings)
-        spool_writer = getattr(exporter, "writer", None)  # spool, or the ClickHouse exporter's fallback spool
-        publish = None
-        if spool_writer is not None:
-            publish = stats_publisher(settings.spool_dir, spool_writer.process_tag)
+        # Counters go beside the spool this recorder writes (none for an exporter without one).
+        spool_directory = getattr(exporter, "spool_directory", None)
         self.pipeline = SpanPipeline(
             exporter,
             max_queue_size=settings.queue_size,
             max_batch_size=settings.batch_size,
             schedule_delay_ms=settings.schedule_delay_ms,
-            publish_stats=publish,
+            shutdown_timeout_s=settings.shutdown_timeout_s,
+            stats=StatsFile.create(spool_directory) if spool_directory is not None else None,
         )
         self.provider = TracerProvider(resource=self.resource)
         self.provider.add_span_processor(self.pipeline)
@@ -249,20 +251,24 @@ def _to_event(e: CacheEvent) -> Event:
 
 
 def build_exporter(settings: Settings):
-    """The exporter chosen by ``KVTRACE_EXPORTER`` (spool by default)."""
-    from kvtrace.spool import SpoolExporter
-
+    """The exporter chosen by ``KVTRACE_EXPORTER`` (spool by default); remote sinks spool what they miss."""
     spool = SpoolExporter(settings.spool_dir, settings.spool_rotate_bytes)
     if settings.exporter == "spool":
         return spool
     if settings.exporter == "otlp":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        return OTLPSpanExporter()
+        endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                    or "http://localhost:4318")
+        sink = OTLPSpanExporter(timeout=settings.export_timeout_s)  # seconds: the SDK's unit
+        return SinkWithSpool(sink, spool, f"sending spans to the OpenTelemetry Collector at {endpoint}")
     if settings.exporter == "clickhouse":
         from kvtrace.collectors.clickhouse_exporter import ClickHouseSpanExporter
+        from kvtrace.db import describe
 
-        return ClickHouseSpanExporter(settings.clickhouse_url, fallback=spool)
+        sink = ClickHouseSpanExporter(settings.clickhouse_url, connect_timeout_s=settings.connect_timeout_s,
+                                      timeout_s=settings.export_timeout_s)
+        return SinkWithSpool(sink, spool, f"inserting spans into ClickHouse at {describe(settings.clickhouse_url)}")
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
     class _Discard(SpanExporter):
