@@ -34,8 +34,9 @@ from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
 from kvtrace import semconv as sc
 from kvtrace.capture import CapturePolicy
-from kvtrace.config import Settings
+from kvtrace.config import Settings, default_spool_dir
 from kvtrace.delivery import SinkWithSpool
+from kvtrace.errors import KvtraceError
 from kvtrace.pipeline import SpanPipeline
 from kvtrace.records import CacheEvent, Correlation, RequestRecord, StateOrigin
 from kvtrace.spool import SpoolExporter
@@ -282,29 +283,58 @@ def build_exporter(settings: Settings):
 
 _recorder: Optional[Recorder] = None
 _recorder_pid = -1
+_failed_pid = -1  # the process whose recorder could not be created (it runs untraced)
 _recorder_lock = threading.Lock()
 
 
 def get_recorder() -> Optional[Recorder]:
-    """This process's recorder (created on first use), or ``None`` when disabled."""
-    global _recorder, _recorder_pid
+    """This process's recorder (created on first use), or ``None`` when disabled or not creatable.
+
+    Never raises: engine hooks call it on the engine's thread. A recorder that
+    cannot be created (a bad setting, an unwritable directory) is logged once,
+    counted in ``recorder_failures`` where ``kvtrace db status`` reads it, and
+    the process goes on untraced; it is not retried on every request.
+    """
+    global _recorder, _recorder_pid, _failed_pid
     if _recorder is not None and _recorder_pid == os.getpid():
         return _recorder
+    if _failed_pid == os.getpid():
+        return None
     with _recorder_lock:
-        if _recorder is None or _recorder_pid != os.getpid():
-            settings = Settings.from_env()
-            if settings.disabled:
+        if (_recorder is None or _recorder_pid != os.getpid()) and _failed_pid != os.getpid():
+            try:
+                settings = Settings.from_env()
+                if settings.disabled:
+                    return None
+                recorder = Recorder(settings)
+            except Exception as exc:
+                _failed_pid = os.getpid()
+                _report_creation_failure(exc)
                 return None
-            _recorder = Recorder(settings)
+            _recorder = recorder
             _recorder_pid = os.getpid()
-            atexit.register(_recorder.shutdown)
-    return _recorder
+            atexit.register(recorder.shutdown)
+    return _recorder if _recorder_pid == os.getpid() else None
+
+
+def _report_creation_failure(exc: Exception) -> None:
+    """Log (once: the caller remembers the failure) and count it beside the spool, if there is one."""
+    try:
+        reason = str(exc) if isinstance(exc, KvtraceError) else f"{type(exc).__name__}: {exc}"
+        log.warning("kvtrace: tracing is off in this process (pid %d): %s", os.getpid(), reason)
+        stats = StatsFile.create(default_spool_dir())
+        if stats is not None:
+            stats.publish({"recorder_failures": 1}, error=reason[:500])
+            stats.close()
+    except Exception:
+        log.debug("kvtrace: could not count the recorder failure", exc_info=True)
 
 
 def set_recorder(recorder: Optional[Recorder]) -> Optional[Recorder]:
     """Install a specific recorder (tests, embedding); returns the previous one."""
-    global _recorder, _recorder_pid
+    global _recorder, _recorder_pid, _failed_pid
     with _recorder_lock:
+        _failed_pid = -1
         previous = _recorder
         _recorder = recorder
         _recorder_pid = os.getpid()
