@@ -57,17 +57,17 @@ class _Env:
         value = self.environ.get(name)
         return None if value is None or value.strip() == "" else value.strip()
 
-    def integer(self, name: str, default: int, minimum: Optional[int] = None, hint: str = "") -> int:
+    def integer(self, name: str, default: int, minimum: Optional[int] = None, unit: str = "") -> int:
         raw = self.raw(name)
         if raw is None:
             return default
         try:
             value = int(raw)
         except ValueError:
-            raise BadSetting(f"{name}={raw!r} is not a whole number; unset it (default {default}) "
-                             f"or give one{hint}") from None
+            raise BadSetting(f"{name}={raw!r} is not a whole number{' of ' + unit if unit else ''}; unset it for "
+                             f"the default ({default}) or give one") from None
         if minimum is not None and value < minimum:
-            raise BadSetting(f"{name}={raw!r} is too small: it must be at least {minimum}{hint}; "
+            raise BadSetting(f"{name}={raw!r} is too small: it must be at least {minimum}{' ' + unit if unit else ''}; "
                              f"unset it for the default ({default})")
         return value
 
@@ -192,13 +192,13 @@ class Settings:
             hash_key=load_hash_key(environ),
             block_size=env.integer("KVTRACE_BLOCK_SIZE", 16, minimum=1),
             spool_rotate_bytes=env.integer("KVTRACE_SPOOL_ROTATE_BYTES", 64 * 1024 * 1024,
-                                           minimum=MIN_SPOOL_ROTATE_BYTES, hint=" bytes"),
+                                           minimum=MIN_SPOOL_ROTATE_BYTES, unit="bytes"),
             queue_size=queue_size,
             batch_size=batch_size,
             # A spool write is a local append: export almost at once, so a process killed right
             # after a request (vLLM stops its engine core that way) loses as little as possible.
             schedule_delay_ms=env.integer("OTEL_BSP_SCHEDULE_DELAY", 100 if exporter == "spool" else 1000,
-                                          minimum=1, hint=" (milliseconds)"),
+                                          minimum=1, unit="milliseconds"),
             run_id=environ.get("KVTRACE_RUN_ID", ""),
             episode_id=environ.get("KVTRACE_EPISODE_ID", ""),
             turn=env.integer("KVTRACE_TURN", -1),

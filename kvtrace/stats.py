@@ -88,7 +88,7 @@ class StatsFile:
             try:
                 directory.mkdir(parents=True, exist_ok=True)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-                os.posix_fallocate(fd, 0, FILE_BYTES)  # the blocks every later update rewrites
+                _allocate(fd)
                 stats = cls(path, fd)
                 if stats.publish({}):
                     return stats
@@ -134,6 +134,14 @@ class StatsFile:
                 except OSError:
                     pass
                 self._fd = -1
+
+
+def _allocate(fd: int) -> None:
+    """Reserve the blocks every later update rewrites (so a full disk cannot refuse those updates)."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, FILE_BYTES)
+    else:  # no posix_fallocate (macOS): written blocks are allocated blocks
+        os.pwrite(fd, b" " * FILE_BYTES, 0)
 
 
 def _newest_slot(data: bytes) -> Optional[dict]:
