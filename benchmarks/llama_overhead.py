@@ -98,7 +98,7 @@ def main() -> int:
     if recorder is not None:
         recorder.pipeline.force_flush()
         counters = recorder.pipeline.counters
-        print(f"spans exported: {counters['spans_exported']}, dropped: {counters['spans_dropped_queue_full']}, "
+        print(f"spans spooled: {counters['spans_spooled']}, stored: {counters['spans_stored']}, dropped: {counters['spans_dropped_queue_full']}, "
               f"instrumentation errors: {counters['instrumentation_errors']}")
     return 0
 

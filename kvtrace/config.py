@@ -2,52 +2,132 @@
 
 kvtrace reads ``KVTRACE_*`` variables, plus the standard OpenTelemetry ones
 where they apply: ``OTEL_SDK_DISABLED``, ``OTEL_SERVICE_NAME`` and
-``OTEL_RESOURCE_ATTRIBUTES`` (resource), ``OTEL_EXPORTER_OTLP_*`` (read by the
-OTLP exporter itself) and ``OTEL_BSP_*`` (queue size, batch size, delay of
-kvtrace's span pipeline).
+``OTEL_RESOURCE_ATTRIBUTES`` (resource), ``OTEL_EXPORTER_OTLP_*`` (endpoint and
+headers read by the OTLP exporter itself; the time-out read here, in
+milliseconds as the specification says) and ``OTEL_BSP_*`` (queue size, batch
+size, delay and export time-out of kvtrace's span pipeline).
+
+Every value is checked here, once: a setting kvtrace cannot use raises a
+:class:`~kvtrace.errors.ConfigError` subclass whose message says what to set
+instead, so ``kvtrace run`` can refuse it before the engine starts.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping, Optional
+from urllib.parse import urlparse
 
 from kvtrace import semconv
-from kvtrace.errors import ConfigError
+from kvtrace.errors import BadEndpoint, BadSetting, UnwritableDirectory
 
 EXPORTERS = ("spool", "otlp", "clickhouse", "none")
 
+MIN_SPOOL_ROTATE_BYTES = 16 * 1024
+"""Smaller spool files would mean a file per batch or two; ingest keeps a record per file."""
 
-def data_home() -> Path:
+
+def data_home(environ: Optional[Mapping[str, str]] = None) -> Path:
     """Per-user data directory (``$XDG_DATA_HOME/kvtrace``)."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return Path(base) / "kvtrace"
 
 
-def default_spool_dir() -> Path:
-    return Path(os.environ.get("KVTRACE_SPOOL_DIR") or data_home() / "spool")
+def default_spool_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
+    env = os.environ if environ is None else environ
+    return Path(env.get("KVTRACE_SPOOL_DIR") or data_home(env) / "spool")
 
 
-def default_database_url() -> str:
-    return os.environ.get("KVTRACE_CLICKHOUSE_URL") or f"chdb://{data_home() / 'db'}"
+def default_database_url(environ: Optional[Mapping[str, str]] = None) -> str:
+    env = os.environ if environ is None else environ
+    return env.get("KVTRACE_CLICKHOUSE_URL") or f"chdb://{data_home(env) / 'db'}"
 
 
-def _int_env(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
+class _Env:
+    """Typed, validated reads of one environment; every refusal says what to set instead."""
+
+    def __init__(self, environ: Mapping[str, str]):
+        self.environ = environ
+
+    def raw(self, name: str) -> Optional[str]:
+        value = self.environ.get(name)
+        return None if value is None or value.strip() == "" else value.strip()
+
+    def integer(self, name: str, default: int, minimum: Optional[int] = None, unit: str = "") -> int:
+        raw = self.raw(name)
+        if raw is None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise BadSetting(f"{name}={raw!r} is not a whole number{' of ' + unit if unit else ''}; unset it for "
+                             f"the default ({default}) or give one") from None
+        if minimum is not None and value < minimum:
+            raise BadSetting(f"{name}={raw!r} is too small: it must be at least {minimum}{' ' + unit if unit else ''}; "
+                             f"unset it for the default ({default})")
+        return value
+
+    def milliseconds(self, names: tuple[str, ...], default_ms: float) -> float:
+        """The first of ``names`` that is set, as seconds: a positive, finite number of milliseconds."""
+        for name in names:
+            raw = self.raw(name)
+            if raw is None:
+                continue
+            try:
+                value = float(raw)
+            except ValueError:
+                value = math.nan
+            if not (math.isfinite(value) and value > 0):
+                raise BadSetting(f"{name}={raw!r} is not a positive number of milliseconds; unset it "
+                                 f"(default {default_ms:g}) or give e.g. {default_ms:g}")
+            return value / 1000
+        return default_ms / 1000
+
+    def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
+        value = (self.raw(name) or default).lower()
+        if value not in choices:
+            raise BadSetting(f"{name}={value!r} is not one of {', '.join(choices)}; "
+                             f"unset it for the default ({default})")
+        return value
+
+
+def _is_server_url(url: str) -> bool:
+    """An http(s) URL with a host and, if any, a numeric port."""
+    parsed = urlparse(url)
     try:
-        return int(raw)
+        parsed.port
     except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer; unset it or give a whole number") from None
+        return False
+    return parsed.scheme in ("http", "https") and bool(parsed.hostname)
 
 
-def _choice_env(name: str, default: str, choices: tuple[str, ...]) -> str:
-    value = (os.environ.get(name) or default).strip().lower()
-    if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
-    return value
+def _check_clickhouse_url(url: str) -> None:
+    if not _is_server_url(url):
+        raise BadEndpoint(
+            f"KVTRACE_EXPORTER=clickhouse needs KVTRACE_CLICKHOUSE_URL to name a ClickHouse server "
+            f"(http(s)://user:password@host:8123/database), got {url.split('@')[-1]!r}; engines write "
+            "to the spool for the embedded database (KVTRACE_EXPORTER=spool)")
+
+
+def _check_otlp_endpoint(env: _Env) -> None:
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        protocol = env.raw(name)
+        if protocol is not None:
+            if protocol != "http/protobuf":
+                raise BadSetting(f"{name}={protocol!r}: kvtrace's otlp exporter speaks http/protobuf only; "
+                                 "point it at the Collector's OTLP/HTTP port (4318) and unset it")
+            break
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        endpoint = env.raw(name)
+        if endpoint is not None:
+            if not _is_server_url(endpoint):
+                raise BadEndpoint(f"{name}={endpoint!r} is not the http(s)://host:port URL of an OpenTelemetry "
+                                  "Collector (e.g. http://collector:4318)")
+            return
 
 
 @dataclass(frozen=True)
@@ -70,38 +150,66 @@ class Settings:
     turn: int
     arm: str = ""
     """Experiment arm label for every request of this process (env KVTRACE_ARM); baggage overrides it."""
+    connect_timeout_s: float = 0.25
+    """Longest wait for a sink's connection (ClickHouse server); env KVTRACE_CONNECT_TIMEOUT, ms."""
+    export_timeout_s: float = 0.5
+    """Longest wait for one batch to reach its sink before it goes to the spool; env OTEL_BSP_EXPORT_TIMEOUT
+    (OTLP: OTEL_EXPORTER_OTLP_TRACES_TIMEOUT / OTEL_EXPORTER_OTLP_TIMEOUT first), ms."""
+    shutdown_timeout_s: float = 2.0
+    """Longest time the exit of the host may wait for kvtrace; env KVTRACE_SHUTDOWN_TIMEOUT, ms."""
 
     @classmethod
-    def from_env(cls) -> "Settings":
-        disabled = os.environ.get("KVTRACE_DISABLED", "").lower() in ("1", "true", "yes") or (
-            os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true"
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Settings":
+        """Settings from ``environ`` (default ``os.environ``); a value kvtrace cannot use raises ConfigError."""
+        environ = os.environ if environ is None else environ
+        env = _Env(environ)
+        disabled = (env.raw("KVTRACE_DISABLED") or "").lower() in ("1", "true", "yes") or (
+            (env.raw("OTEL_SDK_DISABLED") or "").lower() == "true"
         )
-        exporter = _choice_env("KVTRACE_EXPORTER", "spool", EXPORTERS)
-        block_size = _int_env("KVTRACE_BLOCK_SIZE", 16)
-        if block_size <= 0:
-            raise ConfigError(f"KVTRACE_BLOCK_SIZE must be positive, got {block_size}")
+        exporter = env.choice("KVTRACE_EXPORTER", "spool", EXPORTERS)
+        clickhouse_url = default_database_url(environ)
+        if exporter == "clickhouse":
+            _check_clickhouse_url(clickhouse_url)
+        if exporter == "otlp":
+            _check_otlp_endpoint(env)
+        queue_size = env.integer("OTEL_BSP_MAX_QUEUE_SIZE", 2048, minimum=1)
+        batch_size = env.integer("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512, minimum=1)
+        if batch_size > queue_size:
+            raise BadSetting(f"OTEL_BSP_MAX_EXPORT_BATCH_SIZE={batch_size} is larger than the queue "
+                             f"(OTEL_BSP_MAX_QUEUE_SIZE={queue_size}); make the batch at most the queue size")
+        export_timeout_s = env.milliseconds(("OTEL_BSP_EXPORT_TIMEOUT",), 500)
+        if exporter == "otlp":
+            # The OpenTelemetry specification reads these in milliseconds (the Python SDK's own exporters
+            # read seconds); kvtrace follows the specification and hands its exporter seconds itself.
+            export_timeout_s = env.milliseconds(("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"),
+                                                export_timeout_s * 1000)
         return cls(
             disabled=disabled,
             exporter=exporter,
-            spool_dir=default_spool_dir(),
-            clickhouse_url=default_database_url(),
-            capture_mode=_choice_env("KVTRACE_CAPTURE", semconv.CAPTURE_HASHED, semconv.CAPTURE_MODES),
-            hash_key=load_hash_key(),
-            block_size=block_size,
-            spool_rotate_bytes=_int_env("KVTRACE_SPOOL_ROTATE_BYTES", 64 * 1024 * 1024),
-            queue_size=_int_env("OTEL_BSP_MAX_QUEUE_SIZE", 2048),
-            batch_size=_int_env("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
+            spool_dir=default_spool_dir(environ),
+            clickhouse_url=clickhouse_url,
+            capture_mode=env.choice("KVTRACE_CAPTURE", semconv.CAPTURE_HASHED, semconv.CAPTURE_MODES),
+            hash_key=load_hash_key(environ),
+            block_size=env.integer("KVTRACE_BLOCK_SIZE", 16, minimum=1),
+            spool_rotate_bytes=env.integer("KVTRACE_SPOOL_ROTATE_BYTES", 64 * 1024 * 1024,
+                                           minimum=MIN_SPOOL_ROTATE_BYTES, unit="bytes"),
+            queue_size=queue_size,
+            batch_size=batch_size,
             # A spool write is a local append: export almost at once, so a process killed right
             # after a request (vLLM stops its engine core that way) loses as little as possible.
-            schedule_delay_ms=_int_env("OTEL_BSP_SCHEDULE_DELAY", 100 if exporter == "spool" else 1000),
-            run_id=os.environ.get("KVTRACE_RUN_ID", ""),
-            episode_id=os.environ.get("KVTRACE_EPISODE_ID", ""),
-            turn=_int_env("KVTRACE_TURN", -1),
-            arm=os.environ.get("KVTRACE_ARM", ""),
+            schedule_delay_ms=env.integer("OTEL_BSP_SCHEDULE_DELAY", 100 if exporter == "spool" else 1000,
+                                          minimum=1, unit="milliseconds"),
+            run_id=environ.get("KVTRACE_RUN_ID", ""),
+            episode_id=environ.get("KVTRACE_EPISODE_ID", ""),
+            turn=env.integer("KVTRACE_TURN", -1),
+            arm=environ.get("KVTRACE_ARM", ""),
+            connect_timeout_s=env.milliseconds(("KVTRACE_CONNECT_TIMEOUT",), 250),
+            export_timeout_s=export_timeout_s,
+            shutdown_timeout_s=env.milliseconds(("KVTRACE_SHUTDOWN_TIMEOUT",), 2000),
         )
 
 
-def load_hash_key() -> bytes:
+def load_hash_key(environ: Optional[Mapping[str, str]] = None) -> bytes:
     """The deployment secret that keys token hashes.
 
     ``KVTRACE_HASH_KEY`` wins; otherwise a random key is created once in the
@@ -109,23 +217,32 @@ def load_hash_key() -> bytes:
     machine hashes alike (runs stay comparable) while nobody without the key
     can recover token ids.
     """
-    explicit = os.environ.get("KVTRACE_HASH_KEY")
+    environ = os.environ if environ is None else environ
+    explicit = environ.get("KVTRACE_HASH_KEY")
     if explicit:
         return explicit.encode()
-    path = data_home() / "hash.key"
+    path = data_home(environ) / "hash.key"
     try:
         return path.read_bytes()
-    except FileNotFoundError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    key = os.urandom(32)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(key)
-    os.chmod(tmp, 0o600)
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # not made yet (or cannot be: making it says why)
+    except OSError as exc:
+        raise UnwritableDirectory(f"cannot read the hash key {path} ({exc.strerror or exc}); "
+                                  "fix its permissions or set KVTRACE_HASH_KEY") from None
     try:
-        os.link(tmp, path)  # first writer wins; concurrent processes read its key
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path.read_bytes()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = os.urandom(32)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(key)
+        os.chmod(tmp, 0o600)
+        try:
+            os.link(tmp, path)  # first writer wins; concurrent processes read its key
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path.read_bytes()
+    except OSError as exc:
+        raise UnwritableDirectory(
+            f"cannot keep the hash key in the data home {path.parent} ({exc.strerror or exc}); set XDG_DATA_HOME "
+            "to a directory this user can write, or set KVTRACE_HASH_KEY (and KVTRACE_SPOOL_DIR)") from None

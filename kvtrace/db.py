@@ -13,6 +13,8 @@ chDB's raw message.
 
 from __future__ import annotations
 
+import http.client
+import math
 import os
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -64,25 +66,65 @@ def connect(url: str | None = None):
             f"database URL {describe(url)!r} is not understood; use chdb:///path, chdb://memory "
             "or http(s)://user:password@host:port/database"
         )
-    database = parsed.path.strip("/") or "default"
     try:
-        client = clickhouse_connect.get_client(
-            host=parsed.hostname or "localhost",
-            port=parsed.port or (8443 if parsed.scheme == "https" else 8123),
-            username=unquote(parsed.username or "default"),
-            password=unquote(parsed.password or ""),
-            database=database,
-            secure=parsed.scheme == "https",
-            connect_timeout=5,
-            send_receive_timeout=60,
-        )
-        client.command("SELECT 1")
+        client = server_client(url, connect_timeout_s=5, read_timeout_s=60)
     except Exception as exc:
         raise DatabaseUnreachable(
             f"cannot reach ClickHouse at {describe(url)}: {_first_line(exc)}. "
             "Check the host, port and credentials, or drop --db to use the embedded database."
         ) from None
     return client
+
+
+def server_client(url: str, connect_timeout_s: float, read_timeout_s: float):
+    """A clickhouse-connect client for a server URL (``http(s)://``), with these time-outs.
+
+    Raises whatever connecting raised. The time-outs are how long to wait for
+    the connection and for each answer.
+    """
+    import clickhouse_connect
+    from urllib3 import Timeout
+
+    parsed = urlparse(url)
+    host = parsed.hostname or "localhost"
+    port = parsed.port or (8443 if parsed.scheme == "https" else 8123)
+    if min(connect_timeout_s, read_timeout_s) < 1:
+        # clickhouse-connect counts its time-outs in whole seconds and talks to the server while it
+        # builds the client: ask /ping with the exact time-outs first, so a dead or hung server
+        # costs those, not a second or more.
+        _ping(parsed.scheme, host, port, connect_timeout_s, read_timeout_s)
+    client = clickhouse_connect.get_client(
+        host=host,
+        port=port,
+        username=unquote(parsed.username or "default"),
+        password=unquote(parsed.password or ""),
+        database=parsed.path.strip("/") or "default",
+        secure=parsed.scheme == "https",
+        connect_timeout=max(1, math.ceil(connect_timeout_s)),
+        send_receive_timeout=max(1, math.ceil(read_timeout_s)),
+    )
+    client.command("SELECT 1")
+    client.timeout = Timeout(connect=connect_timeout_s, read=read_timeout_s)  # exact from here on
+    return client
+
+
+def _ping(scheme: str, host: str, port: int, connect_timeout_s: float, read_timeout_s: float) -> None:
+    """ClickHouse's ``/ping`` answers ``Ok.``; raise if it does not within the time-outs."""
+    connection_class = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+    connection = connection_class(host, port, timeout=connect_timeout_s)
+    try:
+        connection.connect()
+        connection.sock.settimeout(read_timeout_s)
+        connection.request("GET", "/ping")
+        response = connection.getresponse()
+        response.read()
+        if response.status != 200:
+            raise OSError(f"/ping answered HTTP {response.status}")
+    except TimeoutError:
+        raise TimeoutError(f"no answer within {connect_timeout_s:g} s (connect) / {read_timeout_s:g} s (read)") \
+            from None
+    finally:
+        connection.close()
 
 
 def _first_line(exc: Exception) -> str:

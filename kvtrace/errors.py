@@ -13,6 +13,18 @@ class ConfigError(KvtraceError):
     exit_code = 2
 
 
+class BadSetting(ConfigError):
+    """A ``KVTRACE_*`` / ``OTEL_*`` variable is not a value of its kind (number, range, choice)."""
+
+
+class BadEndpoint(ConfigError):
+    """The URL an exporter would send spans to is not one it can use."""
+
+
+class UnwritableDirectory(ConfigError):
+    """A directory kvtrace must write to (data home, spool) cannot be written."""
+
+
 class DatabaseUnreachable(KvtraceError):
     """The ClickHouse URL is wrong or the server does not answer."""
 

@@ -1,10 +1,18 @@
 """Span pipeline: a bounded queue and one background thread per process.
 
 The engine thread only appends to a deque (never blocks, never raises); a
-worker thread hands batches to the exporter.  When the queue is full the span
-is dropped *and counted*; when the exporter fails the batch is counted as
-failed.  Counters are published to the spool's ``stats/`` directory so
-``kvtrace db status`` can report them for every process.
+worker thread hands batches to the exporter and counts where each batch
+ended: stored, spooled, or lost (``kvtrace/stats.py`` names the counters and
+the equation they keep). A full queue drops *and counts*.
+
+Shutdown is bounded by ``shutdown_timeout_s``: the worker first delivers as
+usual (each sink has its own short time-outs); after half the time whatever
+is still queued is written straight to the spool, even while the worker is
+stuck in a sink; when the time is up, what is left (still queued, or in the
+hands of a sink that does not return) is counted as dropped at shutdown and
+the host is let go. The worker is a daemon thread, so it never holds up the
+interpreter's exit; should its batch still arrive while the process lives,
+the counters are corrected.
 """
 
 from __future__ import annotations
@@ -13,13 +21,18 @@ import collections
 import logging
 import threading
 import time
-from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from kvtrace.delivery import Delivery, FailureLog, first_line
+from kvtrace.stats import COUNTERS, StatsFile, lost
+
 log = logging.getLogger("kvtrace")
+
+STATS_INTERVAL_S = 1.0
+"""Counters are republished at most this often while they change (and always at flush and shutdown)."""
 
 
 class SpanPipeline(SpanProcessor):
@@ -29,21 +42,26 @@ class SpanPipeline(SpanProcessor):
         max_queue_size: int = 2048,
         max_batch_size: int = 512,
         schedule_delay_ms: int = 1000,
-        publish_stats: Optional[Callable[[dict], None]] = None,
+        shutdown_timeout_s: float = 2.0,
+        stats: Optional[StatsFile] = None,
     ):
         self.exporter = exporter
         self.max_queue_size = max(1, max_queue_size)
         self.max_batch_size = max(1, max_batch_size)
         self.schedule_delay = max(0.001, schedule_delay_ms / 1000)
-        self._publish_stats = publish_stats
+        self.shutdown_timeout_s = max(0.0, shutdown_timeout_s)
+        self.stats = stats
+        self.counters = {name: 0 for name in COUNTERS}
         self._queue: collections.deque[ReadableSpan] = collections.deque()
         self._wake = threading.Event()
-        self._idle = threading.Condition()
+        self._state = threading.Condition()  # guards _in_flight and _final; notified when a batch settles
         self._in_flight = 0
-        self._stopped = False
-        self.counters = {"spans_queued": 0, "spans_exported": 0, "spans_dropped_queue_full": 0,
-                         "spans_failed_export": 0, "spans_spooled_fallback": 0,
-                         "instrumentation_errors": 0}
+        self._closing = False   # shutdown has begun: new spans are not accepted
+        self._spool_only = False  # second half of the shutdown: no more waiting on the sink
+        self._final = False     # shutdown time is up: what is in flight was counted as dropped
+        self._exporter_errors = FailureLog("kvtrace's exporter")
+        self._published: dict = {}
+        self._publishing = threading.Lock()
         self._worker = threading.Thread(target=self._run, name="kvtrace-exporter", daemon=True)
         self._worker.start()
 
@@ -53,8 +71,9 @@ class SpanPipeline(SpanProcessor):
         pass
 
     def on_end(self, span: ReadableSpan) -> None:
-        if self._stopped:
-            self.counters["spans_dropped_queue_full"] += 1
+        self.counters["spans_finished"] += 1
+        if self._closing:
+            self.counters["spans_dropped_at_shutdown"] += 1
             return
         if len(self._queue) >= self.max_queue_size:
             self.counters["spans_dropped_queue_full"] += 1
@@ -68,78 +87,130 @@ class SpanPipeline(SpanProcessor):
 
     def _run(self) -> None:
         last_stats = 0.0
-        while True:
+        while not self._final:
             self._wake.wait(self.schedule_delay)
             self._wake.clear()
             self._drain()
             now = time.monotonic()
-            if now - last_stats > 5 or self._stopped:
-                self._emit_stats()
+            if now - last_stats >= STATS_INTERVAL_S:
+                self._publish()
                 last_stats = now
-            if self._stopped and not self._queue:
+            if self._closing and not self._queue:
                 return
 
-    def _drain(self) -> None:
-        while self._queue:
+    def _take_batch(self) -> list[ReadableSpan]:
+        with self._state:
             batch = []
-            with self._idle:
-                while self._queue and len(batch) < self.max_batch_size:
-                    batch.append(self._queue.popleft())
-                self._in_flight = len(batch)
-            try:
-                result = self.exporter.export(batch)
-            except Exception:  # the exporter must never take the worker down
-                log.exception("kvtrace: exporter raised; %d spans counted as failed", len(batch))
-                result = SpanExportResult.FAILURE
-            if result == SpanExportResult.SUCCESS:
-                self.counters["spans_exported"] += len(batch)
-            else:
-                self.counters["spans_failed_export"] += len(batch)
-            with self._idle:
-                self._in_flight = 0
-                self._idle.notify_all()
+            while self._queue and len(batch) < self.max_batch_size:
+                batch.append(self._queue.popleft())
+            self._in_flight += len(batch)
+            return batch
 
-    def _emit_stats(self) -> None:
-        if self._publish_stats is None:
-            return
-        fallback = getattr(self.exporter, "spooled_fallback", None)
-        if fallback is not None:
-            self.counters["spans_spooled_fallback"] = fallback
+    def _drain(self) -> None:
+        while self._queue and not self._final:
+            batch = self._take_batch()
+            if batch:
+                self._settle(batch, self._deliver(batch))
+
+    def _deliver(self, batch: list[ReadableSpan], timeout: Optional[float] = None) -> Delivery:
         try:
-            self._publish_stats(dict(self.counters))
-        except Exception:
-            log.debug("kvtrace: could not publish stats", exc_info=True)
+            if self._spool_only or timeout is not None:  # only set for an exporter with a spool
+                return self.exporter.spool_directly(batch, timeout)
+            deliver = getattr(self.exporter, "deliver", None)
+            if deliver is not None:
+                return deliver(batch)
+            ok = self.exporter.export(batch) == SpanExportResult.SUCCESS
+            return Delivery.STORED if ok else Delivery.LOST
+        except Exception as exc:  # the exporter must never take the worker down
+            self._exporter_errors.failed(first_line(exc), "those spans are counted as failed")
+            return Delivery.LOST
+
+    def _settle(self, batch: list[ReadableSpan], outcome: Delivery) -> None:
+        n = len(batch)
+        with self._state:
+            late = self._final
+            if late:
+                # Counted as dropped at shutdown, yet the process still lives and the batch arrived after
+                # all: correct the counters (published below) so the span is not counted twice.
+                if outcome is Delivery.LOST:
+                    return
+                self.counters["spans_dropped_at_shutdown"] -= n
+            else:
+                self._in_flight -= n
+            if outcome is Delivery.STORED:
+                self.counters["spans_stored"] += n
+            elif outcome is Delivery.LOST:
+                self.counters["spans_failed_export"] += n
+            else:
+                self.counters["spans_spooled"] += n
+                if outcome is Delivery.FALLBACK:
+                    self.counters["spans_spooled_fallback"] += n
+            self._state.notify_all()
+        if late:
+            self._publish(final=True)
+
+    def _publish(self, final: bool = False) -> None:
+        with self._publishing:
+            if self._final and not final:
+                return  # the final counters are out; an older snapshot must not overwrite them
+            snapshot = dict(self.counters)
+            if snapshot == self._published and not final:
+                return
+            self._published = snapshot
+            if self.stats is not None:
+                self.stats.publish(snapshot)
+            elif final and lost(snapshot):
+                # Nowhere to publish (logged when that was found out): the log is the record.
+                log.warning("kvtrace: span counters of this process: %s", snapshot)
 
     # --- lifecycle -------------------------------------------------------------------
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        deadline = time.monotonic() + timeout_millis / 1000
-        self._wake.set()
-        with self._idle:
+    def _wait_idle(self, deadline: float) -> bool:
+        with self._state:
             while self._queue or self._in_flight:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
                 self._wake.set()
-                self._idle.wait(min(remaining, 0.05))
-        self._emit_stats()
+                self._state.wait(min(remaining, 0.05))
         return True
 
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        done = self._wait_idle(time.monotonic() + timeout_millis / 1000)
+        self._publish()
+        return done
+
     def shutdown(self) -> None:
-        if self._stopped:
+        """Deliver, spool or count everything within ``shutdown_timeout_s``; never waits longer."""
+        if self._closing:
             return
-        self.force_flush(10000)
-        self._stopped = True
+        self._closing = True
+        deadline = time.monotonic() + self.shutdown_timeout_s
+        has_spool = getattr(self.exporter, "spool_directly", None) is not None
+        if not self._wait_idle(deadline - self.shutdown_timeout_s / 2 if has_spool else deadline) and has_spool:
+            # The sink is slow or hung: what is still queued goes straight to the spool from here.
+            self._spool_only = True
+            while self._queue and time.monotonic() < deadline:
+                batch = self._take_batch()
+                if batch:
+                    self._settle(batch, self._deliver(batch, timeout=max(0.0, deadline - time.monotonic())))
+            self._wait_idle(deadline)
+        with self._state:
+            self._final = True
+            stranded = len(self._queue) + self._in_flight
+            self._queue.clear()
+            self.counters["spans_dropped_at_shutdown"] += stranded
+            worker_idle = self._in_flight == 0
         self._wake.set()
-        self._worker.join(timeout=10)
-        self._emit_stats()
+        if stranded:
+            log.warning("kvtrace: %d span(s) not delivered within KVTRACE_SHUTDOWN_TIMEOUT (%g ms); counted as "
+                        "dropped at shutdown", stranded, self.shutdown_timeout_s * 1000)
+        self._publish(final=True)
+        if not worker_idle:
+            return  # a worker still inside a hung sink keeps its exporter and the counters' file
         try:
             self.exporter.shutdown()
         except Exception:
             log.debug("kvtrace: exporter shutdown failed", exc_info=True)
-
-
-def stats_publisher(spool_dir: Path, process_tag: Callable[[], str]) -> Callable[[dict], None]:
-    from kvtrace.spool import write_stats
-
-    return lambda counters: write_stats(spool_dir, process_tag(), counters)
+        if self.stats is not None:
+            self.stats.close()

@@ -34,9 +34,13 @@ from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
 from kvtrace import semconv as sc
 from kvtrace.capture import CapturePolicy
-from kvtrace.config import Settings
-from kvtrace.pipeline import SpanPipeline, stats_publisher
+from kvtrace.config import Settings, default_spool_dir
+from kvtrace.delivery import SinkWithSpool
+from kvtrace.errors import KvtraceError
+from kvtrace.pipeline import SpanPipeline
 from kvtrace.records import CacheEvent, Correlation, RequestRecord, StateOrigin
+from kvtrace.spool import SpoolExporter
+from kvtrace.stats import StatsFile
 
 log = logging.getLogger("kvtrace")
 
@@ -63,16 +67,15 @@ class Recorder:
         self.scope = InstrumentationScope(sc.INSTRUMENTATION_SCOPE, _version())
         if exporter is None:
             exporter = build_exporter(settings)
-        spool_writer = getattr(exporter, "writer", None)  # spool, or the ClickHouse exporter's fallback spool
-        publish = None
-        if spool_writer is not None:
-            publish = stats_publisher(settings.spool_dir, spool_writer.process_tag)
+        # Counters go beside the spool this recorder writes (none for an exporter without one).
+        spool_directory = getattr(exporter, "spool_directory", None)
         self.pipeline = SpanPipeline(
             exporter,
             max_queue_size=settings.queue_size,
             max_batch_size=settings.batch_size,
             schedule_delay_ms=settings.schedule_delay_ms,
-            publish_stats=publish,
+            shutdown_timeout_s=settings.shutdown_timeout_s,
+            stats=StatsFile.create(spool_directory) if spool_directory is not None else None,
         )
         self.provider = TracerProvider(resource=self.resource)
         self.provider.add_span_processor(self.pipeline)
@@ -249,20 +252,24 @@ def _to_event(e: CacheEvent) -> Event:
 
 
 def build_exporter(settings: Settings):
-    """The exporter chosen by ``KVTRACE_EXPORTER`` (spool by default)."""
-    from kvtrace.spool import SpoolExporter
-
+    """The exporter chosen by ``KVTRACE_EXPORTER`` (spool by default); remote sinks spool what they miss."""
     spool = SpoolExporter(settings.spool_dir, settings.spool_rotate_bytes)
     if settings.exporter == "spool":
         return spool
     if settings.exporter == "otlp":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        return OTLPSpanExporter()
+        endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                    or "http://localhost:4318")
+        sink = OTLPSpanExporter(timeout=settings.export_timeout_s)  # seconds: the SDK's unit
+        return SinkWithSpool(sink, spool, f"sending spans to the OpenTelemetry Collector at {endpoint}")
     if settings.exporter == "clickhouse":
         from kvtrace.collectors.clickhouse_exporter import ClickHouseSpanExporter
+        from kvtrace.db import describe
 
-        return ClickHouseSpanExporter(settings.clickhouse_url, fallback=spool)
+        sink = ClickHouseSpanExporter(settings.clickhouse_url, connect_timeout_s=settings.connect_timeout_s,
+                                      timeout_s=settings.export_timeout_s)
+        return SinkWithSpool(sink, spool, f"inserting spans into ClickHouse at {describe(settings.clickhouse_url)}")
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
     class _Discard(SpanExporter):
@@ -276,29 +283,58 @@ def build_exporter(settings: Settings):
 
 _recorder: Optional[Recorder] = None
 _recorder_pid = -1
+_failed_pid = -1  # the process whose recorder could not be created (it runs untraced)
 _recorder_lock = threading.Lock()
 
 
 def get_recorder() -> Optional[Recorder]:
-    """This process's recorder (created on first use), or ``None`` when disabled."""
-    global _recorder, _recorder_pid
+    """This process's recorder (created on first use), or ``None`` when disabled or not creatable.
+
+    Never raises: engine hooks call it on the engine's thread. A recorder that
+    cannot be created (a bad setting, an unwritable directory) is logged once,
+    counted in ``recorder_failures`` where ``kvtrace db status`` reads it, and
+    the process goes on untraced; it is not retried on every request.
+    """
+    global _recorder, _recorder_pid, _failed_pid
     if _recorder is not None and _recorder_pid == os.getpid():
         return _recorder
+    if _failed_pid == os.getpid():
+        return None
     with _recorder_lock:
-        if _recorder is None or _recorder_pid != os.getpid():
-            settings = Settings.from_env()
-            if settings.disabled:
+        if (_recorder is None or _recorder_pid != os.getpid()) and _failed_pid != os.getpid():
+            try:
+                settings = Settings.from_env()
+                if settings.disabled:
+                    return None
+                recorder = Recorder(settings)
+            except Exception as exc:
+                _failed_pid = os.getpid()
+                _report_creation_failure(exc)
                 return None
-            _recorder = Recorder(settings)
+            _recorder = recorder
             _recorder_pid = os.getpid()
-            atexit.register(_recorder.shutdown)
-    return _recorder
+            atexit.register(recorder.shutdown)
+    return _recorder if _recorder_pid == os.getpid() else None
+
+
+def _report_creation_failure(exc: Exception) -> None:
+    """Log (once: the caller remembers the failure) and count it beside the spool, if there is one."""
+    try:
+        reason = str(exc) if isinstance(exc, KvtraceError) else f"{type(exc).__name__}: {exc}"
+        log.warning("kvtrace: tracing is off in this process (pid %d): %s", os.getpid(), reason)
+        stats = StatsFile.create(default_spool_dir())
+        if stats is not None:
+            stats.publish({"recorder_failures": 1}, error=reason[:500])
+            stats.close()
+    except Exception:
+        log.debug("kvtrace: could not count the recorder failure", exc_info=True)
 
 
 def set_recorder(recorder: Optional[Recorder]) -> Optional[Recorder]:
     """Install a specific recorder (tests, embedding); returns the previous one."""
-    global _recorder, _recorder_pid
+    global _recorder, _recorder_pid, _failed_pid
     with _recorder_lock:
+        _failed_pid = -1
         previous = _recorder
         _recorder = recorder
         _recorder_pid = os.getpid()

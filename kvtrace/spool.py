@@ -3,19 +3,20 @@
 Layout of a spool directory::
 
     kvtrace-<host>-<pid>-<start_ns>-<seq>.jsonl   one ExportTraceServiceRequest per line
-    stats/<host>-<pid>-<start_ns>.json            span counters of that process
+    stats/<host>-<pid>-<start_ns>.stats           span counters of that process (kvtrace/stats.py)
     quarantine/                                   lines ingest could not parse
 
 Each process writes its own files (so many processes never interleave), every
-line is written with one ``write`` of a complete ``...\\n`` record, and a file
-is rotated once it passes ``rotate_bytes``.  A reader may therefore take any
-file up to its last newline at any time.  A process that forks starts new
-files in the child.
+line is appended as a complete ``...\\n`` record, and a file is rotated once
+it passes ``rotate_bytes``.  A write that fails part-way (a full disk) is cut
+back to the end of the previous line, so the file never holds a torn record
+followed by good ones; when even that fails the file is left and the next
+line starts a new one.  A reader may therefore take any file up to its last
+newline at any time.  A process that forks starts new files in the child.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -27,6 +28,7 @@ from typing import Optional, Sequence
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from kvtrace.delivery import Delivery, FailureLog, first_line
 from kvtrace.otlp_json import encode_request
 
 SPOOL_SUFFIX = ".jsonl"
@@ -49,7 +51,7 @@ class SpoolWriter:
 
     def __init__(self, directory: Path, rotate_bytes: int):
         self.directory = Path(directory)
-        self.rotate_bytes = rotate_bytes
+        self.rotate_bytes = max(1, rotate_bytes)
         self._lock = threading.Lock()
         self._fd: Optional[int] = None
         self._pid = -1
@@ -70,29 +72,56 @@ class SpoolWriter:
             self._fd = None
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / f"kvtrace-{self.process_tag()}-{self._seq:06d}{SPOOL_SUFFIX}"
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._size = os.fstat(self._fd).st_size
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._size = os.fstat(fd).st_size
+        self._fd = fd
 
-    def write_line(self, line: str) -> None:
+    def _close_current(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None and self._pid == os.getpid():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def write_line(self, line: str, timeout: Optional[float] = None) -> None:
+        """Append ``line`` whole, or raise and leave the file as it was (``timeout``: for the lock, seconds)."""
         data = (line + "\n").encode()
-        with self._lock:
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            raise TimeoutError(f"the spool writer is busy (another write to {self.directory} hangs)")
+        try:
             if self._fd is None or self._pid != os.getpid():
                 self._open()
             elif self._size >= self.rotate_bytes:
-                os.close(self._fd)
+                self._close_current()
                 self._seq += 1
                 self._open()
-            view = memoryview(data)
-            while view:
-                written = os.write(self._fd, view)
-                view = view[written:]
+            line_start = self._size
+            try:
+                view = memoryview(data)
+                while view:
+                    written = os.write(self._fd, view)
+                    view = view[written:]
+            except BaseException:
+                self._cut_back(line_start)
+                raise
             self._size += len(data)
+        finally:
+            self._lock.release()
+
+    def _cut_back(self, line_start: int) -> None:
+        """After a failed write: remove its partial line (shrinking a file needs no free space)."""
+        try:
+            os.ftruncate(self._fd, line_start)
+        except OSError:
+            # Cannot cut it: leave this file with its torn tail (ingest quarantines it once this process
+            # has ended) and start the next line in a new file, never glued to the torn one.
+            self._close_current()
+            self._seq += 1
 
     def close(self) -> None:
         with self._lock:
-            if self._fd is not None and self._pid == os.getpid():
-                os.close(self._fd)
-            self._fd = None
+            self._close_current()
 
 
 class SpoolExporter(SpanExporter):
@@ -100,31 +129,27 @@ class SpoolExporter(SpanExporter):
 
     def __init__(self, directory: Path, rotate_bytes: int = 64 * 1024 * 1024):
         self.writer = SpoolWriter(directory, rotate_bytes)
+        self._health = FailureLog(f"writing to the spool {self.writer.directory}")
+
+    @property
+    def spool_directory(self) -> Path:
+        return self.writer.directory
+
+    def deliver(self, spans: Sequence[ReadableSpan], timeout: Optional[float] = None) -> Delivery:
+        if not spans:
+            return Delivery.SPOOLED
+        try:
+            self.writer.write_line(encode_request(spans), timeout)
+        except Exception as exc:  # a full or read-only disk: counted, never raised into the host
+            self._health.failed(first_line(exc), "those spans are counted as lost")
+            return Delivery.LOST
+        self._health.succeeded()
+        return Delivery.SPOOLED
+
+    spool_directly = deliver
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if spans:
-            self.writer.write_line(encode_request(spans))
-        return SpanExportResult.SUCCESS
+        return SpanExportResult.FAILURE if self.deliver(spans) is Delivery.LOST else SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
         self.writer.close()
-
-
-def write_stats(directory: Path, process_tag: str, counters: dict) -> None:
-    """Publish this process's span counters for ``kvtrace db status`` (atomic replace)."""
-    stats_dir = Path(directory) / "stats"
-    stats_dir.mkdir(parents=True, exist_ok=True)
-    target = stats_dir / f"{process_tag}.json"
-    tmp = stats_dir / f".{process_tag}.tmp"
-    tmp.write_text(json.dumps({"pid": os.getpid(), "updated_unix": time.time(), **counters}))
-    os.replace(tmp, target)
-
-
-def read_stats(directory: Path) -> list[dict]:
-    out = []
-    for path in sorted((Path(directory) / "stats").glob("*.json")):
-        try:
-            out.append({"process": path.stem, **json.loads(path.read_text())})
-        except (OSError, ValueError):
-            continue
-    return out

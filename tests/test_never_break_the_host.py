@@ -11,7 +11,8 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from kvtrace.config import Settings
 from kvtrace.recorder import Recorder
-from kvtrace.spool import SpoolExporter, read_stats
+from kvtrace.spool import SpoolExporter
+from kvtrace.stats import read_stats
 
 
 def _free_port() -> int:
@@ -35,7 +36,7 @@ def test_dead_clickhouse_falls_back_to_the_spool_and_the_call_returns(monkeypatc
         _one_request(recorder)
     assert recorder.pipeline.force_flush(30000)
     recorder.shutdown()
-    assert recorder.pipeline.counters["spans_exported"] == 3
+    assert recorder.pipeline.counters["spans_spooled"] == 3
     assert recorder.pipeline.counters["spans_spooled_fallback"] == 3
     lines = [json.loads(l) for f in spool_dir.glob("*.jsonl") for l in f.read_text().splitlines()]
     spans = [s for l in lines for rs in l["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
@@ -139,3 +140,21 @@ def test_a_busy_embedded_database_says_who_holds_it_and_what_to_do(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_counters_survive_an_update_cut_short(spool_dir):
+    from kvtrace.stats import SLOT_BYTES, StatsFile, read_stats
+
+    stats = StatsFile.create(spool_dir, "host-1-1")
+    stats.publish({"spans_finished": 5, "spans_spooled": 5})
+    stats.publish({"spans_finished": 9, "spans_spooled": 9})
+    stats.close()
+    assert read_stats(spool_dir)[0]["spans_finished"] == 9
+    # A crash in the middle of the next update, which goes over the older slot: only its start is new.
+    data = bytearray(stats.path.read_bytes())
+    torn = b'0badc0de {"seq":4,"spans_finished":12,"spans_spo'
+    older = 0 if data[SLOT_BYTES:].find(b'"spans_finished":9') >= 0 else SLOT_BYTES
+    data[older:older + len(torn)] = torn
+    stats.path.write_bytes(bytes(data))
+    (entry,) = read_stats(spool_dir)
+    assert entry["spans_finished"] == 9 and entry["spans_spooled"] == 9  # the last whole update

@@ -87,7 +87,7 @@ def run_status(args) -> int:
     from kvtrace.commands.common import open_database
     from kvtrace.config import default_database_url, default_spool_dir
     from kvtrace.db import describe
-    from kvtrace.spool import read_stats
+    from kvtrace.stats import COUNTERS, lost, read_stats, span_totals
 
     client = open_database(args, ingest=False)
     counts = {}
@@ -96,11 +96,7 @@ def run_status(args) -> int:
     spool = default_spool_dir()
     pending = pending_files(spool, client)
     stats = read_stats(spool)
-    totals: dict[str, int] = {}
-    for s in stats:
-        for k, v in s.items():
-            if k.startswith(("spans_", "instrumentation_")):
-                totals[k] = totals.get(k, 0) + int(v)
+    totals = span_totals(stats)
     status = {
         "database": describe(default_database_url()),
         "schema_version": schema_version(client),
@@ -123,10 +119,10 @@ def run_status(args) -> int:
     for p, n in pending[:10]:
         print(f"  {p.name}  {n:,} bytes")
     print("span counters (all processes that wrote to this spool):")
-    for k in ("spans_queued", "spans_exported", "spans_dropped_queue_full", "spans_failed_export",
-              "spans_spooled_fallback", "instrumentation_errors"):
+    for k in COUNTERS:
         print(f"  {k:<26} {totals.get(k, 0):>12,}")
-    lost = totals.get("spans_dropped_queue_full", 0) + totals.get("spans_failed_export", 0)
-    if lost:
-        print(f"warning: {lost} span(s) could not be delivered (see counters above)")
+    if lost(totals):
+        print(f"warning: {lost(totals)} span(s) could not be delivered (see counters above)")
+    if totals.get("recorder_failures"):
+        print(f"warning: {totals['recorder_failures']} process(es) ran untraced: their recorder could not be created")
     return 0

@@ -1,5 +1,7 @@
 """``kvtrace run -- COMMAND...``: run any Python command with kvtrace's engine patches.
 
+Settings are checked first (``kvtrace/preflight.py``): a value the engine
+could not record with is refused with exit code 2 before anything starts.
 The command gets ``kvtrace/bootstrap`` prepended to ``PYTHONPATH``; Python
 imports its ``sitecustomize`` at start-up (in the command and in every Python
 subprocess it starts), which registers the lazy engine patches.  The command
@@ -17,6 +19,7 @@ from pathlib import Path
 import kvtrace.bootstrap
 from kvtrace.semconv import CAPTURE_MODES
 from kvtrace.errors import ConfigError
+from kvtrace.preflight import check_settings
 
 BOOTSTRAP_DIR = str(Path(kvtrace.bootstrap.__file__).resolve().parent)
 
@@ -56,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if not command:
         raise ConfigError("no command given; usage: kvtrace run -- python -m llama_cpp.server --model M.gguf")
     env = child_environment(dict(os.environ), args)
+    check_settings(env)  # a setting the engine could not record with is refused now, not found missing later
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -28,8 +28,10 @@ def run(args) -> int:
     from kvtrace.config import Settings
     from kvtrace.records import CacheEvent
     from kvtrace.recorder import Recorder
+    from kvtrace.preflight import check_settings
     from kvtrace.spool import SpoolExporter
 
+    check_settings()  # the configuration an engine would record with, before this check overrides capture
     run_id = f"selfcheck-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="kvtrace-selfcheck-") as spool:
