@@ -54,3 +54,23 @@ def test_generated_models_are_trained_for_the_context_kvtrace_runs_them_with():
     from kvtrace.testmodels.llama_gguf import SIZES
 
     assert {shape.n_ctx_train for shape in SIZES.values()} == {Plan().n_ctx}
+
+
+def test_the_route_is_kvtraces_only_while_kvtrace_drives_llama_cpp(caplog, tmp_path):
+    import ctypes
+    import logging
+
+    import llama_cpp
+
+    from kvtrace.testmodels.llama_gguf import make_model
+
+    def callback_in_force() -> int:
+        callback, user_data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
+        llama_cpp.llama_log_get(ctypes.byref(callback), ctypes.byref(user_data))
+        return ctypes.cast(callback, ctypes.c_void_p).value
+
+    before = callback_in_force()
+    with caplog.at_level(logging.DEBUG, logger="kvtrace.llama_cpp"):
+        make_model(tmp_path / "tiny-Q8_0.gguf", "Q8_0", "tiny")
+    assert any(r.name == "kvtrace.llama_cpp" and r.getMessage().startswith("[   1/") for r in caplog.records)
+    assert callback_in_force() == before  # llama-cpp-python's own callback is back for the user's engines
