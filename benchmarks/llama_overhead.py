@@ -62,10 +62,11 @@ def decode_rate(llm, prompt: list[int], tokens: int) -> float:
 
 
 def bench_format(path: Path, args: argparse.Namespace, patch) -> tuple[float, float]:
-    import llama_cpp
+    from kvtrace.patches.llama_cpp_repack import load_llama
 
-    llm = llama_cpp.Llama(str(path), n_ctx=512, n_batch=64, n_ubatch=64, n_threads=args.threads,
-                          n_threads_batch=args.threads, seed=1, verbose=False)
+    # kvtrace's loader: the weight repack off, so AMX and non-AMX machines run the same kernels.
+    llm = load_llama(path, n_ctx=512, n_batch=64, n_ubatch=64, n_threads=args.threads,
+                     n_threads_batch=args.threads, seed=1, verbose=False)
     prompt = llm.tokenize(b"Benchmark prompt:")
     rates: dict[bool, list[float]] = {False: [], True: []}
     decode_rate(llm, prompt, 8)  # warm-up: page in the weights

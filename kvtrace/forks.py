@@ -244,7 +244,7 @@ def episode_turns(client, run_a: str, run_b: str, episode: str) -> list[Turn]:
 def gguf_detokenizer(model_path: Path) -> Detokenizer:
     """Token ids → text with the vocabulary of a GGUF model (weights are not loaded)."""
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401
     except ImportError:
         from kvtrace.errors import ConfigError
 
@@ -253,7 +253,9 @@ def gguf_detokenizer(model_path: Path) -> Detokenizer:
         from kvtrace.errors import ConfigError
 
         raise ConfigError(f"--model {model_path}: no such file; give the GGUF the runs used")
-    vocab = Llama(model_path=str(model_path), vocab_only=True, verbose=False)
+    from kvtrace.patches.llama_cpp_repack import load_llama
+
+    vocab = load_llama(model_path, vocab_only=True)  # llama.cpp's load messages go to the debug log
 
     def detokenize(ids: list[int]) -> str:
         return vocab.detokenize([int(i) for i in ids]).decode("utf-8", errors="replace")

@@ -49,6 +49,7 @@ import numpy as np
 
 from kvtrace import semconv as sc
 from kvtrace.patches.hooks import HookFailures, Wrappings, add_trace_context_middleware, version_supported
+from kvtrace.patches.llama_cpp_repack import cpu_has_amx, loaded_with_repack
 from kvtrace.records import CacheEvent, RequestRecord, StateOrigin
 from kvtrace.recorder import Recorder, get_recorder
 
@@ -656,6 +657,9 @@ def _compute_static_config(llama: Any) -> dict[str, Any]:
         "logits_all": bool(getattr(llama, "_logits_all", False)),
         "offload_kqv": bool(params.offload_kqv),
         "n_gpu_layers": int(llama.model_params.n_gpu_layers),
+        # Repacked weights (AMX and other extra buffer types) run other kernels, hence other numerics.
+        "weight_repack": loaded_with_repack(llama),
+        "cpu_amx": cpu_has_amx(),
     }
     config: dict[str, Any] = {
         sc.ENGINE_VERSION: get_version(),

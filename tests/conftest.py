@@ -100,8 +100,12 @@ def llama_patched():
 
 @pytest.fixture
 def make_llama(tiny_gguf):
-    """Factory for ``Llama`` objects on the tiny model with explicit, test-friendly settings."""
-    import llama_cpp
+    """Factory for ``Llama`` objects on the tiny model with explicit, test-friendly settings.
+
+    Loaded the way kvtrace loads its own engines (the weight repack off), so tests run the same
+    kernels on every CPU.
+    """
+    from kvtrace.patches.llama_cpp_repack import load_llama
 
     created = []
 
@@ -109,7 +113,7 @@ def make_llama(tiny_gguf):
         params = dict(model_path=str(tiny_gguf), n_ctx=512, n_batch=64, n_ubatch=64, n_threads=1,
                       n_threads_batch=1, seed=7, verbose=False)
         params.update(overrides)
-        llm = llama_cpp.Llama(**params)
+        llm = load_llama(**params)
         created.append(llm)
         return llm
 

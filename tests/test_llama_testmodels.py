@@ -11,6 +11,7 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
+from kvtrace.patches.llama_cpp_repack import load_llama  # noqa: E402
 from kvtrace.testmodels.llama_gguf import SIZES, build_vocab, make_model  # noqa: E402
 
 
@@ -40,7 +41,7 @@ def test_quantized_variant_via_cli(tmp_path):
     result = subprocess.run([sys.executable, "-m", "kvtrace.cli", "make-model", "--out", str(out), "--quant", "Q8_0",
                              "--size", "tiny"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    llm = llama_cpp.Llama(str(out), n_ctx=128, n_threads=1, n_threads_batch=1, verbose=False)
+    llm = load_llama(out, n_ctx=128, n_threads=1, n_threads_batch=1)
     try:
         assert llm.metadata["general.file_type"] == "7"  # MOSTLY_Q8_0
         assert llm.create_completion("quantized", max_tokens=2, temperature=0.0)["choices"][0]["text"]

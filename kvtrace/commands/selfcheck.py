@@ -3,6 +3,9 @@
 Records a handful of synthetic requests (no engine needed) under a fresh run
 id through the real recorder and spool, ingests them, reads them back from
 the typed tables and checks that every token and margin survived bit-exact.
+
+It also warns when this machine is one where llama.cpp's AMX weight repack can crash quantized
+models (the exit code does not change: kvtrace's own commands load with the repack off).
 """
 
 from __future__ import annotations
@@ -69,8 +72,17 @@ def run(args) -> int:
     ok = got == expected and tokens == 32 * args.requests
     print(f"run {run_id}: {report.spans} spans ingested, {len(got)} requests, {tokens} token rows, "
           f"{events} cache events read back")
+    warn_about_amx()
     if ok:
         print("selfcheck passed: tokens and margins are bit-exact after record → spool → ClickHouse")
         return 0
     print("selfcheck FAILED: what was read back differs from what was recorded", file=sys.stderr)
     return 1
+
+
+def warn_about_amx() -> None:
+    from kvtrace.patches.llama_cpp_repack import amx_hint
+
+    hint = amx_hint()
+    if hint:
+        print(f"kvtrace: warning: {hint} (README: 'AMX machines')", file=sys.stderr)

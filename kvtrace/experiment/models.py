@@ -20,11 +20,11 @@ def model_cache_dir() -> Path:
 
 def generated_models(size: str, formats, progress: Callable[[str], None] = lambda m: None) -> dict[str, Path]:
     """A generated random-weight model of ``size`` in each format (made once, then cached)."""
-    from kvtrace.testmodels.llama_gguf import make_model
+    from kvtrace.testmodels.llama_gguf import make_model, shape_key
 
     paths = {}
     for fmt in formats:
-        path = model_cache_dir() / f"generated-{size}-{fmt}.gguf"
+        path = model_cache_dir() / f"generated-{size}-{fmt}-{shape_key(size)}.gguf"
         if not path.is_file():
             progress(f"generating {size} model as {fmt}")
             make_model(path, fmt, size)

@@ -70,12 +70,12 @@ class Outcome:
 
 
 def open_llama(model: Path, plan: Plan):
-    import llama_cpp
+    from kvtrace.patches.llama_cpp_repack import load_llama
 
     # Threads pinned explicitly: the machine is shared, and steadier timing keeps runs comparable.
-    return llama_cpp.Llama(model_path=str(model), n_ctx=plan.n_ctx, n_batch=256, n_ubatch=256,
-                           n_threads=plan.n_threads, n_threads_batch=plan.n_threads, seed=plan.seed,
-                           verbose=False)
+    # load_llama: the weight repack off on every CPU (same kernels everywhere; no AMX crash).
+    return load_llama(model, n_ctx=plan.n_ctx, n_batch=256, n_ubatch=256, n_threads=plan.n_threads,
+                      n_threads_batch=plan.n_threads, seed=plan.seed, verbose=False)
 
 
 def run_experiment(plan: Plan, models: dict[str, Path], progress: Callable[[str], None] = lambda m: None,

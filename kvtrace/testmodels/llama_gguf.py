@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import string
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from kvtrace.patches.llama_cpp_log import llama_log_to_logging
 
 QUANTS = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K_M", "Q3_K_M")
 
@@ -51,7 +54,9 @@ class ModelShape:
     n_head: int
     n_head_kv: int
     n_ff: int
-    n_ctx_train: int = 4096
+    n_ctx_train: int = 1024
+    """The context kvtrace runs these models with (the experiment's default ``n_ctx``): a smaller
+    context than the trained one makes llama.cpp warn on every load."""
     output_scale: float = 1.0
     """Multiplies the output projection's init std; tuned for a median margin ≈ 0.6."""
 
@@ -73,6 +78,12 @@ SIZES: dict[str, ModelShape] = {
 }
 
 SEED = 20240607
+
+
+def shape_key(size: str, seed: int = SEED) -> str:
+    """A short key of the shape and seed of a generated model, for caches of generated files:
+    a changed shape (say, its trained context) must not reuse a file made before the change."""
+    return hashlib.sha256(f"{SIZES[size]!r}:{seed}".encode()).hexdigest()[:10]
 
 
 # --- tokenizer ------------------------------------------------------------------------
@@ -206,7 +217,7 @@ def write_f32(path: Path, size: str = "tiny", seed: int = SEED) -> Path:
 
 
 def quantize(source: Path, target: Path, quant: str, threads: int = 1) -> Path:
-    """Quantize a GGUF file with llama.cpp's own quantizer."""
+    """Quantize a GGUF file with llama.cpp's own quantizer (its per-tensor lines go to the debug log)."""
     import gguf
     import llama_cpp
 
@@ -216,7 +227,8 @@ def quantize(source: Path, target: Path, quant: str, threads: int = 1) -> Path:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = int(ftype)
     params.nthread = threads
-    rc = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
+    with llama_log_to_logging():
+        rc = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize({quant}) failed with code {rc}")
     return Path(target)
