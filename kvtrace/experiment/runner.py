@@ -18,13 +18,14 @@ from kvtrace import correlate
 from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT, PassDied, PassResult, PassSpec, run_isolated
 from kvtrace.experiment.plan import Plan
 from kvtrace.experiment.workload import episode_order, make_episodes
+from kvtrace.patches.llama_cpp_repack import amx_hint
 
 RAM_CACHE_BYTES = 1 << 30
 
 
 def engine_crash_hint() -> str:
-    """What to suspect when an engine pass dies or hangs (one place, so a CPU check can refine it)."""
-    return "on Intel AMX CPUs llama.cpp's weight repack is known to crash quantized models"
+    """What to suspect when an engine pass dies or hangs: the AMX repack where this CPU has it."""
+    return amx_hint() or "run the pass alone with -v to see llama.cpp's own log"
 
 
 @dataclass(frozen=True)
