@@ -85,7 +85,7 @@ def main() -> int:
     spool = tempfile.mkdtemp(prefix="kvtrace-bench-spool-")
     os.environ.setdefault("KVTRACE_SPOOL_DIR", spool)
     from kvtrace.patches import llama_cpp as patch
-    from kvtrace.recorder import get_recorder
+    from kvtrace.recording.recorder import get_recorder
     from kvtrace.testmodels.llama_gguf import SIZES
 
     print(f"model: {args.size} ({SIZES[args.size].n_params / 1e6:.0f}M params, vocab {SIZES[args.size].n_vocab}), "

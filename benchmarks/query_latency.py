@@ -26,9 +26,9 @@ def generate(spool: Path, episodes: int, turns: int, tokens: int, seed: int = 7)
     import kvtrace
     from kvtrace import semconv as sc
     from kvtrace.config import Settings
-    from kvtrace.recorder import Recorder
-    from kvtrace.records import CacheEvent
-    from kvtrace.spool import SpoolExporter
+    from kvtrace.recording.recorder import Recorder
+    from kvtrace.recording.records import CacheEvent
+    from kvtrace.recording.exporters.spool import SpoolExporter
 
     recorder = Recorder(Settings.from_env(), exporter=SpoolExporter(spool))
     rng = random.Random(seed)

@@ -26,8 +26,8 @@ def record(requests: int, tokens: int, spool: Path) -> float:
     """Seconds of recorder work (engine thread + exporter thread) for ``requests`` requests."""
     from kvtrace import correlate
     from kvtrace.config import Settings
-    from kvtrace.recorder import Recorder
-    from kvtrace.spool import SpoolExporter
+    from kvtrace.recording.recorder import Recorder
+    from kvtrace.recording.exporters.spool import SpoolExporter
 
     exporter = SpoolExporter(spool)
     export_seconds = [0.0]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from kvtrace.collectors.otlp_rows import COLUMNS, MalformedSpan, rows_from_request
-from kvtrace.spool import SPOOL_SUFFIX, spool_host, writer_of
+from kvtrace.recording.exporters.spool import SPOOL_SUFFIX, spool_host, writer_of
 
 CHUNK_BYTES = 8 * 1024 * 1024
 TABLE = "otel_traces"

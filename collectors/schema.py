@@ -85,10 +85,6 @@ def _ident(name: str, what: str) -> str:
     return name
 
 
-def semconv_names() -> dict[str, str]:
-    return {k: v for k, v in vars(semconv).items() if k.isupper() and isinstance(v, str)}
-
-
 def _templates() -> list[tuple[str, str]]:
     folder = resources.files("kvtrace.collectors") / "sql"
     return sorted((f.name, f.read_text()) for f in folder.iterdir() if re.match(r"^\d\d_.*\.sql$", f.name))
@@ -110,7 +106,7 @@ def latest_version() -> int:
 
 def _variables(database: str, cluster: str | None) -> dict[str, str]:
     _ident(database, "database name")
-    variables: dict[str, str] = {**semconv_names(), "database": f"`{database}`"}
+    variables: dict[str, str] = {**semconv.names(), "database": f"`{database}`"}
     if cluster:
         _ident(cluster, "cluster name")
         variables["on_cluster"] = f"ON CLUSTER `{cluster}`"

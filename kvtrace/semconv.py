@@ -50,7 +50,7 @@ SAMPLING_SETTINGS = "kvtrace.sampling.settings"
 ARM = "kvtrace.arm"
 """Free-form label of the experiment arm / cache configuration (e.g. ``reuse``, ``off``)."""
 CAPTURE_MODE = "kvtrace.capture.mode"
-"""What of the token content left the engine (values below; see ``kvtrace.capture``)."""
+"""What of the token content left the engine (values below; see ``kvtrace.recording.capture``)."""
 CAPTURE_IDS = "ids"
 """Plain token ids."""
 CAPTURE_HASHED = "hashed"
@@ -177,7 +177,7 @@ FINISH_CANCELLED = "cancelled"
 """A stream closed by its consumer before the engine finished."""
 
 # --- values of the fork queries' answers (appended) -------------------------------------------
-# Rendered into queries/forks.sql and queries/fork_attribution.sql; read by kvtrace.forks and the CLI.
+# Rendered into queries/forks.sql and queries/fork_attribution.sql; read by kvtrace.analysis.forks and the CLI.
 
 FORK_KIND_PROMPT = "prompt"
 """fork_kind: the prompts already differ at the forking turn (the fork happened upstream)."""
@@ -235,3 +235,8 @@ PROMPT_HASH_SOURCE_REQUEST_TEXT = "request_text"
 
 IMPORT_SOURCE = "kvtrace.import.source"
 """File name and line number an imported request came from (``log.jsonl:17``)."""
+
+
+def names() -> dict[str, str]:
+    """Every name above by its constant, for rendering ``${NAME}`` into DDL and saved queries."""
+    return {k: v for k, v in globals().items() if k.isupper() and isinstance(v, str)}

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from kvtrace.recorder import Recorder, get_recorder
+from kvtrace.recording.recorder import Recorder, get_recorder
 
 log = logging.getLogger("kvtrace")
 

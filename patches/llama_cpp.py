@@ -1,6 +1,6 @@
 """llama-cpp-python instrumentation (imported as ``kvtrace.patches.llama_cpp``).
 
-One :class:`~kvtrace.records.RequestRecord` per generation call
+One :class:`~kvtrace.recording.records.RequestRecord` per generation call
 (``Llama.create_completion`` / ``create_chat_completion``, streaming or not),
 filled from these hook points (see the engine notes in the project docs):
 
@@ -50,8 +50,8 @@ import numpy as np
 from kvtrace import semconv as sc
 from kvtrace.patches.hooks import HookFailures, Wrappings, add_trace_context_middleware, version_supported
 from kvtrace.patches.llama_cpp_repack import cpu_has_amx, loaded_with_repack
-from kvtrace.records import CacheEvent, RequestRecord, StateOrigin
-from kvtrace.recorder import Recorder, get_recorder
+from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
+from kvtrace.recording.recorder import Recorder, get_recorder
 
 log = logging.getLogger("kvtrace")
 

@@ -66,8 +66,8 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.patches.hooks import HookFailures, Wrappings, add_trace_context_middleware, version_supported
-from kvtrace.records import CacheEvent, RequestRecord, StateOrigin
-from kvtrace.recorder import Recorder, get_recorder
+from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
+from kvtrace.recording.recorder import Recorder, get_recorder
 
 log = logging.getLogger("kvtrace")
 

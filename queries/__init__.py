@@ -136,9 +136,8 @@ def load(name: str) -> SavedQuery:
             continue
         in_header = False
         body_lines.append(line)
-    from kvtrace.collectors.schema import semconv_names
 
-    constants = {**semconv_names(), **_semconv_arrays()}
+    constants = {**semconv.names(), **_semconv_arrays()}
     sql = Template("\n".join(body_lines)).substitute({**constants, **_shared_fragments(constants)})
     sql = sql.strip().rstrip(";")
     params = []

@@ -16,7 +16,7 @@ def kvtrace_env(tmp_path, monkeypatch):
     for name in ("KVTRACE_EXPORTER", "KVTRACE_RUN_ID", "KVTRACE_EPISODE_ID", "KVTRACE_TURN", "KVTRACE_DISABLED",
                  "KVTRACE_ARM", "KVTRACE_ENGINES"):
         monkeypatch.delenv(name, raising=False)
-    from kvtrace.recorder import set_recorder
+    from kvtrace.recording.recorder import set_recorder
 
     # The process recorder reads its settings once: one made during a test must not outlive the
     # test's environment (its spool directory is gone afterwards).
@@ -36,8 +36,8 @@ def spool_dir(kvtrace_env):
 def spool_recorder(spool_dir):
     """A recorder writing to this test's spool (flush with recorder.pipeline.force_flush())."""
     from kvtrace.config import Settings
-    from kvtrace.recorder import Recorder, set_recorder
-    from kvtrace.spool import SpoolExporter
+    from kvtrace.recording.recorder import Recorder, set_recorder
+    from kvtrace.recording.exporters.spool import SpoolExporter
 
     recorder = Recorder(Settings.from_env(), exporter=SpoolExporter(spool_dir))
     previous = set_recorder(recorder)
@@ -79,7 +79,7 @@ def memory_recorder(kvtrace_env):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from kvtrace.config import Settings
-    from kvtrace.recorder import Recorder, set_recorder
+    from kvtrace.recording.recorder import Recorder, set_recorder
 
     recorder = Recorder(Settings.from_env(), exporter=InMemorySpanExporter())
     previous = set_recorder(recorder)

@@ -17,9 +17,9 @@ from typing import Optional, Sequence
 import kvtrace
 from kvtrace import semconv as sc
 from kvtrace.config import Settings
-from kvtrace.recorder import Recorder
-from kvtrace.records import CacheEvent, RequestRecord, StateOrigin
-from kvtrace.spool import SpoolExporter
+from kvtrace.recording.recorder import Recorder
+from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
+from kvtrace.recording.exporters.spool import SpoolExporter
 
 SCENARIO_ENV = {"KVTRACE_CAPTURE": "ids", "KVTRACE_HASH_KEY": "kvtrace-tests", "KVTRACE_BLOCK_SIZE": "4"}
 

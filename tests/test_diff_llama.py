@@ -12,7 +12,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from kvtrace import correlate  # noqa: E402
 from kvtrace.collectors.ingest import ingest_paths  # noqa: E402
-from kvtrace.forks import diff_runs  # noqa: E402
+from kvtrace.analysis.forks import diff_runs  # noqa: E402
 
 EPISODES, TURNS, MAX_TOKENS = 16, 5, 24
 

@@ -15,7 +15,7 @@ from kvtrace.experiment import Plan, run_experiment  # noqa: E402
 from kvtrace.experiment.models import generated_models  # noqa: E402
 from kvtrace.experiment.report import build_report  # noqa: E402
 from kvtrace.experiment.workload import episode_order, make_episodes  # noqa: E402
-from kvtrace.forks import diff_runs  # noqa: E402
+from kvtrace.analysis.forks import diff_runs  # noqa: E402
 
 CACHE_EVENTS = {"kvtrace.cache.reuse", "kvtrace.cache.restore", "kvtrace.cache.lookup"}
 

@@ -10,9 +10,9 @@ import pytest
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from kvtrace.config import Settings
-from kvtrace.recorder import Recorder
-from kvtrace.spool import SpoolExporter
-from kvtrace.stats import read_stats
+from kvtrace.recording.recorder import Recorder
+from kvtrace.recording.exporters.spool import SpoolExporter
+from kvtrace.recording.stats import read_stats
 
 
 def _free_port() -> int:
@@ -143,7 +143,7 @@ def test_a_busy_embedded_database_says_who_holds_it_and_what_to_do(tmp_path):
 
 
 def test_counters_survive_an_update_cut_short(spool_dir):
-    from kvtrace.stats import SLOT_BYTES, StatsFile, read_stats
+    from kvtrace.recording.stats import SLOT_BYTES, StatsFile, read_stats
 
     stats = StatsFile.create(spool_dir, "host-1-1")
     stats.publish({"spans_finished": 5, "spans_spooled": 5})

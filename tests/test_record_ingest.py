@@ -10,7 +10,7 @@ from opentelemetry.propagate import extract
 
 from kvtrace import correlate, semconv
 from kvtrace.collectors.ingest import ingest_paths
-from kvtrace.records import CacheEvent, StateOrigin
+from kvtrace.recording.records import CacheEvent, StateOrigin
 
 
 def _record(recorder, run_id, episode, turn, margins, reused=0, events=()):
@@ -103,7 +103,7 @@ def test_ingesting_twice_or_a_copy_adds_nothing(spool_recorder, spool_dir, db, t
 
 
 def test_hashed_capture_keeps_equality_but_not_content(monkeypatch, spool_dir):
-    from kvtrace.capture import CapturePolicy
+    from kvtrace.recording.capture import CapturePolicy
 
     a = CapturePolicy("hashed", b"key-1")
     b = CapturePolicy("hashed", b"key-1")

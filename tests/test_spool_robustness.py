@@ -14,8 +14,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from kvtrace.collectors.ingest import ingest_paths
-from kvtrace.otlp_json import encode_request
-from kvtrace.spool import spool_host
+from kvtrace.recording.exporters.otlp_json import encode_request
+from kvtrace.recording.exporters.spool import spool_host
 
 
 def _spans(n, name="tool.call"):

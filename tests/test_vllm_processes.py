@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtrace.collectors.ingest import ingest_paths  # noqa: E402
-from kvtrace.forks import diff_runs  # noqa: E402
+from kvtrace.analysis.forks import diff_runs  # noqa: E402
 
 WORKLOAD = str(Path(__file__).with_name("vllm_workload.py"))
 

@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 httpx = pytest.importorskip("httpx")
 
 from kvtrace import semconv as sc  # noqa: E402
-from kvtrace.stats import read_stats  # noqa: E402
+from kvtrace.recording.stats import read_stats  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 RUN_ID = "vllm-serve-run"

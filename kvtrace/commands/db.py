@@ -87,7 +87,7 @@ def run_status(args) -> int:
     from kvtrace.commands.common import open_database
     from kvtrace.config import default_database_url, default_spool_dir
     from kvtrace.db import describe
-    from kvtrace.stats import COUNTERS, lost, read_stats, span_totals
+    from kvtrace.recording.stats import COUNTERS, lost, read_stats, span_totals
 
     client = open_database(args, ingest=False)
     counts = {}

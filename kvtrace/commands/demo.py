@@ -38,8 +38,8 @@ def run(args) -> int:
     from kvtrace.experiment import Plan, run_experiment
     from kvtrace.experiment.models import generated_models
     from kvtrace.experiment.report import build_report, print_report
-    from kvtrace.forks import diff_runs, gguf_detokenizer
-    from kvtrace.html_view import write_fork_view
+    from kvtrace.analysis.forks import diff_runs, gguf_detokenizer
+    from kvtrace.analysis.html_view import write_fork_view
 
     started = time.monotonic()
     require_llama()

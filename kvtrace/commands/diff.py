@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TextIO
 
 from kvtrace import semconv as sc
-from kvtrace.forks import DEFAULT_NEAR_TIE, Diff, Fork, Side
+from kvtrace.analysis.forks import DEFAULT_NEAR_TIE, Diff, Fork, Side
 
 
 def register(sub) -> None:
@@ -30,7 +30,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from kvtrace.commands.common import open_database
-    from kvtrace.forks import diff_runs, gguf_detokenizer
+    from kvtrace.analysis.forks import diff_runs, gguf_detokenizer
 
     detokenize = gguf_detokenizer(args.model) if args.model else None
     client = open_database(args)
@@ -42,7 +42,7 @@ def run(args) -> int:
     else:
         print_diff(diff, sys.stdout)
     if args.html:
-        from kvtrace.html_view import write_fork_view
+        from kvtrace.analysis.html_view import write_fork_view
 
         write_fork_view(client, diff, args.html, detokenize)
         if not args.quiet:

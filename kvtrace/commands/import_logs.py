@@ -27,7 +27,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvtrace.importer import ImportOptions, import_files
+    from kvtrace.outside.importer import ImportOptions, import_files
 
     options = ImportOptions(run_id=args.run_id or "", engine=args.engine, weight_format=args.weight_format,
                             arm=args.arm)

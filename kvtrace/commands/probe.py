@@ -33,8 +33,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvtrace.outside_recorder import OutsideRecorder
-    from kvtrace.probe import SERVER_KINDS, ProbeError, Prober, ProbeSettings, compare, detect_server, load_prompts
+    from kvtrace.outside.recorder import OutsideRecorder
+    from kvtrace.outside.probe import SERVER_KINDS, ProbeError, Prober, ProbeSettings, compare, detect_server, load_prompts
 
     if args.warm < 1 or args.max_tokens < 1:
         raise ConfigError("--warm and --max-tokens must be at least 1")

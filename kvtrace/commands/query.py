@@ -18,7 +18,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from kvtrace import queries
-    from kvtrace.commands.common import open_database, print_rows
+    from kvtrace.analysis.tables import print_rows
+    from kvtrace.commands.common import open_database
 
     if args.list or not args.name:
         for name in queries.names():

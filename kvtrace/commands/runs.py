@@ -13,7 +13,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from kvtrace import queries
-    from kvtrace.commands.common import open_database, print_rows
+    from kvtrace.analysis.tables import print_rows
+    from kvtrace.commands.common import open_database
 
     client = open_database(args)
     columns, rows = queries.run(client, "runs")

@@ -29,10 +29,10 @@ def run(args) -> int:
     from kvtrace.collectors.ingest import ingest_paths
     from kvtrace.commands.common import open_database
     from kvtrace.config import Settings
-    from kvtrace.records import CacheEvent
-    from kvtrace.recorder import Recorder
+    from kvtrace.recording.records import CacheEvent
+    from kvtrace.recording.recorder import Recorder
     from kvtrace.preflight import check_settings
-    from kvtrace.spool import SpoolExporter
+    from kvtrace.recording.exporters.spool import SpoolExporter
 
     check_settings()  # the configuration an engine would record with, before this check overrides capture
     run_id = f"selfcheck-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"

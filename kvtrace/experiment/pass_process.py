@@ -15,7 +15,7 @@ from typing import Optional
 from kvtrace.experiment.isolation import PassResult, PassSpec, progress_message, result_message
 from kvtrace.experiment.runner import run_pass
 from kvtrace.patches import llama_cpp as llama_patch
-from kvtrace.recorder import get_recorder
+from kvtrace.recording.recorder import get_recorder
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -7,6 +7,7 @@ import math
 from typing import Any, Optional, TextIO
 
 from kvtrace import queries
+from kvtrace.analysis.tables import print_rows
 from kvtrace.experiment.plan import Plan
 from kvtrace.experiment.runner import Outcome
 
@@ -77,7 +78,6 @@ def _pct(value: Optional[float]) -> str:
 
 
 def print_report(report: dict, out: TextIO) -> None:
-    from kvtrace.commands.common import print_rows
 
     if report["interrupted"]:
         out.write("interrupted: the table covers what was recorded before the stop\n")

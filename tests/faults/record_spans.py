@@ -11,7 +11,7 @@ filled like ``kvtrace selfcheck`` fills them.
 import sys
 
 from kvtrace import semconv
-from kvtrace.recorder import get_recorder
+from kvtrace.recording.recorder import get_recorder
 
 
 def main() -> int:

@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 import pytest
 
 from kvtrace.collectors.ingest import ingest_paths
-from kvtrace.stats import lost, read_stats, span_totals
+from kvtrace.recording.stats import lost, read_stats, span_totals
 
 HERE = Path(__file__).parent
 RECORD_SPANS = HERE / "record_spans.py"

@@ -1,6 +1,6 @@
 """Direct span writer: insert batches into a ClickHouse server's ``otel_traces``.
 
-Used with ``KVTRACE_EXPORTER=clickhouse``, behind :class:`kvtrace.delivery.SinkWithSpool`:
+Used with ``KVTRACE_EXPORTER=clickhouse``, behind :class:`kvtrace.recording.exporters.delivery.SinkWithSpool`:
 it runs on kvtrace's exporter thread, never on the engine's, and a batch the
 server does not take within the connect / read time-outs raises here and goes
 to the spool there. Only servers: an embedded (chDB) database belongs to the
@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from kvtrace.collectors.otlp_rows import COLUMNS, rows_from_request
 from kvtrace.db import server_client
-from kvtrace.otlp_json import encode_request
+from kvtrace.recording.exporters.otlp_json import encode_request
 
 
 class ClickHouseSpanExporter(SpanExporter):

@@ -19,7 +19,7 @@ from string import Template
 from typing import Optional, Sequence
 
 from kvtrace import semconv as sc
-from kvtrace.forks import Detokenizer, Diff, Fork, Turn
+from kvtrace.analysis.forks import Detokenizer, Diff, Fork, Turn
 
 MARGIN_BINS = tuple(zip(sc.MARGIN_BIN_EDGES + (math.inf,), (f"m{i}" for i in range(len(sc.MARGIN_BIN_LABELS))),
                         sc.MARGIN_BIN_LABELS))
@@ -46,7 +46,7 @@ def margin_class(margin: float) -> str:
 
 def write_fork_view(client, diff: Diff, path: Path, detokenize: Optional[Detokenizer] = None) -> Path:
     """Render ``diff`` with the turn timelines of its forked episodes into one HTML file at ``path``."""
-    from kvtrace.forks import episode_turns
+    from kvtrace.analysis.forks import episode_turns
 
     timelines = {f.episode: episode_turns(client, diff.run_a, diff.run_b, f.episode) for f in diff.forks}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,7 +62,7 @@ def render_diff(diff: Diff, timelines: dict[str, list[Turn]], detokenize: Option
         sections = ['<p class="none">No episode forked: every turn both runs made agrees.</p>']
     legend = " ".join(f'<span class="tok {css}">{_e(label)}</span>' for _, css, label in MARGIN_BINS)
     layers = " ".join(f'<span class="lane-key {css}">{_e(name)}</span>' for name, css in LAYER_CLASSES.items())
-    template = Template((resources.files("kvtrace") / "fork_view.html").read_text(encoding="utf-8"))
+    template = Template((resources.files("kvtrace.analysis") / "fork_view.html").read_text(encoding="utf-8"))
     return template.substitute(
         title=_e(f"kvtrace diff {diff.run_a} vs {diff.run_b}"),
         run_a=_e(diff.run_a),

@@ -26,8 +26,8 @@ from typing import Optional
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from kvtrace.delivery import Delivery, FailureLog, first_line
-from kvtrace.stats import COUNTERS, StatsFile, lost
+from kvtrace.recording.exporters.delivery import Delivery, FailureLog, first_line
+from kvtrace.recording.stats import COUNTERS, StatsFile, lost
 
 log = logging.getLogger("kvtrace")
 

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from kvtrace import semconv as sc
-from kvtrace.openai_exchange import ExchangeError, parse_exchange
-from kvtrace.outside_recorder import OutsideRecorder
+from kvtrace.outside.openai_exchange import ExchangeError, parse_exchange
+from kvtrace.outside.recorder import OutsideRecorder
 
 
 @dataclass(frozen=True)

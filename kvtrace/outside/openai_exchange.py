@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvtrace import semconv as sc
-from kvtrace.records import RequestRecord
+from kvtrace.recording.records import RequestRecord
 
 PROMPT_FIELDS = ("messages", "prompt", "suffix", "tools", "tool_choice", "functions", "function_call",
                  "response_format", "chat_template_kwargs")

@@ -38,8 +38,8 @@ from typing import Any, Callable, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.errors import ConfigError, KvtraceError
-from kvtrace.openai_exchange import ExchangeError, parse_exchange
-from kvtrace.outside_recorder import OutsideRecorder
+from kvtrace.outside.openai_exchange import ExchangeError, parse_exchange
+from kvtrace.outside.recorder import OutsideRecorder
 
 FLUSH_PROMPT = "kvtrace probe: unrelated flush text, discard."
 

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 if TYPE_CHECKING:
-    from kvtrace.spool import SpoolExporter
+    from kvtrace.recording.exporters.spool import SpoolExporter
 
 log = logging.getLogger("kvtrace")
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvtrace.config import data_home
-from kvtrace.spool import spool_host
+from kvtrace.recording.exporters.spool import spool_host
 
 log = logging.getLogger("kvtrace")
 

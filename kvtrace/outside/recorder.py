@@ -12,9 +12,9 @@ from typing import Optional
 import kvtrace
 from kvtrace.config import Settings
 from kvtrace.errors import ConfigError
-from kvtrace.openai_exchange import Exchange, TextHasher, fill_record
-from kvtrace.recorder import Recorder
-from kvtrace.records import RequestRecord
+from kvtrace.outside.openai_exchange import Exchange, TextHasher, fill_record
+from kvtrace.recording.recorder import Recorder
+from kvtrace.recording.records import RequestRecord
 
 FLUSH_EVERY = 256
 """Records between flushes: the span queue is bounded and drops (counting) when full."""

@@ -33,14 +33,13 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
 from kvtrace import semconv as sc
-from kvtrace.capture import CapturePolicy
 from kvtrace.config import Settings, default_spool_dir
-from kvtrace.delivery import SinkWithSpool
 from kvtrace.errors import KvtraceError
-from kvtrace.pipeline import SpanPipeline
-from kvtrace.records import CacheEvent, Correlation, RequestRecord, StateOrigin
-from kvtrace.spool import SpoolExporter
-from kvtrace.stats import StatsFile
+from kvtrace.recording.capture import CapturePolicy
+from kvtrace.recording.exporters import build_exporter
+from kvtrace.recording.pipeline import SpanPipeline
+from kvtrace.recording.records import CacheEvent, Correlation, RequestRecord, StateOrigin
+from kvtrace.recording.stats import StatsFile
 
 log = logging.getLogger("kvtrace")
 
@@ -249,34 +248,6 @@ def _to_event(e: CacheEvent) -> Event:
     if e.source is not None:
         a.update(_origin_attributes(e.source))
     return Event(e.name, a, timestamp=e.time_unix_nano)
-
-
-def build_exporter(settings: Settings):
-    """The exporter chosen by ``KVTRACE_EXPORTER`` (spool by default); remote sinks spool what they miss."""
-    spool = SpoolExporter(settings.spool_dir, settings.spool_rotate_bytes)
-    if settings.exporter == "spool":
-        return spool
-    if settings.exporter == "otlp":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                    or "http://localhost:4318")
-        sink = OTLPSpanExporter(timeout=settings.export_timeout_s)  # seconds: the SDK's unit
-        return SinkWithSpool(sink, spool, f"sending spans to the OpenTelemetry Collector at {endpoint}")
-    if settings.exporter == "clickhouse":
-        from kvtrace.collectors.clickhouse_exporter import ClickHouseSpanExporter
-        from kvtrace.db import describe
-
-        sink = ClickHouseSpanExporter(settings.clickhouse_url, connect_timeout_s=settings.connect_timeout_s,
-                                      timeout_s=settings.export_timeout_s)
-        return SinkWithSpool(sink, spool, f"inserting spans into ClickHouse at {describe(settings.clickhouse_url)}")
-    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-
-    class _Discard(SpanExporter):
-        def export(self, spans):
-            return SpanExportResult.SUCCESS
-
-    return _Discard()
 
 
 # --- the process-wide recorder ---------------------------------------------------------

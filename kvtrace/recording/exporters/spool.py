@@ -28,8 +28,8 @@ from typing import Optional, Sequence
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from kvtrace.delivery import Delivery, FailureLog, first_line
-from kvtrace.otlp_json import encode_request
+from kvtrace.recording.exporters.delivery import Delivery, FailureLog, first_line
+from kvtrace.recording.exporters.otlp_json import encode_request
 
 SPOOL_SUFFIX = ".jsonl"
 _NAME = re.compile(r"^kvtrace-(?P<host>.+)-(?P<pid>\d+)-(?P<start>\d+)-(?P<seq>\d+)\.jsonl$")

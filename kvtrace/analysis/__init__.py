@@ -1,0 +1,2 @@
+"""Reading spans back: saved-query results turned into forks and their explanation (text, JSON,
+HTML) for ``kvtrace diff``, ``runs`` and ``query``."""
