@@ -1,7 +1,7 @@
 -- answers: Why runs A and B forked: per forked episode, each side's cache path at the forking turn,
 --   an attribution label, the culprit cache event with its provenance, and the margins at the fork.
 --   Forks are found exactly as in forks.sql (first turn whose prompt or output differs; first
---   differing token position). Labels, most specific first:
+--   differing token position; -1 for a prompt mismatch). Labels, most specific first:
 --     prompt_mismatch   the prompts already differ at this turn: the fork happened upstream (in what
 --                       was sent, e.g. an earlier turn's output fed back), not in this request;
 --     hit_vs_recompute  one side reused cached state (reused_tokens > 0), the other recomputed;
@@ -37,7 +37,8 @@ compared AS (
         a.turn AS turn,
         a.prompt_hash != b.prompt_hash AS prompt_differs,
         outputs_differ(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS output_differs,
-        first_divergent_position(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS position,
+        fork_position(a.prompt_hash, b.prompt_hash, a.token_ids, b.token_ids, a.output_hash, b.output_hash)
+            AS position,
         a.span_id AS span_id_a, b.span_id AS span_id_b,
         a.request_id AS request_id_a, b.request_id AS request_id_b,
         a.capture_mode AS capture_mode,

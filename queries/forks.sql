@@ -3,7 +3,8 @@
 --   the fork happened upstream, in what was sent) or whose outputs differ (kind `output`). Outputs
 --   are compared by token_ids when both sides captured them (ids or hashed capture), else by
 --   output_hash. position is the first index where the token ids differ, or the shorter length
---   when one output is a prefix of the other; -1 when unknown (hash comparison) or not forked.
+--   when one output is a prefix of the other; -1 when unknown (hash comparison), when the prompts
+--   differ (kind `prompt`: outputs of different prompts are not compared token by token) or not forked.
 --   Episodes that did not fork get a row with forked = 0 and fork_turn = position = -1.
 -- params: run_a String, run_b String, episode String = ''
 -- columns: episode_id, forked, fork_turn, fork_kind, position, compared_by, turns_compared,
@@ -21,7 +22,8 @@ compared AS (
         a.prompt_hash != b.prompt_hash AS prompt_differs,
         outputs_compared_by_ids(a.token_ids, b.token_ids) AS by_ids,
         outputs_differ(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS output_differs,
-        first_divergent_position(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS position,
+        fork_position(a.prompt_hash, b.prompt_hash, a.token_ids, b.token_ids, a.output_hash, b.output_hash)
+            AS position,
         if(position >= 0 AND position < length(a.token_ids), a.token_ids[position + 1], toInt64(-1)) AS token_a,
         if(position >= 0 AND position < length(b.token_ids), b.token_ids[position + 1], toInt64(-1)) AS token_b,
         a.output_tokens AS output_tokens_a,
