@@ -49,7 +49,11 @@ def connect(url: str | None = None):
     if parsed.scheme == "chdb":
         path = chdb_path(url)
         if path:
-            Path(path).mkdir(parents=True, exist_ok=True)
+            try:
+                Path(path).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"the embedded database {path} cannot be created there "
+                                  f"({exc.strerror or exc}); pass --db chdb:///a/writable/directory") from None
             dsn = f"chdb://{path}"
         else:
             dsn = "chdb://memory"
@@ -66,9 +70,13 @@ def connect(url: str | None = None):
         )
     database = parsed.path.strip("/") or "default"
     try:
+        port = parsed.port or (8443 if parsed.scheme == "https" else 8123)
+    except ValueError:
+        raise ConfigError(f"database URL {describe(url)!r} has no valid port; e.g. http://host:8123/db") from None
+    try:
         client = clickhouse_connect.get_client(
             host=parsed.hostname or "localhost",
-            port=parsed.port or (8443 if parsed.scheme == "https" else 8123),
+            port=port,
             username=unquote(parsed.username or "default"),
             password=unquote(parsed.password or ""),
             database=database,

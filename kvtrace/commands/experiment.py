@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
+from kvtrace.commands.arguments import count, input_file, output_file, seed
 from kvtrace.errors import ConfigError
 
 
@@ -21,23 +21,24 @@ def register(sub) -> None:
                                    "(Wilson 95%% CI), fork turns, cached tokens, margin shift, flip rate by "
                                    "margin and fork attribution. Run ids: PREFIX/FORMAT/ARM/rREPEAT/ORDER.")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", type=Path, metavar="PATH.gguf",
+    source.add_argument("--model", type=input_file, metavar="PATH.gguf",
                         help="an unquantized (F32/F16/BF16) GGUF; quantized to each --formats entry")
     source.add_argument("--generate", metavar="SIZE", choices=("tiny", "small", "base"),
                         help="use a generated random-weight model of this size (tiny, small, base)")
     p.add_argument("--formats", type=_list, default=("Q4_0", "Q8_0"), metavar="F16,Q4_0,...")
     p.add_argument("--arms", type=_list, default=("off", "reuse", "prompt-cache"),
                    metavar="off,reuse,prompt-cache,restore")
-    p.add_argument("--episodes", type=int, default=16, metavar="N")
-    p.add_argument("--turns", type=int, default=4, metavar="T")
-    p.add_argument("--tokens", type=int, default=24, metavar="K", help="max tokens per turn")
-    p.add_argument("--repeats", type=int, default=1, metavar="R", help="passes per arm, each with a fresh engine")
+    p.add_argument("--episodes", type=count, default=16, metavar="N")
+    p.add_argument("--turns", type=count, default=4, metavar="T")
+    p.add_argument("--tokens", type=count, default=24, metavar="K", help="max tokens per turn")
+    p.add_argument("--repeats", type=count, default=1, metavar="R", help="passes per arm, each with a fresh engine")
     p.add_argument("--orders", type=_list, default=("canonical",), metavar="canonical,shuffled")
-    p.add_argument("--seed", type=int, default=0, metavar="S")
+    p.add_argument("--seed", type=seed, default=0, metavar="S")
     p.add_argument("--prefix", default=None, help="run id prefix (default exp-<seed>-<time>)")
-    p.add_argument("--n-ctx", type=int, default=1024, metavar="TOKENS")
-    p.add_argument("--threads", type=int, default=1, metavar="N")
-    p.add_argument("--plot", type=Path, metavar="FILE.png", help="bar chart of divergence rates (needs matplotlib)")
+    p.add_argument("--n-ctx", type=count, default=1024, metavar="TOKENS")
+    p.add_argument("--threads", type=count, default=1, metavar="N")
+    p.add_argument("--plot", type=output_file, metavar="FILE.png",
+                   help="bar chart of divergence rates (needs matplotlib)")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.set_defaults(func=run)
 
