@@ -4,7 +4,8 @@ Each sub-command lives in ``kvtrace/commands/<name>.py`` and exposes
 ``register(subparsers)`` which adds its parser and sets ``func`` (a callable
 taking the parsed args and returning an exit code).  Exit codes: 0 success,
 1 runtime failure (database, run not found...), 2 usage or configuration
-error.  Errors go to stderr as ``kvtrace: error: ...``.
+error.  Errors go to stderr as one line, ``kvtrace: error: ...``; ``--debug``
+(or ``KVTRACE_DEBUG=1``) adds the traceback.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import importlib
 import logging
 import os
 import sys
+import traceback
 from typing import Optional
 
 from kvtrace import __version__
+from kvtrace.error_report import one_line, traceback_requested
 from kvtrace.errors import KvtraceError
 
 COMMAND_MODULES = [
@@ -57,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress output on stderr")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debugging detail")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error instead of one line (env KVTRACE_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -84,6 +89,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KvtraceError as exc:
+        if traceback_requested(args):
+            traceback.print_exc()
         print(f"kvtrace: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
@@ -91,6 +98,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as exc:  # not foreseen: still one line (and a runtime failure), the traceback on request
+        if traceback_requested(args):
+            traceback.print_exc()
+        print(f"kvtrace: error: {one_line(exc)} (--debug or KVTRACE_DEBUG=1 shows where)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -51,7 +51,11 @@ def connect(url: str | None = None):
     if parsed.scheme == "chdb":
         path = chdb_path(url)
         if path:
-            Path(path).mkdir(parents=True, exist_ok=True)
+            try:
+                Path(path).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"the embedded database {path} cannot be created there "
+                                  f"({exc.strerror or exc}); pass --db chdb:///a/writable/directory") from None
             dsn = f"chdb://{path}"
         else:
             dsn = "chdb://memory"
@@ -66,6 +70,10 @@ def connect(url: str | None = None):
             f"database URL {describe(url)!r} is not understood; use chdb:///path, chdb://memory "
             "or http(s)://user:password@host:port/database"
         )
+    try:
+        parsed.port  # a port that is not a number raises here
+    except ValueError:
+        raise ConfigError(f"database URL {describe(url)!r} has no valid port; e.g. http://host:8123/db") from None
     try:
         client = server_client(url, connect_timeout_s=5, read_timeout_s=60)
     except Exception as exc:

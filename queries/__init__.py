@@ -18,8 +18,10 @@ placeholders substituted.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from importlib import resources
 from string import Template
 from typing import Any, Optional
@@ -37,16 +39,47 @@ class Param:
     default: Optional[str] = None
 
     def convert(self, raw: Any) -> Any:
+        """The value to bind; a value the server would reject is refused here, with a message that says why."""
         if not isinstance(raw, str):
             return raw
         try:
             if self.type.startswith(("Int", "UInt")):
                 return int(raw)
             if self.type.startswith("Float"):
-                return float(raw)
+                value = float(raw)
+                if not math.isfinite(value):
+                    raise ValueError(raw)
+                return value
+            if self.type.startswith("DateTime"):
+                return _datetime(raw)
         except ValueError:
-            raise QueryParameterError(f"parameter {self.name} must be {self.type}, got {raw!r}") from None
+            raise QueryParameterError(f"parameter {self.name} must be {self.type}{_HINTS.get(self.type[:5], '')}, "
+                                      f"got {raw!r}") from None
         return raw
+
+
+_HINTS = {"Float": " (a finite number)",
+          "DateT": " (epoch seconds, or a time such as 2024-05-01 or 2024-05-01T12:00:00, optionally with Z or +02:00)"}
+_EPOCH = re.compile(r"^-?\d+(\.\d+)?$")
+_YEARS = range(1900, 2300)
+"""What ClickHouse's DateTime64 holds."""
+
+
+def _datetime(raw: str) -> str:
+    """A time as ClickHouse parses it: epoch seconds or an ISO 8601 time (one with a zone, as epoch seconds)."""
+    text = raw.strip()
+    try:
+        if _EPOCH.match(text):
+            when = datetime.fromtimestamp(float(text), timezone.utc)
+        else:
+            when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except (OverflowError, OSError) as exc:  # beyond any calendar
+        raise ValueError(raw) from exc
+    if when.year not in _YEARS:
+        raise ValueError(raw)
+    if _EPOCH.match(text):
+        return text
+    return f"{when.timestamp():.3f}" if when.tzinfo else when.isoformat(sep=" ")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@
 --                         weight format (does caching change the outcome relative to, e.g., `off`?),
 --                         plus pairs within ARM itself (its own noise floor).
 --   fork_rate comes with a Wilson score 95 % interval; median fork turn / position are over forked
---   episodes (NaN when none forked; position -1 when outputs could only be compared by hash); mean_cached_tokens is the
+--   episodes (NaN when none forked; position -1 when outputs could only be compared by hash or the fork
+--   was a prompt mismatch); mean_cached_tokens is the
 --   mean reused prompt tokens per request over the configuration's runs.
 --   Optional scope (what alert rules use): only requests with since <= Timestamp < until and the
 --   given engine / model / weight format ('' = any).
@@ -59,7 +60,8 @@ compared AS (
         p.run_a AS run_a, p.run_b AS run_b, ta.episode_id AS episode_id, ta.turn AS turn,
         ta.prompt_hash != tb.prompt_hash
             OR outputs_differ(ta.token_ids, tb.token_ids, ta.output_hash, tb.output_hash) AS differs,
-        first_divergent_position(ta.token_ids, tb.token_ids, ta.output_hash, tb.output_hash) AS position
+        fork_position(ta.prompt_hash, tb.prompt_hash, ta.token_ids, tb.token_ids, ta.output_hash,
+                      tb.output_hash) AS position
     FROM pairs AS p
     INNER JOIN requests AS ta ON ta.run_id = p.run_a
     INNER JOIN requests AS tb ON tb.run_id = p.run_b AND tb.episode_id = ta.episode_id AND tb.turn = ta.turn

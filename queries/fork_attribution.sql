@@ -1,7 +1,7 @@
 -- answers: Why runs A and B forked: per forked episode, each side's cache path at the forking turn,
 --   an attribution label, the culprit cache event with its provenance, and the margins at the fork.
---   Forks are found exactly as in forks.sql (queries/shared/first_fork.sql: the first turn whose
---   prompt or output differs; the first differing token position). Labels, most specific first:
+--   Forks are found exactly as in forks.sql (first turn whose prompt or output differs; first
+--   differing token position; -1 for a prompt mismatch). Labels, most specific first:
 --     prompt_mismatch   the prompts already differ at this turn: the fork happened upstream (in what
 --                       was sent, e.g. an earlier turn's output fed back), not in this request;
 --     hit_vs_recompute  one side reused cached state (reused_tokens > 0), the other recomputed;

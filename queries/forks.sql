@@ -3,7 +3,8 @@
 --   the fork happened upstream, in what was sent) or whose outputs differ (kind `output`). Outputs
 --   are compared by token_ids when both sides captured them (ids or hashed capture), else by
 --   output_hash. position is the first index where the token ids differ, or the shorter length
---   when one output is a prefix of the other; -1 when unknown (hash comparison) or not forked.
+--   when one output is a prefix of the other; -1 when unknown (hash comparison), when the prompts
+--   differ (kind `prompt`: outputs of different prompts are not compared token by token) or not forked.
 --   Episodes that did not fork get a row with forked = 0 and fork_turn = position = -1.
 -- params: run_a String, run_b String, episode String = ''
 -- columns: episode_id, forked, fork_turn, fork_kind, position, compared_by, turns_compared,

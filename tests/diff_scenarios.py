@@ -9,6 +9,7 @@ prompt — and ``ScenarioBook`` records it exactly as an engine patch would:
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +100,52 @@ class ScenarioBook:
         ingest_paths(client, [self.spool_dir], quarantine_dir=self.spool_dir / "quarantine")
 
 
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+FIRST = [10, 11, 12]
+NEXT_PROMPT = PROMPT + FIRST + [20]  # 12 tokens: turn 0's conversation plus a new observation
+
+
+def record_fork_scenarios(book: ScenarioBook, run_a: str, run_b: str) -> None:
+    """Two runs of the same episodes that fork in every way kvtrace distinguishes (and some that do not)."""
+
+    def both(episode, turn, prompt, tokens, margins=None):
+        for run in (run_a, run_b):
+            book.turn(run, episode, turn, prompt, tokens, margins)
+
+    # hit: A reuses the live context at turn 1, B recomputes; they part at token 2 (a near tie).
+    both("hit", 0, PROMPT, FIRST)
+    reuse = CachePath(sc.LAYER_KV_REUSE, 11, event=sc.EVENT_CACHE_REUSE, block_hashes=["bh-1", "bh-2"])
+    book.turn(run_a, "hit", 1, NEXT_PROMPT, [30, 31, 32, 33], [2.0, 1.0, 0.02, 1.0], cache=reuse)
+    book.turn(run_b, "hit", 1, NEXT_PROMPT, [30, 31, 40, 41], [2.0, 1.0, 0.03, 1.0])
+    # len: both reuse, different lengths; they part at token 0 (not a near tie).
+    both("len", 0, PROMPT, FIRST)
+    book.turn(run_a, "len", 1, NEXT_PROMPT, [50, 51], [0.2, 1.0], cache=CachePath(sc.LAYER_KV_REUSE, 11))
+    book.turn(run_b, "len", 1, NEXT_PROMPT, [52, 51], [0.25, 1.0], cache=CachePath(sc.LAYER_KV_REUSE, 8))
+    # src: both restore 11 tokens from the prompt cache, but B restores state another episode stored.
+    both("src", 0, PROMPT, FIRST)
+    own = book.records[(run_a, "src", 0)].origin()
+    foreign = book.records[(run_b, "hit", 0)].origin()
+    book.turn(run_a, "src", 1, NEXT_PROMPT, [60, 61, 62], [1.0, 0.04, 1.0],
+              cache=CachePath(sc.LAYER_PROMPT_CACHE, 11, "key-a", own, sc.EVENT_CACHE_RESTORE))
+    book.turn(run_b, "src", 1, NEXT_PROMPT, [60, 63, 62], [1.0, 0.01, 1.0],
+              cache=CachePath(sc.LAYER_PROMPT_CACHE, 11, "key-b", foreign, sc.EVENT_CACHE_RESTORE))
+    # same: identical (recompute) paths, different tokens at position 4.
+    book.turn(run_a, "same", 0, PROMPT, [1, 2, 3, 4, 5, 6])
+    book.turn(run_b, "same", 0, PROMPT, [1, 2, 3, 4, 7, 6])
+    # upstream: turn 1's prompts already differ (the harness sent something else).
+    both("upstream", 0, PROMPT, FIRST)
+    book.turn(run_a, "upstream", 1, PROMPT + [70], [71, 72])
+    book.turn(run_b, "upstream", 1, PROMPT + [77], [71, 72])
+    # calm: three identical turns.
+    for turn in range(3):
+        both("calm", turn, PROMPT + [turn], FIRST)
+    # prefix: B generated one token more.
+    book.turn(run_a, "prefix", 0, PROMPT, [1, 2, 3])
+    book.turn(run_b, "prefix", 0, PROMPT, [1, 2, 3, 4])
+    # lonely: only run A has it, so it is not compared.
+    book.turn(run_a, "lonely", 0, PROMPT, FIRST)
+
+
 def python_fork(book: ScenarioBook, run_a: str, run_b: str, episode: str) -> Optional[tuple[int, int, str]]:
     """(turn, position, kind) of the first difference, compared in plain Python, or None."""
     turns = sorted(t for (r, e, t) in book.records if r == run_a and e == episode
@@ -113,7 +160,20 @@ def python_fork(book: ScenarioBook, run_a: str, run_b: str, episode: str) -> Opt
             continue
         ta, tb = a.output_token_ids, b.output_token_ids
         position = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
-        if ta == tb:
+        if ta == tb or kind == "prompt":  # outputs of different prompts are not compared token by token
             position = -1
         return t, position, kind
     return None
+
+
+def comparable(values) -> tuple:
+    """NaN (no margin at a prompt fork) compares equal to itself here."""
+    return tuple(None if isinstance(v, float) and math.isnan(v) else v for v in values)
+
+
+def fork_summary(diff):
+    """What two captures of the same runs must agree on: each fork's place, label, margins, cache paths, culprit."""
+    return [comparable((f.episode, f.turn, f.kind, f.position, f.attribution, f.near_tie, f.a.margin, f.b.margin,
+                        f.a.cache.reused_tokens, f.b.cache.reused_tokens,
+                        f.culprit and (f.culprit.event, f.culprit.layer, f.culprit.reused_tokens, f.culprit.key_hash)))
+            for f in diff.forks]

@@ -9,14 +9,11 @@ import math
 
 import pytest
 
-from diff_scenarios import CachePath, ScenarioBook, python_fork
+from diff_scenarios import PROMPT, ScenarioBook, python_fork, record_fork_scenarios
 from kvtrace import queries
 from kvtrace import semconv as sc
 
 A, B = "attr-A", "attr-B"
-PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
-FIRST = [10, 11, 12]
-NEXT_PROMPT = PROMPT + FIRST + [20]  # 12 tokens: turn 0's conversation plus a new observation
 
 
 def _rows(client, name, **params):
@@ -32,42 +29,7 @@ def recorded(tmp_path_factory):
     root = tmp_path_factory.mktemp("forks")
     book = ScenarioBook(root / "spool")
 
-    def both(episode, turn, prompt, tokens, margins=None):
-        for run in (A, B):
-            book.turn(run, episode, turn, prompt, tokens, margins)
-
-    # hit: A reuses the live context at turn 1, B recomputes; they part at token 2 (a near tie).
-    both("hit", 0, PROMPT, FIRST)
-    reuse = CachePath(sc.LAYER_KV_REUSE, 11, event=sc.EVENT_CACHE_REUSE, block_hashes=["bh-1", "bh-2"])
-    book.turn(A, "hit", 1, NEXT_PROMPT, [30, 31, 32, 33], [2.0, 1.0, 0.02, 1.0], cache=reuse)
-    book.turn(B, "hit", 1, NEXT_PROMPT, [30, 31, 40, 41], [2.0, 1.0, 0.03, 1.0])
-    # len: both reuse, different lengths; they part at token 0 (not a near tie).
-    both("len", 0, PROMPT, FIRST)
-    book.turn(A, "len", 1, NEXT_PROMPT, [50, 51], [0.2, 1.0], cache=CachePath(sc.LAYER_KV_REUSE, 11))
-    book.turn(B, "len", 1, NEXT_PROMPT, [52, 51], [0.25, 1.0], cache=CachePath(sc.LAYER_KV_REUSE, 8))
-    # src: both restore 11 tokens from the prompt cache, but B restores state another episode stored.
-    both("src", 0, PROMPT, FIRST)
-    own = book.records[(A, "src", 0)].origin()
-    foreign = book.records[(B, "hit", 0)].origin()
-    book.turn(A, "src", 1, NEXT_PROMPT, [60, 61, 62], [1.0, 0.04, 1.0],
-              cache=CachePath(sc.LAYER_PROMPT_CACHE, 11, "key-a", own, sc.EVENT_CACHE_RESTORE))
-    book.turn(B, "src", 1, NEXT_PROMPT, [60, 63, 62], [1.0, 0.01, 1.0],
-              cache=CachePath(sc.LAYER_PROMPT_CACHE, 11, "key-b", foreign, sc.EVENT_CACHE_RESTORE))
-    # same: identical (recompute) paths, different tokens at position 4.
-    book.turn(A, "same", 0, PROMPT, [1, 2, 3, 4, 5, 6])
-    book.turn(B, "same", 0, PROMPT, [1, 2, 3, 4, 7, 6])
-    # upstream: turn 1's prompts already differ (the harness sent something else).
-    both("upstream", 0, PROMPT, FIRST)
-    book.turn(A, "upstream", 1, PROMPT + [70], [71, 72])
-    book.turn(B, "upstream", 1, PROMPT + [77], [71, 72])
-    # calm: three identical turns.
-    for turn in range(3):
-        both("calm", turn, PROMPT + [turn], FIRST)
-    # prefix: B generated one token more.
-    book.turn(A, "prefix", 0, PROMPT, [1, 2, 3])
-    book.turn(B, "prefix", 0, PROMPT, [1, 2, 3, 4])
-    # lonely: only run A has it, so it is not compared.
-    book.turn(A, "lonely", 0, PROMPT, FIRST)
+    record_fork_scenarios(book, A, B)
 
     # Runs recorded without token ids: outputs can only be compared by hash.
     hashed = ScenarioBook(root / "spool-none", capture="none")

@@ -102,19 +102,23 @@ def test_ingesting_twice_or_a_copy_adds_nothing(spool_recorder, spool_dir, db, t
     assert db.query("SELECT count() FROM kvtrace_requests").result_rows[0][0] == 3
 
 
-def test_hashed_capture_keeps_equality_but_not_content(monkeypatch, spool_dir):
+def test_hashed_capture_keeps_equality_where_tokens_are_compared_but_not_content(monkeypatch, spool_dir):
     from kvtrace.recording.capture import CapturePolicy
 
     a = CapturePolicy("hashed", b"key-1")
     b = CapturePolicy("hashed", b"key-1")
     other = CapturePolicy("hashed", b"key-2")
-    tokens = [5, 17, 5, 99]
-    hashed = a.token_ids(tokens)
-    assert hashed == b.token_ids(tokens)             # comparable across runs with the same key
-    assert hashed[0] == hashed[2] and hashed[0] != hashed[1]
-    assert not set(hashed) & set(tokens)             # content not in the clear
-    assert other.token_ids(tokens) != hashed         # and not recomputable without the key
-    assert CapturePolicy("none", b"k").token_ids(tokens) is None
+    prompt = a.hash_tokens([1, 2, 3])
+    chosen, top1, runner_up = [5, 17, 5, 99], [5, 17, 5, 98], [6, 18, 7, 5]
+    hashed = a.output_token_ids(prompt, chosen, top1, runner_up)
+    assert hashed == b.output_token_ids(prompt, chosen, top1, runner_up)  # same key, same prompt: comparable
+    assert hashed.chosen[:3] == hashed.top1[:3] and hashed.chosen[3] != hashed.top1[3]  # chosen vs top-1
+    assert len({hashed.chosen[0], hashed.chosen[2], hashed.runner_up[3]}) == 3  # token 5 elsewhere: unlinkable
+    assert not set(hashed.chosen) & set(chosen)                          # content not in the clear
+    assert not set(a.output_token_ids(a.hash_tokens([1, 2, 4]), chosen, top1, runner_up).chosen) & set(hashed.chosen)
+    assert other.output_token_ids(prompt, chosen, top1, runner_up) != hashed  # not recomputable without the key
+    assert a.prompt_token_ids([1, 2, 3]) is None                         # prompt ids: with ids capture only
+    assert CapturePolicy("none", b"k").output_token_ids(prompt, chosen, top1, runner_up) is None
     engine_hash = "9f" * 32  # e.g. a vLLM block hash: sha256 of the block's token ids
     assert CapturePolicy("ids", b"key-1").engine_hash(engine_hash) == engine_hash
     assert a.engine_hash(engine_hash) == b.engine_hash(engine_hash) != engine_hash

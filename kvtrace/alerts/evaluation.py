@@ -70,12 +70,16 @@ def evaluate(client, config: AlertConfig, at: float) -> Evaluation:
 
 def evaluate_rule(client, rule: Rule, at: float) -> RuleOutcome:
     outcome = RuleOutcome(rule)
-    metric = rule.measure
     try:
-        columns, rows = queries.run(client, metric.query, rule.query_params(at - rule.window_s, at))
+        _judge(outcome, *queries.run(client, rule.measure.query, rule.query_params(at - rule.window_s, at)))
     except Exception as exc:  # one broken rule must not hide the others' answers
+        outcome.firing, outcome.rows = [], 0
         outcome.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        return outcome
+    return outcome
+
+
+def _judge(outcome: RuleOutcome, columns: list[str], rows) -> None:
+    rule, metric = outcome.rule, outcome.rule.measure
     for row in rows:
         values = dict(zip(columns, row))
         if metric.rollup_label and values.get(metric.rollup_label) == "(all)":
@@ -87,7 +91,6 @@ def evaluate_rule(client, rule: Rule, at: float) -> RuleOutcome:
         outcome.rows += 1
         if value > rule.threshold:
             outcome.firing.append(_alert(rule, values, value, samples))
-    return outcome
 
 
 def _alert(rule: Rule, values: dict[str, Any], value: float, samples: int) -> Alert:

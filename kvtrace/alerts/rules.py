@@ -21,6 +21,7 @@ columns.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,10 +74,10 @@ _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
 
 def parse_duration(value: Any, what: str) -> float:
     """``90``, ``"90s"``, ``"30m"``, ``"2h"``, ``"1d"`` → seconds."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf:
         return float(value)
     m = _DURATION.match(str(value)) if isinstance(value, str) else None
-    if not m or float(m.group(1)) <= 0:
+    if not m or not 0 < float(m.group(1)) < math.inf:
         raise AlertRulesError(f"{what}: {value!r} is not a duration; write e.g. 90s, 30m, 2h or 1d")
     return float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
 
@@ -145,13 +146,25 @@ class AlertConfig:
 
 
 def load_rules(path: Path) -> AlertConfig:
+    path = Path(path)
+    if path.exists() and not path.is_file():  # a directory, or a FIFO that would block the read
+        raise AlertRulesError(f"rules file {path} is not a regular file")
     try:
-        document = yaml.safe_load(Path(path).read_text())
+        document = yaml.safe_load(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise AlertRulesError(f"rules file {path} does not exist; see examples/alert-rules.yaml") from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise AlertRulesError(f"cannot read rules file {path}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise AlertRulesError(f"rules file {path} is not UTF-8 text "
+                              f"(byte {exc.start} is {exc.object[exc.start]:#04x})") from None
+    except OSError as exc:
+        raise AlertRulesError(f"cannot read rules file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise AlertRulesError(f"rules file {path} is not valid YAML: {_one_line(exc)}") from None
     return parse_config(document, str(path))
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
 
 
 def parse_config(document: Any, source: str = "rules") -> AlertConfig:
@@ -196,7 +209,7 @@ def _rule(raw: dict[str, Any], where: str) -> Rule:
         window_s=parse_duration(raw.get("window", DEFAULT_WINDOW_S), f"{where}: window"),
         min_samples=min_samples, filters=filters, run_prefix=str(raw.get("run_prefix", "")),
         baseline_arm=str(raw.get("baseline_arm", "")),
-        near_tie=_number(raw.get("near_tie", 0.05), f"{where}: near_tie"), severity=severity,
+        near_tie=_non_negative(raw.get("near_tie", 0.05), f"{where}: near_tie"), severity=severity,
         labels=_strings(raw.get("labels"), f"{where}: labels"),
         annotations=_strings(raw.get("annotations"), f"{where}: annotations"),
     )
@@ -246,12 +259,20 @@ def _strings(value: Any, where: str) -> dict[str, str]:
 
 
 def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise AlertRulesError(f"{where}: expected a number, got {value!r}")
+    # A NaN threshold would make every comparison false: a rule that can never fire, reported as all clear.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise AlertRulesError(f"{where}: expected a finite number, got {value!r}")
     return float(value)
 
 
+def _non_negative(value: Any, where: str) -> float:
+    number = _number(value, where)
+    if number < 0:
+        raise AlertRulesError(f"{where}: must not be negative, got {value!r}")
+    return number
+
+
 def _no_unknown(raw: dict[str, Any], known: set[str], where: str) -> None:
-    unknown = sorted(set(raw) - known)
+    unknown = sorted(map(str, set(raw) - known))
     if unknown:
-        raise AlertRulesError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}")
+        raise AlertRulesError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")

@@ -7,11 +7,14 @@ query failed) — with a message saying which.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
+import traceback
 from datetime import datetime
 from pathlib import Path
 
+from kvtrace.error_report import one_line, traceback_requested
 from kvtrace.errors import ConfigError, KvtraceError
 
 
@@ -32,18 +35,29 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    """Exit 1 means "firing" to whoever runs this from cron: nothing else may end with 1."""
+    try:
+        return evaluate_and_deliver(args)
+    except KvtraceError as exc:
+        print(f"kvtrace: error: could not evaluate: {exc}", file=sys.stderr)
+    except Exception as exc:
+        if traceback_requested(args):
+            traceback.print_exc()
+        print(f"kvtrace: error: could not evaluate: {one_line(exc)}", file=sys.stderr)
+    return 2
+
+
+def evaluate_and_deliver(args) -> int:
     from kvtrace.alerts.delivery import Deliverer
     from kvtrace.alerts.rules import load_rules
     from kvtrace.alerts.state import AlertState, default_state_path
 
-    try:
-        if args.watch is not None and (args.watch <= 0 or args.at):
-            raise ConfigError("--watch needs a positive number of seconds and cannot be combined with --at")
-        at = parse_time(args.at) if args.at else None
-        config = load_rules(args.rules)
-    except KvtraceError as exc:
-        print(f"kvtrace: error: could not evaluate: {exc}", file=sys.stderr)
-        return 2
+    if args.watch is not None and (not 0 < args.watch < math.inf or args.at):
+        raise ConfigError("--watch needs a positive number of seconds and cannot be combined with --at")
+    if args.cycles is not None and (args.cycles < 1 or args.watch is None):
+        raise ConfigError("--cycles needs --watch and a whole number >= 1")
+    at = parse_time(args.at) if args.at else None
+    config = load_rules(args.rules)
     state = AlertState.load(args.state or default_state_path(args.rules))
     deliverer = Deliverer(config.delivery)
     if args.watch is None:
@@ -59,9 +73,10 @@ def run(args) -> int:
 
 
 def cycle(args, config, state, deliverer, at: float) -> int:
-    """One evaluation with delivery and printing; never raises for database or delivery trouble."""
+    """One evaluation with delivery and printing; never raises for database, delivery or state-file trouble."""
     from kvtrace.alerts import cycle as alert_cycle
     from kvtrace.alerts.evaluation import Evaluation, RuleOutcome, evaluate
+    from kvtrace.alerts.state import AlertStateError
 
     client = None
     try:
@@ -69,15 +84,22 @@ def cycle(args, config, state, deliverer, at: float) -> int:
 
         client = open_database(args)
         evaluation = evaluate(client, config, at)
-    except KvtraceError as exc:
-        evaluation = Evaluation(at, [RuleOutcome(rule, error=str(exc)) for rule in config.rules])
+    except Exception as exc:  # unreachable database, an ingest that failed: no rule was evaluated
+        if traceback_requested(args) and not isinstance(exc, KvtraceError):
+            traceback.print_exc()
+        reason = str(exc) if isinstance(exc, KvtraceError) else one_line(exc)
+        evaluation = Evaluation(at, [RuleOutcome(rule, error=reason) for rule in config.rules])
     finally:
         if client is not None:
             client.close()  # the embedded database is one process's at a time: free it between cycles
     report = alert_cycle.apply(state, evaluation, config)
     alert_cycle.deliver(state, report, config, deliverer)
-    state.save()
     print_report(report)
+    try:
+        state.save()
+    except AlertStateError as exc:
+        print(f"kvtrace: error: could not evaluate: {exc}", file=sys.stderr)
+        return 2
     return report.exit_code
 
 
@@ -101,10 +123,14 @@ def print_report(report) -> None:
 
 def parse_time(text: str) -> float:
     try:
-        return float(text)
+        seconds = float(text)
     except ValueError:
-        pass
+        try:
+            seconds = datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+        except (ValueError, OverflowError, OSError):
+            seconds = math.nan
     try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
+        datetime.fromtimestamp(seconds)  # also the range the windows are printed and sent in
+    except (ValueError, OverflowError, OSError):
         raise ConfigError(f"--at {text!r}: give epoch seconds or an ISO 8601 time") from None
+    return seconds

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 
+from kvtrace.commands.arguments import count, seed
 from kvtrace.commands.experiment import add_pass_timeout_option
 from kvtrace.config import data_home
 from kvtrace.errors import EngineFailed
@@ -23,10 +24,10 @@ def register(sub) -> None:
     p = sub.add_parser("demo", help="generate a test model, make two cache arms fork, and explain one fork",
                        description="A self-contained demonstration on the embedded database: no model or "
                                    "server needed.")
-    p.add_argument("--episodes", type=int, default=120, metavar="N")
-    p.add_argument("--turns", type=int, default=8, metavar="T")
-    p.add_argument("--tokens", type=int, default=32, metavar="K")
-    p.add_argument("--seed", type=int, default=0, metavar="S")
+    p.add_argument("--episodes", type=count, default=120, metavar="N")
+    p.add_argument("--turns", type=count, default=8, metavar="T")
+    p.add_argument("--tokens", type=count, default=32, metavar="K")
+    p.add_argument("--seed", type=seed, default=0, metavar="S")
     add_pass_timeout_option(p)
     p.set_defaults(func=run)
 

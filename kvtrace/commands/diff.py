@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import TextIO
 
 from kvtrace import semconv as sc
 from kvtrace.analysis.forks import DEFAULT_NEAR_TIE, Diff, Fork, Side
+from kvtrace.commands.arguments import input_file, non_negative_number, output_file
+from kvtrace.error_report import one_line
+from kvtrace.errors import ConfigError, KvtraceError
 
 
 def register(sub) -> None:
@@ -20,19 +22,19 @@ def register(sub) -> None:
     p.add_argument("run_b", metavar="RUN_B")
     p.add_argument("--episode", metavar="ID", help="only this episode")
     p.add_argument("--format", choices=("text", "json"), default="text")
-    p.add_argument("--html", metavar="FILE", type=Path, help="also write a self-contained HTML fork view")
-    p.add_argument("--model", metavar="PATH.gguf", type=Path,
+    p.add_argument("--html", metavar="FILE", type=output_file, help="also write a self-contained HTML fork view")
+    p.add_argument("--model", metavar="PATH.gguf", type=input_file,
                    help="GGUF model whose vocabulary turns captured token ids into text")
-    p.add_argument("--near-tie", type=float, default=DEFAULT_NEAR_TIE, metavar="LOGITS",
+    p.add_argument("--near-tie", type=non_negative_number, default=DEFAULT_NEAR_TIE, metavar="LOGITS",
                    help=f"margin below which a fork is a near tie (default {DEFAULT_NEAR_TIE})")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from kvtrace.commands.common import open_database
-    from kvtrace.analysis.forks import diff_runs, gguf_detokenizer
+    from kvtrace.analysis.forks import diff_runs
 
-    detokenize = gguf_detokenizer(args.model) if args.model else None
+    detokenize = model_detokenizer(args.model) if args.model else None
     client = open_database(args)
     diff = diff_runs(client, args.run_a, args.run_b, episode=args.episode, near_tie=args.near_tie,
                      detokenize=detokenize)
@@ -48,6 +50,18 @@ def run(args) -> int:
         if not args.quiet:
             print(f"kvtrace: wrote {args.html}", file=sys.stderr)
     return 0
+
+
+def model_detokenizer(path):
+    """The vocabulary of ``--model``, refused before any database work when llama.cpp cannot read it."""
+    from kvtrace.analysis.forks import gguf_detokenizer
+
+    try:
+        return gguf_detokenizer(path)
+    except KvtraceError:
+        raise
+    except Exception as exc:  # llama.cpp says ValueError / RuntimeError in its own words
+        raise ConfigError(f"--model {path}: not a GGUF vocabulary llama.cpp can load ({one_line(exc)})") from None
 
 
 def print_diff(diff: Diff, out: TextIO) -> None:

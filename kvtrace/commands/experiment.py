@@ -3,29 +3,17 @@ weight formats, recorded through the real instrumentation and reported with the 
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import sys
-from pathlib import Path
 
+from kvtrace.commands.arguments import count, input_file, output_file, positive_number, seed
 from kvtrace.errors import ConfigError, EngineFailed
 from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
-
-
 def add_pass_timeout_option(parser) -> None:
     """Shared with ``kvtrace demo``: each engine pass runs in its own process, watched for stalls."""
-    parser.add_argument("--pass-timeout", type=_seconds, default=DEFAULT_PASS_TIMEOUT, metavar="SECONDS",
+    parser.add_argument("--pass-timeout", type=positive_number, default=DEFAULT_PASS_TIMEOUT, metavar="SECONDS",
                         help="end the command when one request (or model load) of a pass takes longer than "
                              "this: the engine hangs (default %(default)g)")
 
@@ -41,24 +29,24 @@ def register(sub) -> None:
                                    "(Wilson 95%% CI), fork turns, cached tokens, margin shift, flip rate by "
                                    "margin and fork attribution. Run ids: PREFIX/FORMAT/ARM/rREPEAT/ORDER.")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", type=Path, metavar="PATH.gguf",
+    source.add_argument("--model", type=input_file, metavar="PATH.gguf",
                         help="an unquantized (F32/F16/BF16) GGUF; quantized to each --formats entry")
     source.add_argument("--generate", metavar="SIZE", choices=("tiny", "small", "base"),
                         help="use a generated random-weight model of this size (tiny, small, base)")
     p.add_argument("--formats", type=_list, default=("Q4_0", "Q8_0"), metavar="F16,Q4_0,...")
     p.add_argument("--arms", type=_list, default=("off", "reuse", "prompt-cache"),
                    metavar="off,reuse,prompt-cache,restore")
-    p.add_argument("--episodes", type=int, default=16, metavar="N")
-    p.add_argument("--turns", type=int, default=4, metavar="T")
-    p.add_argument("--tokens", type=int, default=24, metavar="K", help="max tokens per turn")
-    p.add_argument("--repeats", type=int, default=1, metavar="R", help="passes per arm, each with a fresh engine")
+    p.add_argument("--episodes", type=count, default=16, metavar="N")
+    p.add_argument("--turns", type=count, default=4, metavar="T")
+    p.add_argument("--tokens", type=count, default=24, metavar="K", help="max tokens per turn")
+    p.add_argument("--repeats", type=count, default=1, metavar="R", help="passes per arm, each with a fresh engine")
     p.add_argument("--orders", type=_list, default=("canonical",), metavar="canonical,shuffled")
-    p.add_argument("--seed", type=int, default=0, metavar="S")
+    p.add_argument("--seed", type=seed, default=0, metavar="S")
     p.add_argument("--prefix", default=None, help="run id prefix (default exp-<seed>-<time>)")
-    p.add_argument("--n-ctx", type=int, default=1024, metavar="TOKENS")
-    p.add_argument("--threads", type=int, default=1, metavar="N")
+    p.add_argument("--n-ctx", type=count, default=1024, metavar="TOKENS")
+    p.add_argument("--threads", type=count, default=1, metavar="N")
     add_pass_timeout_option(p)
-    p.add_argument("--plot", type=Path, metavar="FILE.png",
+    p.add_argument("--plot", type=output_file, metavar="FILE.png",
                    help="divergence rates as a PNG, one panel per compared pair (pip install 'kvtrace[plot]')")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.set_defaults(func=run)

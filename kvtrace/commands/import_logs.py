@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+
+from kvtrace.commands.arguments import input_file
 
 
 def register(sub) -> None:
@@ -16,7 +17,7 @@ def register(sub) -> None:
                                    "run_id, arm, timestamp. Imported requests become kvtrace spans, so "
                                    "`kvtrace diff` finds where two logged runs forked. Malformed lines are "
                                    "reported with their line number; the rest is imported.")
-    p.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    p.add_argument("files", nargs="+", type=input_file, metavar="FILE")
     p.add_argument("--run-id", metavar="RUN", help="run id for lines without one (default: the file name's stem)")
     p.add_argument("--engine", default="openai-compatible",
                    help="engine label of the server that answered (e.g. vllm, llama-server)")

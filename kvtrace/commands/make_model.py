@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+
+from kvtrace.commands.arguments import output_file, seed
 
 
 def register(subparsers) -> None:
@@ -15,11 +16,11 @@ def register(subparsers) -> None:
         help="write a random-weight Llama-architecture GGUF (fixed seed, built-in tokenizer)",
         description="Write a self-contained random-weight Llama GGUF model. Same arguments, same bytes.",
     )
-    parser.add_argument("--out", required=True, type=Path, metavar="PATH", help="GGUF file to write")
+    parser.add_argument("--out", required=True, type=output_file, metavar="PATH", help="GGUF file to write")
     parser.add_argument("--quant", default="F32", choices=QUANTS, help="weight format (default F32)")
     parser.add_argument("--size", default="tiny", choices=list(SIZES),
                         help="tiny (~1M params, tests), small (~20M), base (~100M, benchmarks)")
-    parser.add_argument("--seed", type=int, default=None, help="weight seed (default: the fixed built-in seed)")
+    parser.add_argument("--seed", type=seed, default=None, help="weight seed (default: the fixed built-in seed)")
     parser.set_defaults(func=run)
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-from kvtrace.errors import ConfigError
+from kvtrace.commands.arguments import count, input_file, positive_number
 
 
 def register(sub) -> None:
@@ -17,18 +16,19 @@ def register(sub) -> None:
                                    "record them as kvtrace spans (run id, episode = prompt id, turn 0 = cold). "
                                    "The margin_shift query and alert rules then compare warm against cold.")
     p.add_argument("--url", required=True, metavar="URL", help="the server's OpenAI base URL, e.g. http://host:8000/v1")
-    p.add_argument("--prompts", required=True, type=Path, metavar="FILE",
+    p.add_argument("--prompts", required=True, type=input_file, metavar="FILE",
                    help='JSON lines: {"id": ..., "messages": [...]} or {"id": ..., "prompt": "..."}')
     p.add_argument("--server", choices=("auto", "vllm", "llama-server", "llama-cpp-python", "openai"),
                    default="auto", help="server kind (default: detected from GET /models)")
-    p.add_argument("--warm", type=int, default=2, metavar="N", help="warm requests per prompt (default 2)")
-    p.add_argument("--max-tokens", type=int, default=16, metavar="N", help="tokens per request (default 16)")
+    p.add_argument("--warm", type=count, default=2, metavar="N", help="warm requests per prompt (default 2)")
+    p.add_argument("--max-tokens", type=count, default=16, metavar="N", help="tokens per request (default 16)")
     p.add_argument("--run-id", metavar="RUN", help="run id of the recorded spans (default probe-<time>)")
     p.add_argument("--model", default="", help="model name to request (default: the server's first model)")
     p.add_argument("--weight-format", default="", metavar="FMT",
                    help="weight format label for the spans (e.g. Q4_K_M), used by alert filters")
     p.add_argument("--arm", default="probe", help="arm label of the spans (default probe)")
-    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS", help="per request (default 120)")
+    p.add_argument("--timeout", type=positive_number, default=120.0, metavar="SECONDS",
+                   help="per request (default 120)")
     p.set_defaults(func=run)
 
 
@@ -36,8 +36,6 @@ def run(args) -> int:
     from kvtrace.outside.recorder import OutsideRecorder
     from kvtrace.outside.probe import SERVER_KINDS, ProbeError, Prober, ProbeSettings, compare, detect_server, load_prompts
 
-    if args.warm < 1 or args.max_tokens < 1:
-        raise ConfigError("--warm and --max-tokens must be at least 1")
     prompts = load_prompts(args.prompts)
     base_url = args.url.rstrip("/")
     detected, first_model = detect_server(base_url, timeout_s=min(args.timeout, 30.0))

@@ -17,10 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvtrace.commands.arguments import count
+
 
 def register(sub) -> None:
     p = sub.add_parser("selfcheck", help="record synthetic spans, ingest them and read them back (no engine needed)")
-    p.add_argument("--requests", type=int, default=20, help="synthetic requests to record (default 20)")
+    p.add_argument("--requests", type=count, default=20, help="synthetic requests to record (default 20)")
     p.set_defaults(func=run)
 
 

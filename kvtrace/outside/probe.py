@@ -102,9 +102,11 @@ class ProbePrompt:
 def load_prompts(path: Path) -> list[ProbePrompt]:
     """JSON lines: ``{"id": "...", "messages": [...]}`` or ``{"id": "...", "prompt": "..."}``."""
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_bytes().decode("utf-8").splitlines()
     except OSError as exc:
         raise ConfigError(f"--prompts {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--prompts {path}: not UTF-8 text (byte {exc.start})") from None
     prompts = []
     for number, line in enumerate(lines, 1):
         if not line.strip() or line.lstrip().startswith("#"):

@@ -3,10 +3,21 @@
 Token ids are content.  Modes:
 
 * ``ids``    — plain token ids (research runs);
-* ``hashed`` — every token id replaced by a keyed hash (63-bit integer), so
-  equality across runs survives but content cannot be recovered without the
-  deployment key (the default);
+* ``hashed`` — every generated token id (chosen, top-1, runner-up) replaced by
+  a keyed 63-bit hash *of the token in its place*: the request's prompt hash
+  and the token's position in the output (the default);
 * ``none``   — no per-token ids at all (margins and aggregate hashes stay).
+
+Why the place and not the token alone: a hash of the token id alone is a
+substitution cipher of every conversation — the most frequent hashes are the
+most frequent tokens, and a tokenizer's statistics recover much of the text.
+Hashed in its place, a token compares equal exactly where kvtrace compares
+tokens — the same position of two requests whose prompts agree (forks, the
+cache-hit vs recompute reference of the margin and flip analyses), and the
+chosen vs top-1 id of one position — and is unlinkable everywhere else.
+Prompt token ids are recorded with ``ids`` capture only: under ``hashed``
+their place would be the prompt itself, so they would say nothing the prompt
+hash does not.
 
 Prompt hashes and block hashes are keyed hashes in every mode; prompt text is
 never captured.
@@ -16,18 +27,78 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
 
 from kvtrace import semconv as sc
 
 _HASH_BYTES = 8
+_TOKEN_BYTES = 8
+
+# --- hashing a token in its place -----------------------------------------------------
+#
+# hash(context, i, id) = E_i(id) & (2**63 - 1), where E_i is a two-round Even–Mansour cipher
+#
+#     E_i(x) = P(P(x ^ k0_i) ^ k1_i) ^ k2_i
+#
+# over P, SplitMix64's output function (a bijection of 64-bit words with full avalanche), and
+# (k0_i, k1_i, k2_i) are 192 bits of SHAKE256(deployment key || domain || context) at offset 24*i.
+#
+# Why this shape: this runs on the engine thread for every generated token.  A keyed BLAKE2b per
+# (position, id) costs ~1 µs per call in CPython (~2.3 µs per output token for chosen, top-1 and
+# runner-up, measured), and SipHash written in numpy ~100-600 µs per request in ufunc overhead.
+# Here the secret part is one call of a standard PRF per request (SHAKE256 keyed by prefix, the
+# construction of KMAC; its output is a prefix-stable stream, so position i gets the same keys
+# whatever the output length), and the per-token part is ~15 numpy operations over all three
+# arrays at once: ~20 µs per request plus ~0.3 µs per output token.
+#
+# Why it is safe: every (context, position) has its own unpredictable 192-bit key, used only for
+# the few ids that occur there (chosen, top-1 and runner-up, and the same ids again when the same
+# prompt is sent again) — the setting in which Even–Mansour hides its input (provably so for an
+# ideal permutation, far beyond a few thousand uses per key).  The outer key k2 means the public
+# P cannot be peeled off, so two ids of one position reveal no relation between them (with
+# `P(x ^ k)` alone, two hashes would give away `x ^ y`).  Even someone who broke the mixer's
+# structure for one position would learn that position's key and nothing more: no key repeats
+# across positions or prompts, so nothing links them.  P is a bijection, so distinct ids of one
+# position never share a hash before the top bit is cleared (63 bits: the Int64 columns keep -1
+# for "no token").
+
+_PLACE_DOMAIN = b"kvtrace.output_token_at_position\0"
+_ROUNDS = 2
+_U64 = np.uint64
+_MIX_1, _MIX_2 = _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB)
+_SHIFT_30, _SHIFT_27, _SHIFT_31 = _U64(30), _U64(27), _U64(31)
+_LOW_63 = _U64(0x7FFFFFFFFFFFFFFF)
+_MISSING = -1
+"""A negative id means "no token here" (e.g. no runner-up reported); it stays -1 in every mode."""
+
+
+def _mix(z: np.ndarray, scratch: np.ndarray) -> None:
+    """SplitMix64's output function, in place (uint64 arithmetic wraps, as it should)."""
+    np.right_shift(z, _SHIFT_30, out=scratch)
+    z ^= scratch
+    z *= _MIX_1
+    np.right_shift(z, _SHIFT_27, out=scratch)
+    z ^= scratch
+    z *= _MIX_2
+    np.right_shift(z, _SHIFT_31, out=scratch)
+    z ^= scratch
+
+
+class OutputTokenIds(NamedTuple):
+    """A request's generated ids as they may leave the process (parallel lists)."""
+
+    chosen: list[int]
+    top1: list[int]
+    runner_up: list[int]
 
 
 class CapturePolicy:
     def __init__(self, mode: str, key: bytes):
         self.mode = mode
         self._key = hashlib.blake2b(key, digest_size=32).digest()  # normalise any key length to 32 bytes
-        self._token_memo: dict[int, int] = {}
+        self._place_stream = hashlib.shake_256(self._key + _PLACE_DOMAIN)
 
     def _digest(self, payload: bytes, parent: bytes = b"") -> bytes:
         return hashlib.blake2b(parent + payload, key=self._key, digest_size=_HASH_BYTES).digest()
@@ -63,24 +134,55 @@ class CapturePolicy:
             return engine_hash_hex
         return self._digest(engine_hash_hex.encode(), b"engine:").hex()
 
-    def token_ids(self, tokens: Sequence[int]) -> Optional[list[int]]:
-        """Token ids as this policy lets them leave the process (``None``: not at all)."""
+    def prompt_token_ids(self, tokens: Sequence[int]) -> Optional[list[int]]:
+        """Prompt token ids as this policy lets them leave the process: with ``ids`` capture only."""
         if self.mode == sc.CAPTURE_IDS:
             return [int(t) for t in tokens]
-        if self.mode == sc.CAPTURE_NONE:
+        return None
+
+    def output_token_ids(self, context: Optional[str], chosen: Sequence[int], top1: Sequence[int],
+                         runner_up: Sequence[int]) -> Optional[OutputTokenIds]:
+        """Generated ids as this policy lets them leave the process (``None``: not at all).
+
+        ``context`` is the request's prompt hash.  With ``hashed`` capture the
+        i-th entry of every list is hashed under the key of (context, i), so a
+        chosen token equal to the top-1 token stays equal, and the same token
+        at the same position of a request with the same prompt hash gets the
+        same hash.  Without a context there is nothing to tie a token to that
+        another run could share: no ids leave (outputs compare by hash).
+        """
+        if self.mode == sc.CAPTURE_IDS:
+            return OutputTokenIds([int(t) for t in chosen], [int(t) for t in top1], [int(t) for t in runner_up])
+        if self.mode == sc.CAPTURE_NONE or not context:
             return None
-        memo = self._token_memo
-        out = []
-        for t in tokens:
-            h = memo.get(t)
-            if h is None:
-                h = int.from_bytes(self._digest(struct.pack("<q", int(t))), "little") >> 1
-                memo[t] = h
-            out.append(h)
-        return out
+        return OutputTokenIds(*self.hash_at_positions(context, (chosen, top1, runner_up)))
+
+    def hash_at_positions(self, context: str, arrays: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Each array's i-th id hashed under the key of (``context``, i); see the comment above."""
+        length = max((len(a) for a in arrays), default=0)
+        if length == 0:
+            return [[] for _ in arrays]
+        stream = self._place_stream.copy()
+        stream.update(context.encode())
+        keys = np.frombuffer(stream.digest(8 * (_ROUNDS + 1) * length), dtype="<u8").reshape(length, _ROUNDS + 1).T
+        if all(len(a) == length for a in arrays):
+            return _encrypt(np.array(arrays, dtype=np.int64), keys).tolist()
+        return [_encrypt(np.array(a, dtype=np.int64), keys[:, : len(a)]).tolist() if len(a) else [] for a in arrays]
 
 
-_TOKEN_BYTES = 8
+def _encrypt(ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """E_i(id) & (2**63 - 1) along the last axis of ``ids`` (``keys``: rounds + 1 rows, one column per i)."""
+    z = ids.view(_U64) ^ keys[0]
+    scratch = np.empty_like(z)
+    for r in range(1, _ROUNDS + 1):
+        _mix(z, scratch)
+        z ^= keys[r]
+    z &= _LOW_63
+    hashed = z.view(np.int64)
+    missing = ids < 0
+    if missing.any():
+        hashed[missing] = _MISSING
+    return hashed
 
 
 def _pack(tokens: Sequence[int]) -> bytes:

@@ -164,7 +164,7 @@ class Recorder:
             # An engine that hashes its own blocks (vLLM) reports its block size in the config.
             a.setdefault(sc.PROMPT_BLOCK_SIZE, self.settings.block_size)
             a[sc.PROMPT_BLOCK_HASHES] = r.vendor_block_hashes or capture.block_hashes(prompt, self.settings.block_size)
-            ids = capture.token_ids(prompt)
+            ids = capture.prompt_token_ids(prompt)
             if ids is not None:
                 a[sc.PROMPT_TOKEN_IDS] = ids
         a[sc.GEN_AI_USAGE_INPUT_TOKENS] = r.prompt_tokens
@@ -183,11 +183,13 @@ class Recorder:
         if r.block_layers:
             a[sc.PROMPT_BLOCK_LAYERS] = r.block_layers
         a[sc.OUTPUT_HASH] = capture.hash_tokens(r.output_token_ids)
-        ids = capture.token_ids(r.output_token_ids)
+        # The prompt hash (from the prompt's ids, or a text hash an importer set) places every
+        # generated token: hashed ids compare equal only where prompts and positions agree.
+        ids = capture.output_token_ids(a.get(sc.PROMPT_HASH), r.output_token_ids, r.top1_ids, r.runner_up_ids)
         if ids is not None:
-            a[sc.OUTPUT_TOKEN_IDS] = ids
-            a[sc.OUTPUT_TOP1_IDS] = capture.token_ids(r.top1_ids)
-            a[sc.OUTPUT_RUNNER_UP_IDS] = capture.token_ids(r.runner_up_ids)
+            a[sc.OUTPUT_TOKEN_IDS] = ids.chosen
+            a[sc.OUTPUT_TOP1_IDS] = ids.top1
+            a[sc.OUTPUT_RUNNER_UP_IDS] = ids.runner_up
         a[sc.OUTPUT_MARGINS] = r.margins
         a[sc.OUTPUT_LOGPROBS] = r.logprobs
         if r.finish_reason:

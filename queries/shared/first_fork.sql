@@ -4,7 +4,8 @@
 -- shared_diff_sides before it.
 --   at_position(arr, pos, missing): arr's element at 0-based pos; missing when pos is -1 or past the end
 --   compared: episode_id, turn, prompt_differs, by_ids (outputs compared by token ids),
---     output_differs, position (first differing token, 0-based; -1 when unknown or equal),
+--     output_differs, position (first differing token, 0-based; -1 when unknown or equal, and for a
+--     prompt mismatch),
 --     capture_mode (side A's), and per side (suffix _a / _b): span_id, request_id, token and
 --     runner_up at the position (-1 when none), margin there (nan when none), output_tokens,
 --     layer, reused_tokens, prompt_tokens, state_key, hit_block_hashes, source_span_id,
@@ -20,7 +21,8 @@ compared AS (
         a.prompt_hash != b.prompt_hash AS prompt_differs,
         outputs_compared_by_ids(a.token_ids, b.token_ids) AS by_ids,
         outputs_differ(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS output_differs,
-        first_divergent_position(a.token_ids, b.token_ids, a.output_hash, b.output_hash) AS position,
+        fork_position(a.prompt_hash, b.prompt_hash, a.token_ids, b.token_ids, a.output_hash, b.output_hash)
+            AS position,
         a.capture_mode AS capture_mode,
         a.span_id AS span_id_a, b.span_id AS span_id_b,
         a.request_id AS request_id_a, b.request_id AS request_id_b,

@@ -8,6 +8,9 @@
 --   first_divergent_position(ids_a, ids_b, hash_a, hash_b): 0-based position of the first differing
 --     token, the shorter length when one output is a prefix of the other; -1 when the outputs agree
 --     or only hashes were compared
+--   fork_position(prompt_a, prompt_b, ids_a, ids_b, hash_a, hash_b): first_divergent_position when the
+--     prompts agree; -1 when they differ: the fork happened upstream, and outputs of different prompts
+--     are not compared token by token (with hashed capture their tokens are unlinkable by design)
 (ids_a, ids_b) -> arrayFirstIndex((x, y) -> x != y,
     arraySlice(ids_a, 1, least(length(ids_a), length(ids_b))),
     arraySlice(ids_b, 1, least(length(ids_a), length(ids_b)))) AS first_mismatch_index,
@@ -18,3 +21,5 @@
     NOT outputs_differ(ids_a, ids_b, hash_a, hash_b) OR NOT outputs_compared_by_ids(ids_a, ids_b), -1,
     first_mismatch_index(ids_a, ids_b) > 0, first_mismatch_index(ids_a, ids_b) - 1,
     least(length(ids_a), length(ids_b)))) AS first_divergent_position,
+(prompt_a, prompt_b, ids_a, ids_b, hash_a, hash_b) -> if(prompt_a != prompt_b, toInt64(-1),
+    first_divergent_position(ids_a, ids_b, hash_a, hash_b)) AS fork_position,

@@ -1,0 +1,103 @@
+"""argparse types for the CLI's values: counts, finite numbers, input files, output files.
+
+A bad value is refused while the command line is parsed — a one-line
+``argument --x: ...`` error and exit code 2 — before anything runs, so a
+typo never costs an experiment's worth of work and never ends in a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import stat
+from pathlib import Path
+
+
+def count(text: str) -> int:
+    """A whole number >= 1 (episodes, tokens, requests...)."""
+    value = _whole(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def seed(text: str) -> int:
+    """A random seed: a whole number from 0 to 2**32 - 1 (what numpy and llama.cpp take)."""
+    value = _whole(text)
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a seed from 0 to {2**32 - 1}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """A finite number > 0 (seconds)."""
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+    return value
+
+
+def non_negative_number(text: str) -> float:
+    """A finite number >= 0 (a margin in logits)."""
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
+    return value
+
+
+def input_file(text: str) -> Path:
+    """A regular file that can be read: not a directory, and not a FIFO or device that would block or never end."""
+    path = Path(text)
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise argparse.ArgumentTypeError(f"{text}: not a regular file")
+    try:
+        with path.open("rb") as handle:
+            handle.read(1)  # some files (/proc, broken mounts) only fail when read
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: cannot be read ({exc.strerror or exc})") from None
+    return path
+
+
+def output_file(text: str) -> Path:
+    """A file path the command will be able to write (its directories are created as needed).
+
+    Checked by opening it for appending, the one test root cannot pass by
+    ignoring permission bits; a file that did not exist is removed again.
+    """
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a directory; give a file name")
+    if path.is_fifo():  # opening it to write would wait for a reader
+        raise argparse.ArgumentTypeError(f"{text}: is a FIFO; give a file name")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: cannot be written ({exc.strerror or exc})") from None
+    if not existed:
+        path.unlink()
+    return path
+
+
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
