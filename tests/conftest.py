@@ -19,6 +19,7 @@ def under_ci() -> bool:
 
 def fail_instead_of_skipping(report) -> None:
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    reason = reason.removeprefix("Skipped: ")
     report.outcome = "failed"
     report.longrepr = f"skipped under CI=true, where every engine and extra must be installed: {reason}"
 
