@@ -1,8 +1,48 @@
-"""Shared fixtures: an isolated kvtrace environment per test, recorders, embedded databases."""
+"""Shared fixtures: an isolated kvtrace environment per test, recorders, embedded databases;
+and the rule that under CI nothing is skipped."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# --- Under CI a skip is a failure ------------------------------------------------------
+# Skips here only ever mean "an engine, an extra or Chromium is missing". Locally that is a
+# convenience; in CI (`CI=true`, where .ci/run installs all of them) it means the install is
+# broken, and a green run with the engine skipped would hide exactly that.
+
+
+def under_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def fail_instead_of_skipping(report) -> None:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    report.outcome = "failed"
+    report.longrepr = f"skipped under CI=true, where every engine and extra must be installed: {reason}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A module-level ``pytest.importorskip`` skips the whole file at collection."""
+    report = yield
+    if report.skipped and under_ci():
+        fail_instead_of_skipping(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """``skipif`` marks and ``importorskip`` in a test or fixture skip one test."""
+    report = yield
+    if report.skipped and not hasattr(report, "wasxfail") and under_ci():
+        fail_instead_of_skipping(report)
+    return report
+
+
+# --- An isolated kvtrace environment per test -----------------------------------------
 
 
 @pytest.fixture(autouse=True)
