@@ -62,7 +62,7 @@ def decode_rate(llm, prompt: list[int], tokens: int) -> float:
 
 
 def bench_format(path: Path, args: argparse.Namespace, patch) -> tuple[float, float]:
-    from kvtrace.patches.llama_cpp_repack import load_llama
+    from kvtrace.patches.llama_cpp.repack import load_llama
 
     # kvtrace's loader: the weight repack off, so AMX and non-AMX machines run the same kernels.
     llm = load_llama(path, n_ctx=512, n_batch=64, n_ubatch=64, n_threads=args.threads,

@@ -4,7 +4,7 @@
   logged once per hook, never raised into the engine;
 * :func:`version_supported` — the version gate of ``patch()``;
 * :class:`Wrappings` — the attributes a patch replaced, so ``unpatch()`` puts
-  every original back;
+  every original back; :func:`is_wrapped` tells a wrapt wrapper (wrapt 1 or 2);
 * :class:`Hook` / :class:`HookTable` — one engine's hooks as data: each is
   applied when its module is imported (now, or later in any process) and
   undone by ``unpatch()``;
@@ -81,9 +81,12 @@ class EngineVersion:
     def admits(self, version: str) -> bool:
         return version_supported(version, self.specifier)
 
-    def gate(self) -> bool:
-        """Whether the installed version may be patched; logs why not (never raises)."""
-        version = self.installed()
+    def gate(self, version: Optional[str] = None) -> bool:
+        """Whether ``version`` (default: the installed one) may be patched; logs why not (never raises).
+
+        A patch passes its module's ``get_version()``, so a test can stand in another version.
+        """
+        version = self.installed() if version is None else version
         if version and self.admits(version):
             return True
         log.warning("kvtrace: %s %s is not supported (kvtrace supports %s %s); requests are not traced",
@@ -100,6 +103,17 @@ def version_supported(version: str, specifier: str) -> bool:
         return SpecifierSet(specifier).contains(Version(version), prereleases=True)
     except InvalidVersion:
         return False
+
+
+def is_wrapped(value: Any) -> bool:
+    """Whether ``value`` is a wrapt wrapper already (a function or method some patch replaced).
+
+    wrapt 2 derives its wrappers from ``BaseObjectProxy``; ``ObjectProxy``, their base in wrapt 1,
+    became a sibling subclass there, so ``isinstance(value, wrapt.ObjectProxy)`` misses them.
+    """
+    import wrapt
+
+    return isinstance(value, getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy))
 
 
 class Wrappings:
@@ -189,8 +203,6 @@ class HookTable:
                 self._wrap(module, hook)
 
     def _wrap(self, module: Any, hook: Hook) -> None:
-        import wrapt
-
         owner_name, _, attr = hook.target.rpartition(".")
         owner = getattr(module, owner_name, None) if owner_name else module
         if owner is None or (owner, attr) in self.wrappings:
@@ -200,7 +212,7 @@ class HookTable:
             log.warning("kvtrace: %s %s has no %s; that hook is skipped", self.engine, module.__name__,
                         hook.target)
             return
-        if isinstance(current, wrapt.ObjectProxy):
+        if is_wrapped(current):
             return  # wrapped by an earlier table of this process
         try:
             self.wrappings.wrap(module, hook.target, hook.wrapper)

@@ -145,7 +145,7 @@ def make_llama(tiny_gguf):
     Loaded the way kvtrace loads its own engines (the weight repack off), so tests run the same
     kernels on every CPU.
     """
-    from kvtrace.patches.llama_cpp_repack import load_llama
+    from kvtrace.patches.llama_cpp.repack import load_llama
 
     created = []
 

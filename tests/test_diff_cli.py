@@ -90,7 +90,7 @@ def test_runs_lists_both_runs_with_their_arms(recorded, capsys):
 def test_model_vocabulary_turns_ids_into_text(recorded, capsys, tiny_gguf):
     assert kvtrace(recorded, "diff", A, B, "--model", str(tiny_gguf), "--format", "json") == 0
     (fork,) = json.loads(capsys.readouterr().out)
-    from kvtrace.patches.llama_cpp_repack import load_llama
+    from kvtrace.patches.llama_cpp.repack import load_llama
 
     vocab = load_llama(tiny_gguf, vocab_only=True)
     assert fork["a"]["text"] == vocab.detokenize([41]).decode("utf-8", errors="replace")

@@ -107,7 +107,7 @@ def test_instrumentor_manual_path(memory_recorder, make_llama, finished_requests
     finally:
         instrumentor.uninstrument()
     assert len(finished_requests(memory_recorder)) == 1
-    assert not patch._patched
+    assert not patch.HOOKS.active
 
 
 def test_unsupported_version_is_refused_with_a_message(monkeypatch, caplog, memory_recorder, make_llama,

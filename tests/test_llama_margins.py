@@ -103,7 +103,7 @@ def test_a_broken_hook_never_reaches_the_engine(llama_patched, memory_recorder, 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated instrumentation bug")
 
-    monkeypatch.setattr(llama_patched, "_raw_top2", broken)
+    monkeypatch.setattr(llama_patched.sampling, "raw_top2", broken)
     assert llm.create_completion("robust", max_tokens=4, temperature=0.0)["choices"][0]["text"] == expected
     errors = memory_recorder.pipeline.counters["instrumentation_errors"]
     assert errors >= 1
@@ -111,6 +111,6 @@ def test_a_broken_hook_never_reaches_the_engine(llama_patched, memory_recorder, 
     assert attrs[sc.OUTPUT_MARGINS] == [] and attrs[sc.CACHE_RECOMPUTED_TOKENS] > 0  # the rest is still recorded
 
     llm.reset()
-    monkeypatch.setattr(llama_patched, "_static_config", broken)  # now the request cannot even start
+    monkeypatch.setattr(llama_patched.config, "static_config", broken)  # now the request cannot even start
     assert llm.create_completion("robust", max_tokens=4, temperature=0.0)["choices"][0]["text"] == expected
     assert memory_recorder.pipeline.counters["instrumentation_errors"] > errors

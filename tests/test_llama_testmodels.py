@@ -11,7 +11,7 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from kvtrace.patches.llama_cpp_repack import load_llama  # noqa: E402
+from kvtrace.patches.llama_cpp.repack import load_llama  # noqa: E402
 from kvtrace.testmodels.llama_gguf import SIZES, build_vocab, make_model  # noqa: E402
 
 

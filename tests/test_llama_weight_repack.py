@@ -19,7 +19,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from kvtrace import semconv as sc  # noqa: E402
 from kvtrace.cli import main  # noqa: E402
-from kvtrace.patches import llama_cpp_repack as repack  # noqa: E402
+from kvtrace.patches.llama_cpp import repack  # noqa: E402
 
 SAPPHIRE_RAPIDS = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -36,7 +36,7 @@ LLAMA_WITHOUT_AMX = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | 
 
 GENERATE = """
 import sys
-from kvtrace.patches.llama_cpp_repack import load_llama
+from kvtrace.patches.llama_cpp.repack import load_llama
 llm = load_llama(sys.argv[1], n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1, n_threads_batch=1)
 print(int(llm.model_params.use_extra_bufts))
 print(llm.create_completion("the agent opens the file and", max_tokens=8, temperature=0.0)["choices"][0]["text"])

@@ -253,7 +253,7 @@ def gguf_detokenizer(model_path: Path) -> Detokenizer:
         from kvtrace.errors import ConfigError
 
         raise ConfigError(f"--model {model_path}: no such file; give the GGUF the runs used")
-    from kvtrace.patches.llama_cpp_repack import load_llama
+    from kvtrace.patches.llama_cpp.repack import load_llama
 
     vocab = load_llama(model_path, vocab_only=True)  # llama.cpp's load messages go to the debug log
 

@@ -83,7 +83,7 @@ def run(args) -> int:
 
 
 def warn_about_amx() -> None:
-    from kvtrace.patches.llama_cpp_repack import amx_hint
+    from kvtrace.patches.llama_cpp.repack import amx_hint
 
     hint = amx_hint()
     if hint:

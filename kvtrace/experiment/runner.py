@@ -18,7 +18,7 @@ from kvtrace import correlate
 from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT, PassDied, PassResult, PassSpec, run_isolated
 from kvtrace.experiment.plan import Plan
 from kvtrace.experiment.workload import episode_order, make_episodes
-from kvtrace.patches.llama_cpp_repack import amx_hint
+from kvtrace.patches.llama_cpp.repack import amx_hint
 
 RAM_CACHE_BYTES = 1 << 30
 
@@ -71,7 +71,7 @@ class Outcome:
 
 
 def open_llama(model: Path, plan: Plan):
-    from kvtrace.patches.llama_cpp_repack import load_llama
+    from kvtrace.patches.llama_cpp.repack import load_llama
 
     # Threads pinned explicitly: the machine is shared, and steadier timing keeps runs comparable.
     # load_llama: the weight repack off on every CPU (same kernels everywhere; no AMX crash).

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtrace.patches.llama_cpp_log import llama_log_to_logging
+from kvtrace.patches.llama_cpp.log import llama_log_to_logging
 
 QUANTS = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K_M", "Q3_K_M")
 

@@ -27,25 +27,25 @@ llama.cpp's defaults and says so in the log.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
 import logging
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
-from kvtrace.patches.llama_cpp_log import llama_log_to_logging
+import wrapt
+
+from kvtrace.patches.llama_cpp.log import llama_log_to_logging
 
 log = logging.getLogger("kvtrace")
 
 UPSTREAM_ISSUE = "llama.cpp #20824"
 AMX_CPU_FLAGS = frozenset({"amx_int8", "amx_tile"})
-
-_repack_off: contextvars.ContextVar[bool] = contextvars.ContextVar("kvtrace_repack_off", default=False)
-_install_lock = threading.Lock()
-_hook_installed: Optional[bool] = None  # None: not tried yet
 
 
 # --- what this machine and this llama.cpp do -------------------------------------------------
@@ -76,7 +76,7 @@ def cpu_has_amx(cpuinfo: Optional[str] = None) -> bool:
 def llama_system_info() -> str:
     """llama.cpp's report of its CPU features and backends ("" without llama-cpp-python)."""
     try:
-        import llama_cpp
+        import llama_cpp  # optional heavy engine import
 
         info = llama_cpp.llama_print_system_info()
         return (info.decode(errors="replace") if isinstance(info, bytes) else str(info)).strip()
@@ -98,7 +98,7 @@ def amx_hint(cpuinfo: Optional[str] = None, system_info: Optional[str] = None) -
     return (f"this CPU has Intel AMX and the installed llama.cpp repacks quantized weights for it, a path "
             f"known to crash or hang in decode ({UPSTREAM_ISSUE}); load with the repack off "
             f"(model_params.use_extra_bufts = False: kvtrace's own commands and "
-            f"kvtrace.patches.llama_cpp_repack.load_llama do; llama-server: --no-repack) or use an F16/F32 model")
+            f"kvtrace.patches.llama_cpp.repack.load_llama do; llama-server: --no-repack) or use an F16/F32 model")
 
 
 def loaded_with_repack(llama: Any) -> Optional[bool]:
@@ -110,41 +110,82 @@ def loaded_with_repack(llama: Any) -> Optional[bool]:
 # --- kvtrace's own loads -------------------------------------------------------------------
 
 
+class RepackSwitch:
+    """The wrapper on ``LlamaModel.__init__`` that turns the repack off inside :func:`load_llama`.
+
+    Installed on first use, once per process, and never removed: it is a pass-through whenever no
+    :func:`load_llama` of this context is constructing a ``Llama``.
+    """
+
+    def __init__(self) -> None:
+        self._off: contextvars.ContextVar[bool] = contextvars.ContextVar("kvtrace_repack_off", default=False)
+        self._lock = threading.Lock()
+        self.installed: Optional[bool] = None
+        """Whether the wrapper is in place (``None``: not tried yet)."""
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        """Models loaded in this block (in this context) load without the repack."""
+        token = self._off.set(True)
+        try:
+            yield
+        finally:
+            self._off.reset(token)
+
+    def without_repack(self, wrapped, instance, args, kwargs):
+        """``LlamaModel.__init__``: inside :meth:`off`, the params lose the extra buffer types."""
+        if self._off.get():
+            params = kwargs.get("params")
+            if params is not None:
+                params.use_extra_bufts = False
+        return wrapped(*args, **kwargs)
+
+    def install(self) -> bool:
+        """Wrap ``LlamaModel.__init__`` once per process; whether the repack can be turned off."""
+        with self._lock:
+            if self.installed is None:
+                self.installed = False
+                try:
+                    if _hook_applicable():
+                        import llama_cpp._internals as internals  # optional heavy engine import
+
+                        wrapt.wrap_function_wrapper(internals, "LlamaModel.__init__", self.without_repack)
+                        self.installed = True
+                except Exception:
+                    log.debug("kvtrace: cannot hook llama-cpp-python's model load", exc_info=True)
+                if not self.installed:
+                    log.warning("kvtrace: this llama-cpp-python offers no way to turn off llama.cpp's weight "
+                                "repack; kvtrace's models load with llama.cpp's defaults")
+            return self.installed
+
+
+REPACK = RepackSwitch()
+
+
 def load_llama(model_path: str | Path, *, weight_repack: bool = False, **llama_kwargs: Any):
     """A ``llama_cpp.Llama`` for kvtrace's own use: the weight repack off unless ``weight_repack``.
 
     ``llama_kwargs`` go to ``Llama`` unchanged (``verbose`` defaults to False); llama.cpp's log
     lines during the load go to the ``kvtrace.llama_cpp`` logger at DEBUG.
     """
-    import llama_cpp
+    import llama_cpp  # optional heavy engine import: kvtrace runs without llama-cpp-python
 
     llama_kwargs.setdefault("verbose", False)
     with llama_log_to_logging():
-        if weight_repack or not _install_hook():
+        if weight_repack or not REPACK.install():
             llm = llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
         else:
-            token = _repack_off.set(True)
-            try:
+            with REPACK.off():
                 llm = llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
-            finally:
-                _repack_off.reset(token)
-    if not weight_repack and _hook_installed and loaded_with_repack(llm):
+    if not weight_repack and REPACK.installed and loaded_with_repack(llm):
         log.warning("kvtrace: %s was loaded with llama.cpp's weight repack on although kvtrace turned it off "
                     "(llama-cpp-python %s)", model_path, getattr(llama_cpp, "__version__", "?"))
     return llm
 
 
-def _without_repack(wrapped, instance, args, kwargs):
-    """``LlamaModel.__init__``: inside :func:`load_llama`, the params lose the extra buffer types."""
-    if _repack_off.get():
-        params = kwargs.get("params")
-        if params is not None:
-            params.use_extra_bufts = False
-    return wrapped(*args, **kwargs)
-
-
 def _hook_applicable() -> bool:
-    import llama_cpp
+    """Whether this llama-cpp-python has the ``use_extra_bufts`` field and a ``LlamaModel(params=…)``."""
+    import llama_cpp  # optional heavy engine import
     import llama_cpp._internals as internals
 
     fields = {field[0] for field in getattr(llama_cpp.llama_model_params, "_fields_", ())}
@@ -155,24 +196,3 @@ def _hook_applicable() -> bool:
         return "params" in inspect.signature(model_class.__init__).parameters
     except (TypeError, ValueError):
         return False
-
-
-def _install_hook() -> bool:
-    """Wrap ``LlamaModel.__init__`` once per process; whether the repack can be turned off."""
-    global _hook_installed
-    with _install_lock:
-        if _hook_installed is None:
-            _hook_installed = False
-            try:
-                if _hook_applicable():
-                    import wrapt
-                    import llama_cpp._internals as internals
-
-                    wrapt.wrap_function_wrapper(internals, "LlamaModel.__init__", _without_repack)
-                    _hook_installed = True
-            except Exception:
-                log.debug("kvtrace: cannot hook llama-cpp-python's model load", exc_info=True)
-            if not _hook_installed:
-                log.warning("kvtrace: this llama-cpp-python offers no way to turn off llama.cpp's weight repack; "
-                            "kvtrace's models load with llama.cpp's defaults")
-        return _hook_installed

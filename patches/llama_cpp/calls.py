@@ -1,0 +1,63 @@
+"""The generation call being recorded: its state, and which thread it is bound to.
+
+A call is bound to the executing thread (through a context variable) only while the engine works
+on it: during ``create_completion`` / ``create_chat_completion``, and during each step of a stream.
+Every other hook finds its request here, so nothing is recorded for a ``Llama`` that kvtrace did
+not see start a call.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from kvtrace.recording.records import CacheEvent, RequestRecord
+from kvtrace.recording.recorder import Recorder
+
+
+@dataclass
+class CallState:
+    """What kvtrace tracks while one generation call runs on one ``Llama``."""
+
+    recorder: Recorder
+    record: RequestRecord
+    llama: Any
+    prompt: Optional[list[int]] = None
+    live_tokens_before: int = 0
+    """``n_tokens`` when ``generate`` was called: the live context llama.cpp could reuse."""
+    live_prefix: int = 0
+    """Longest common prefix of the live context and the prompt."""
+    prompt_evaluated: bool = False
+    pending_lookup: Optional[CacheEvent] = None
+    """The prompt-cache lookup that found a state; a hit once ``load_state`` restores it."""
+    restored: bool = False
+    finished: bool = False
+
+
+class CallRegistry:
+    """The call each thread is recording (at most one; a nested call belongs to the outer one)."""
+
+    def __init__(self) -> None:
+        self._current: contextvars.ContextVar[Optional[CallState]] = contextvars.ContextVar(
+            "kvtrace_llama_call", default=None)
+
+    def bind(self, state: CallState) -> contextvars.Token:
+        """Bind ``state`` to this thread until :meth:`unbind` (plain calls: this runs per stream step)."""
+        return self._current.set(state)
+
+    def unbind(self, token: contextvars.Token) -> None:
+        self._current.reset(token)
+
+    def current(self) -> Optional[CallState]:
+        """The unfinished call bound to this thread, if any."""
+        state = self._current.get()
+        return None if state is None or state.finished else state
+
+    def of(self, llama: Any) -> Optional[CallState]:
+        """The unfinished call this thread records on ``llama`` (``None`` for any other ``Llama``)."""
+        state = self.current()
+        return state if state is not None and state.llama is llama else None
+
+
+CALLS = CallRegistry()
