@@ -81,9 +81,12 @@ class EngineVersion:
     def admits(self, version: str) -> bool:
         return version_supported(version, self.specifier)
 
-    def gate(self) -> bool:
-        """Whether the installed version may be patched; logs why not (never raises)."""
-        version = self.installed()
+    def gate(self, version: Optional[str] = None) -> bool:
+        """Whether ``version`` (default: the installed one) may be patched; logs why not (never raises).
+
+        A patch passes its module's ``get_version()``, so a test can stand in another version.
+        """
+        version = self.installed() if version is None else version
         if version and self.admits(version):
             return True
         log.warning("kvtrace: %s %s is not supported (kvtrace supports %s %s); requests are not traced",
@@ -200,8 +203,10 @@ class HookTable:
             log.warning("kvtrace: %s %s has no %s; that hook is skipped", self.engine, module.__name__,
                         hook.target)
             return
-        if isinstance(current, wrapt.ObjectProxy):
-            return  # wrapped by an earlier table of this process
+        # Wrapped already: by an earlier table of this process, or imported by name from a module
+        # this table wrapped.  wrapt 2's wrappers derive from BaseObjectProxy, not ObjectProxy.
+        if isinstance(current, getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)):
+            return
         try:
             self.wrappings.wrap(module, hook.target, hook.wrapper)
         except Exception:
