@@ -172,21 +172,21 @@ def test_rows_a_worker_ships_survive_pickling_and_leave_vllms_outputs_alone():
     import torch
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
 
-    from kvtrace.patches import vllm as patch
+    from kvtrace.patches.vllm import worker
 
     stats = torch.tensor([[5.0, 5.0, 7.0, 0.5, -0.25, 1.0], [3.0, 3.0, 4.0, 0.0, -1.0, 0.0]])
     entries = [(["r-1", "r-2"], stats, None)]
-    shipped = patch._attach_rows(EMPTY_MODEL_RUNNER_OUTPUT, entries)
-    assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, patch.ROWS_ATTR)  # vLLM's shared instance untouched
+    shipped = worker._attach_rows(EMPTY_MODEL_RUNNER_OUTPUT, entries)
+    assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, worker.ROWS_ATTR)  # vLLM's shared instance untouched
     back = pickle.loads(pickle.dumps(shipped, protocol=pickle.HIGHEST_PROTOCOL))
     assert isinstance(back, ModelRunnerOutput)
-    assert getattr(back, patch.ROWS_ATTR) == [(["r-1", "r-2"], stats.tolist())]
+    assert getattr(back, worker.ROWS_ATTR) == [(["r-1", "r-2"], stats.tolist())]
 
     class Pending(AsyncModelRunnerOutput):  # a runner's async output (async scheduling)
         def get_output(self):
             return ModelRunnerOutput(req_ids=["r-1"], req_id_to_index={"r-1": 0}, sampled_token_ids=[[5]])
 
-    wrapped = patch._rows_output_class(AsyncModelRunnerOutput)(Pending(), entries)
+    wrapped = worker._rows_output_class(AsyncModelRunnerOutput)(Pending(), entries)
     assert isinstance(wrapped, AsyncModelRunnerOutput)
     resolved = pickle.loads(pickle.dumps(wrapped.get_output()))
-    assert resolved.sampled_token_ids == [[5]] and getattr(resolved, patch.ROWS_ATTR)[0][0] == ["r-1", "r-2"]
+    assert resolved.sampled_token_ids == [[5]] and getattr(resolved, worker.ROWS_ATTR)[0][0] == ["r-1", "r-2"]

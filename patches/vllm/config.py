@@ -1,0 +1,90 @@
+"""What vLLM's configuration says, recorded on every request.
+
+The engine configuration is read once, when the engine core makes its scheduler
+(``Scheduler.__init__``); the sampling settings are read per request at its admission.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvtrace import semconv as sc
+from kvtrace.patches.hooks import observing
+from kvtrace.patches.vllm.common import FAILURES, VERSION, arg
+
+_SAMPLING_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty", "ignore_eos", "logprobs")
+_GEN_AI_REQUEST = ((sc.GEN_AI_REQUEST_TEMPERATURE, "temperature"), (sc.GEN_AI_REQUEST_TOP_P, "top_p"),
+                   (sc.GEN_AI_REQUEST_TOP_K, "top_k"), (sc.GEN_AI_REQUEST_SEED, "seed"),
+                   (sc.GEN_AI_REQUEST_MAX_TOKENS, "max_tokens"))
+
+
+class EngineSettings:
+    """The engine core's configuration as span attributes, and the two values hooks need from it."""
+
+    def __init__(self) -> None:
+        self.attributes: dict[str, Any] = {}
+        """Keyed by ``semconv`` names; copied into every request's configuration."""
+        self.model = ""
+        """The served model name."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV-cache block (0 until the scheduler is made)."""
+        return int(self.attributes.get(sc.PROMPT_BLOCK_SIZE) or 0)
+
+    def read(self, vllm_config: Any) -> None:
+        self.attributes, self.model = {}, ""
+        model = getattr(vllm_config, "model_config", None)
+        cache = getattr(vllm_config, "cache_config", None)
+        dtype = str(getattr(model, "dtype", "")).replace("torch.", "")
+        quantization = getattr(model, "quantization", None)
+        block_size = int(getattr(cache, "block_size", 0) or 0)
+        attributes: dict[str, Any] = {
+            sc.ENGINE_VERSION: VERSION.installed(),
+            sc.MODEL_WEIGHT_FORMAT: str(quantization or dtype),
+            sc.KV_CACHE_TYPE: str(getattr(cache, "cache_dtype", "auto")),
+            sc.CACHE_SETTINGS: {
+                "prefix_caching": bool(getattr(cache, "enable_prefix_caching", False)),
+                "block_size": block_size,
+                "hash_algorithm": str(getattr(cache, "prefix_caching_hash_algo", "")),
+                "num_blocks": getattr(cache, "num_gpu_blocks", None),
+            },
+            sc.NUMERICS_SETTINGS: {
+                "dtype": dtype,
+                "quantization": quantization,
+                "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"),
+                "enforce_eager": bool(getattr(model, "enforce_eager", False)),
+                "tensor_parallel_size": getattr(getattr(vllm_config, "parallel_config", None),
+                                                "tensor_parallel_size", 1),
+            },
+        }
+        if block_size:
+            attributes[sc.PROMPT_BLOCK_SIZE] = block_size
+        served = getattr(model, "served_model_name", None) or getattr(model, "model", "")
+        self.attributes = attributes
+        self.model = served[0] if isinstance(served, (list, tuple)) and served else str(served or "")
+
+
+SETTINGS = EngineSettings()
+
+
+def _on_scheduler_init(result: Any, scheduler: Any, args: tuple, kwargs: dict) -> None:
+    """``Scheduler.__init__(vllm_config, ...)``."""
+    SETTINGS.read(arg(args, kwargs, 0, "vllm_config"))
+
+
+scheduler_init = observing(FAILURES, "scheduler init", _on_scheduler_init)
+
+
+def sampling_attributes(params: Any) -> dict[str, Any]:
+    """A request's ``SamplingParams`` as span attributes."""
+    if params is None:
+        return {}
+    settings = {name: getattr(params, name, None) for name in _SAMPLING_SETTINGS}
+    attributes: dict[str, Any] = {sc.SAMPLING_SETTINGS: {k: v for k, v in settings.items() if v is not None}}
+    for key, name in _GEN_AI_REQUEST:
+        if settings.get(name) is not None:
+            attributes[key] = settings[name]
+    return attributes

@@ -1,0 +1,144 @@
+"""The engine core owns the record: a request is admitted, and later freed, here.
+
+* ``KVCacheManager.get_computed_blocks`` — the prefix-cache lookup (may run more than once for a
+  waiting request; the last one before admission counts);
+* ``KVCacheManager.record_prefix_cache_stats`` — once per admission: the record starts here, with
+  hit tokens, hit block ids and vLLM's block hashes, inside the trace context and baggage the API
+  process put in the request's ``trace_headers``.  A request admitted again after a preemption
+  keeps its record; the new lookup is noted on it;
+* ``Scheduler._free_request`` — the request finished: its sampled rows become the output tokens'
+  margins and the record becomes the ``kvtrace.request`` span.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry import context
+
+from kvtrace import semconv as sc
+from kvtrace.patches.hooks import observing
+from kvtrace.patches.vllm.api_process import PROPAGATOR, REQUEST_ID_HEADER
+from kvtrace.patches.vllm.block_pool import PROVENANCE
+from kvtrace.patches.vllm.common import ENGINE, FAILURES, arg, hash_hex
+from kvtrace.patches.vllm.config import SETTINGS, sampling_attributes
+from kvtrace.patches.vllm.live_requests import LIVE, LiveRequest
+from kvtrace.patches.vllm.sampler import PENDING
+from kvtrace.recording.records import CacheEvent, RequestRecord
+from kvtrace.recording.recorder import Recorder, get_recorder
+
+
+def _on_lookup(result: Any, manager: Any, args: tuple, kwargs: dict) -> None:
+    """``get_computed_blocks(request)`` returned ``(KVCacheBlocks, hit tokens, ...)``: vLLM 0.32 and
+    0.33 differ in what follows the first two."""
+    if isinstance(result, tuple) and len(result) >= 2:
+        LIVE.note_lookup(str(arg(args, kwargs, 0, "request").request_id), result[0])
+
+
+get_computed_blocks = observing(FAILURES, "get_computed_blocks", _on_lookup)
+
+
+def _on_admission(result: Any, manager: Any, args: tuple, kwargs: dict) -> None:
+    """``record_prefix_cache_stats(request, num_hits)``."""
+    request = arg(args, kwargs, 0, "request")
+    num_hits = int(arg(args, kwargs, 1, "num_hits") or 0)
+    internal_id = str(request.request_id)
+    blocks = LIVE.take_lookup(internal_id)
+    block_size = SETTINGS.block_size or int(getattr(manager, "block_size", 0) or 0) or 1
+    prompt = list(getattr(request, "prompt_token_ids", None) or [])
+    prompt_blocks = len(prompt) // block_size
+    vendor = [hash_hex(h) for h in list(getattr(request, "block_hashes", []))[:prompt_blocks]]
+    hit_blocks = min(num_hits // block_size, len(vendor))
+    hit_hashes = vendor[:hit_blocks]
+    source = PROVENANCE.source_of(hit_hashes[-1]) if hit_hashes else None
+    lookup = CacheEvent(
+        name=sc.EVENT_CACHE_LOOKUP, layer=sc.LAYER_PREFIX_BLOCKS,
+        outcome=sc.OUTCOME_HIT if num_hits else sc.OUTCOME_MISS,
+        key_hash=hit_hashes[-1] if hit_hashes else None, tokens=len(prompt), prefix_tokens=num_hits,
+        block_hashes=hit_hashes, block_ids=_hit_block_ids(blocks)[:hit_blocks], source=source,
+    )
+    live = LIVE.get(internal_id)
+    if live is not None:  # re-admission after preemption: the request recomputes, note the lookup
+        lookup.reason = sc.REASON_PREEMPTED
+        live.record.events.append(lookup)
+        return
+    recorder = get_recorder()
+    if recorder is None:
+        return
+    record = _correlated_start(recorder, request)
+    record.model = record.model or SETTINGS.model
+    record.config.update(SETTINGS.attributes)
+    record.config.update(sampling_attributes(getattr(request, "sampling_params", None)))
+    record.prompt_token_ids = prompt
+    record.prompt_tokens = len(prompt)
+    record.vendor_block_hashes = vendor
+    record.reused_tokens = num_hits
+    record.recomputed_tokens = len(prompt) - num_hits
+    record.cache_layer = sc.LAYER_PREFIX_BLOCKS if num_hits else sc.LAYER_NONE
+    record.hit_block_hashes = hit_hashes or None
+    record.block_layers = [sc.LAYER_PREFIX_BLOCKS if i < hit_blocks else sc.LAYER_NONE
+                           for i in range(prompt_blocks)]
+    record.state_key = hit_hashes[-1] if hit_hashes else None
+    record.state_origin = source
+    early = LIVE.admit(internal_id, LiveRequest(recorder=recorder, record=record), lookup)
+    PROVENANCE.remember(record, early)
+
+
+record_prefix_cache_stats = observing(FAILURES, "admission", _on_admission)
+
+
+def _correlated_start(recorder: Recorder, request: Any) -> RequestRecord:
+    """Start the record inside the trace context / baggage the request came with."""
+    headers = dict(getattr(request, "trace_headers", None) or {})
+    internal_id = str(request.request_id)
+    external_id = headers.get(REQUEST_ID_HEADER) or _external_id(internal_id)
+    token = context.attach(PROPAGATOR.extract(headers)) if headers else None
+    try:
+        return recorder.start_request(ENGINE, model=SETTINGS.model, request_id=external_id)
+    finally:
+        if token is not None:
+            context.detach(token)
+
+
+def _external_id(internal_id: str) -> str:
+    """vLLM's internal ids are ``<external>-<8 random chars>``."""
+    head, sep, tail = internal_id.rpartition("-")
+    return head if sep and len(tail) == 8 else internal_id
+
+
+def _hit_block_ids(blocks: Any) -> list[int]:
+    """Block ids of the first KV-cache group of a ``KVCacheBlocks`` (prompt order)."""
+    groups = getattr(blocks, "blocks", None)
+    if not groups:
+        return []
+    return [int(b.block_id) for b in groups[0]]
+
+
+def free_request(wrapped, instance, args, kwargs):
+    """``Scheduler._free_request(request, ...)``: recorded before vLLM frees it."""
+    try:
+        _on_finish(arg(args, kwargs, 0, "request"))
+    except Exception:
+        FAILURES.count("free_request")
+    return wrapped(*args, **kwargs)
+
+
+def _on_finish(request: Any) -> None:
+    PENDING.drain(block=True)
+    live = LIVE.finish(str(request.request_id))
+    if live is None:
+        return
+    record = live.record
+    try:
+        outputs = [int(t) for t in getattr(request, "output_token_ids", [])]
+        rows = live.sampled_rows
+        if len(rows) >= len(outputs) and outputs:
+            for token, row in zip(outputs, rows):
+                record.add_token(token, int(row.top1), int(row.runner_up), row.margin, row.chosen_logprob)
+        else:  # no rows reached this process (an executor that does not ship them): ids only
+            record.output_token_ids = outputs
+        reason = request.get_finished_reason() if hasattr(request, "get_finished_reason") else None
+        record.finish_reason = str(reason) if reason is not None else None
+    except Exception:
+        FAILURES.count("request end", live.recorder)
+    live.recorder.finish(record)

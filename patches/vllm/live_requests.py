@@ -1,0 +1,117 @@
+"""The engine core's registry of the requests it is recording.
+
+vLLM's scheduler, KV-cache manager, block pool and sampler each see part of a request; they meet
+here, keyed by vLLM's internal request id.  A request is *live* from its admission
+(``record_prefix_cache_stats``) until vLLM frees it; cache events that belong to it but happen
+before its admission (blocks stored or evicted while its slots are allocated) wait here until then.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+from kvtrace.recording.records import CacheEvent, RequestRecord
+from kvtrace.recording.recorder import Recorder
+
+if TYPE_CHECKING:  # the sampler module imports this one
+    from kvtrace.patches.vllm.sampler import SampledRow
+
+
+@dataclass
+class LiveRequest:
+    """A request the engine core admitted and has not finished."""
+
+    recorder: Recorder
+    record: RequestRecord
+    sampled_rows: list[SampledRow] = field(default_factory=list)
+    """One per generated token, in order."""
+
+
+class LiveRequests:
+    """Live requests, the lookups and events waiting for their admission, and engine-wide events.
+
+    One lock guards all of it: the sampler may hand rows over from another thread than the
+    scheduler's.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._live: dict[str, LiveRequest] = {}
+        self._lookups: dict[str, Any] = {}  # internal id → KVCacheBlocks of the last prefix-cache lookup
+        self._early: dict[str, list[CacheEvent]] = {}  # internal id → events before its admission
+        self._engine_events: list[CacheEvent] = []  # e.g. resets: shown on the next admitted request
+
+    def __bool__(self) -> bool:
+        return bool(self._live)
+
+    def get(self, internal_id: str) -> Optional[LiveRequest]:
+        with self._lock:
+            return self._live.get(internal_id)
+
+    def note_lookup(self, internal_id: str, blocks: Any) -> None:
+        """vLLM may look a waiting request up more than once; the last lookup before admission counts."""
+        with self._lock:
+            self._lookups[internal_id] = blocks
+
+    def take_lookup(self, internal_id: str) -> Any:
+        with self._lock:
+            return self._lookups.pop(internal_id, None)
+
+    def admit(self, internal_id: str, request: LiveRequest, lookup: CacheEvent) -> list[CacheEvent]:
+        """Make ``request`` live.  Its events start with the engine events since the last admission,
+        then its lookup, then the events charged to it before now (returned, for their stores)."""
+        with self._lock:
+            events = request.record.events
+            events.extend(self._engine_events)
+            self._engine_events.clear()
+            events.append(lookup)
+            early = self._early.pop(internal_id, [])
+            events.extend(early)
+            self._live[internal_id] = request
+        return early
+
+    def charge(self, internal_id: Optional[str], event: CacheEvent) -> Optional[LiveRequest]:
+        """Attach ``event`` to the request that caused it, or keep it until that request is admitted.
+
+        Returns the live request it was attached to (``None`` when kept or when no request is named).
+        """
+        if internal_id is None:
+            return None
+        with self._lock:
+            live = self._live.get(internal_id)
+            if live is not None:
+                live.record.events.append(event)
+            else:
+                self._early.setdefault(internal_id, []).append(event)
+            return live
+
+    def note_engine_event(self, event: CacheEvent) -> None:
+        with self._lock:
+            self._engine_events.append(event)
+
+    def add_rows(self, rows: Iterable[tuple[str, SampledRow]]) -> None:
+        """Append each live request's sampled row (rows of requests not recorded here are dropped)."""
+        with self._lock:
+            for internal_id, row in rows:
+                live = self._live.get(internal_id)
+                if live is not None:
+                    live.sampled_rows.append(row)
+
+    def finish(self, internal_id: str) -> Optional[LiveRequest]:
+        """Stop tracking a request vLLM frees; returns it when it was live."""
+        with self._lock:
+            self._early.pop(internal_id, None)
+            self._lookups.pop(internal_id, None)
+            return self._live.pop(internal_id, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._live.clear()
+            self._lookups.clear()
+            self._early.clear()
+            self._engine_events.clear()
+
+
+LIVE = LiveRequests()

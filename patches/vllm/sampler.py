@@ -1,0 +1,162 @@
+"""The sampler: for every generated token, what was chosen and the raw logits' top two.
+
+Hooks: ``GPUModelRunner._sample`` (V1 runner, inherited by the CPU runner) and
+``vllm.v1.worker.gpu.sample.sampler.Sampler.__call__`` (V2 runner).  A step's rows are computed on
+the device, one :class:`SampledRow` per request; on CUDA they are copied to pinned memory without
+blocking and read only once their event has completed (at the latest when the request ends, after
+vLLM's own sync), so no step waits on kvtrace.
+
+Where the rows go: under the ``uni`` executor the sampler runs in the engine-core process and its
+rows wait in :data:`PENDING` for the live requests.  Under the ``mp`` executor it runs in a worker
+process, and the rows of a call whose output vLLM ships go to :data:`SHIPMENT`, which
+:mod:`~kvtrace.patches.vllm.worker` attaches to that output.  A process does one or the other,
+never both, so no row is counted twice.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+from kvtrace.patches.hooks import observing
+from kvtrace.patches.vllm.common import FAILURES, arg
+from kvtrace.patches.vllm.live_requests import LIVE
+
+
+class SampledRow(NamedTuple):
+    """What the sampler did for one request at one step, with the raw logits' top two.
+
+    Computed on the device as one float32 row per request (:func:`top2_stats` stacks the
+    columns in this order); a worker process ships a row to the engine core as its plain
+    list of floats, read back with ``SampledRow._make(values)``.
+    """
+
+    chosen: float  # the sampled token id
+    top1: float  # raw-logit arg-max token id
+    runner_up: float  # second-highest raw-logit token id
+    margin: float  # top-1 minus top-2 raw logit
+    chosen_logprob: float  # log-probability of the chosen token under the raw logits
+    sampled: float  # 1.0 when the row sampled a token; 0.0 for a partial or chunked prefill
+
+    @property
+    def sampled_a_token(self) -> bool:
+        return self.sampled > 0.5
+
+
+def top2_stats(logits: Any, chosen: Any, valid: Any) -> Any:
+    """One :class:`SampledRow` per logits row, as a [rows, 6] float32 tensor on the logits' device.
+
+    ``valid`` (a bool array or tensor) marks the rows that sampled a token.
+    """
+    # Deferred: torch is there whenever vLLM samples, but importing this package must not load it.
+    import torch
+
+    with torch.no_grad():
+        x = logits if logits.dtype == torch.float32 else logits.float()
+        top = torch.topk(x, 2, dim=-1)
+        ids = chosen.reshape(x.shape[0], -1)[:, 0].long().clamp(0, x.shape[1] - 1)
+        chosen_logprob = x.gather(1, ids[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
+        columns = SampledRow(chosen=ids.float(), top1=top.indices[:, 0].float(), runner_up=top.indices[:, 1].float(),
+                             margin=top.values[:, 0] - top.values[:, 1], chosen_logprob=chosen_logprob,
+                             sampled=torch.as_tensor(valid, device=x.device).float())
+        return torch.stack(columns, dim=1)
+
+
+class StepRows:
+    """Steps' rows in order, each ``(request ids, rows, CUDA event or None)``; rows are a tensor
+    (on the host once its event completed) or lists of floats in :class:`SampledRow` order."""
+
+    def __init__(self) -> None:
+        self._steps: deque = deque()
+
+    def __bool__(self) -> bool:
+        return bool(self._steps)
+
+    def put(self, req_ids: list[str], rows: Any, event: Optional[Any] = None) -> None:
+        self._steps.append((req_ids, rows, event))
+
+    def clear(self) -> None:
+        self._steps.clear()
+
+
+class PendingRows(StepRows):
+    """Rows for the live requests of this process, handed over once readable."""
+
+    def drain(self, block: bool) -> None:
+        """Hand every readable step to the live requests; ``block`` waits for the device."""
+        while self._steps:
+            req_ids, rows, event = self._steps[0]
+            if event is not None and not event.query():
+                if not block:
+                    return
+                event.synchronize()  # at request end vLLM has synced past this copy already
+            self._steps.popleft()
+            values = rows.tolist() if hasattr(rows, "tolist") else rows
+            named = (SampledRow._make(row) for row in values)
+            LIVE.add_rows((rid, row) for rid, row in zip(req_ids, named) if row.sampled_a_token)
+
+
+class Shipment(StepRows):
+    """Worker process (``mp`` executor): the rows of the running RPC, for the output it ships."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+        """Whether the running RPC's output goes to the engine core (only then are rows computed)."""
+
+    def take(self) -> list:
+        steps = list(self._steps)
+        self._steps.clear()
+        return steps
+
+
+PENDING = PendingRows()
+SHIPMENT = Shipment()
+
+
+def _queue(req_ids: list[str], stats: Any) -> None:
+    """Queue a step's rows: for this process's records, or (worker process) for the RPC's output."""
+    if not SHIPMENT.active:
+        PENDING.drain(block=False)
+    queue = SHIPMENT if SHIPMENT.active else PENDING
+    if getattr(stats, "is_cuda", False):
+        import torch  # deferred like top2_stats's: present once rows live on a CUDA device
+
+        host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+        host.copy_(stats, non_blocking=True)  # ordered before vLLM's own copy of the sampled ids
+        event = torch.cuda.Event()
+        event.record()
+        queue.put(req_ids, host, event)
+    else:
+        queue.put(req_ids, stats)
+
+
+def _on_sample_v1(output: Any, runner: Any, args: tuple, kwargs: dict) -> None:
+    """``GPUModelRunner._sample(logits, spec_decode_metadata)``."""
+    if not LIVE and not SHIPMENT.active:
+        return  # nothing to record for (warm-up; a worker whose output is not shipped)
+    logits = arg(args, kwargs, 0, "logits")
+    if logits is None or arg(args, kwargs, 1, "spec_decode_metadata") is not None:
+        return
+    rows = logits.shape[0]
+    sampled = ~np.asarray(runner.discard_request_mask.np[:rows], dtype=bool)  # partial prefills sample nothing
+    _queue(list(runner.input_batch.req_ids[:rows]), top2_stats(logits, output.sampled_token_ids, sampled))
+
+
+def _on_sample_v2(output: Any, sampler: Any, args: tuple, kwargs: dict) -> None:
+    """``Sampler.__call__(logits, input_batch, ...)``."""
+    if not LIVE and not SHIPMENT.active:
+        return
+    logits = arg(args, kwargs, 0, "logits")
+    batch = arg(args, kwargs, 1, "input_batch")
+    rows = int(batch.num_reqs)
+    if logits is None or logits.shape[0] != rows:
+        return  # speculative decoding: several logits rows per request, not traced
+    sampled = output.num_sampled.reshape(-1)[:rows] > 0  # chunked-prefill rows sample nothing
+    _queue(list(batch.req_ids[:rows]), top2_stats(logits, output.sampled_token_ids, sampled))
+
+
+sample_v1 = observing(FAILURES, "sample (V1 runner)", _on_sample_v1)
+sample_v2 = observing(FAILURES, "sample (V2 runner)", _on_sample_v2)

@@ -1,0 +1,348 @@
+"""vLLM's hooks on a small fake engine core: the edge cases of admission, the block pool and the
+sampler, with neither vLLM nor torch installed.
+
+The fake classes below carry vLLM's class and method names and call each other in vLLM's order
+(look up, allocate — storing and evicting blocks —, record the admission; free at the end).  The
+fixture applies the package's own hook table to them, its module names swapped for this module's,
+the way vLLM's modules are patched when they are imported.  The real engine runs in
+tests/test_vllm_engine.py; the sampler's device math is checked against vLLM's own logprobs there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import numpy as np
+import pytest
+
+from kvtrace import semconv as sc
+from kvtrace.patches import vllm as vllm_patch
+from kvtrace.patches.hooks import Hook, HookTable
+from kvtrace.patches.vllm import block_pool, sampler, worker
+from kvtrace.patches.vllm.sampler import SampledRow
+
+BLOCK = 4  # tokens per KV-cache block
+VLLM_CONFIG = SimpleNamespace(
+    model_config=SimpleNamespace(dtype="float32", quantization=None, served_model_name="tiny", enforce_eager=True),
+    cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=True,
+                                 prefix_caching_hash_algo="sha256", num_gpu_blocks=4),
+    parallel_config=SimpleNamespace(tensor_parallel_size=1),
+)
+
+
+# --- a fake engine core, with vLLM's names ---------------------------------------------------
+
+
+@dataclass
+class KVCacheBlock:
+    block_id: int
+    block_hash: Optional[bytes] = None
+    """While cached: the block's hash followed by its KV-cache group id (4 bytes), as in vLLM."""
+
+
+def with_group_id(block_hash: bytes, group_id: int = 0) -> bytes:
+    return block_hash + group_id.to_bytes(4, "big")
+
+
+def get_block_hash(key: bytes) -> bytes:
+    """``vllm.v1.core.kv_cache_utils.get_block_hash``: the hash without its group id."""
+    return key[:-4]
+
+
+@dataclass
+class Request:
+    request_id: str  # vLLM's internal id: "<external id>-<8 characters>"
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        """Chained hashes of the prompt's full blocks, as vLLM computes them when the request arrives."""
+        parent, hashes = b"", []
+        for start in range(0, len(self.prompt_token_ids) - BLOCK + 1, BLOCK):
+            parent = hashlib.sha256(parent + bytes(self.prompt_token_ids[start:start + BLOCK])).digest()
+            hashes.append(parent)
+        return hashes
+
+
+class BlockPool:
+    """Free blocks, least recently freed first; a free block may still hold a cached prefix."""
+
+    def __init__(self, num_blocks: int):
+        self.free = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.cached: dict[bytes, KVCacheBlock] = {}
+
+    def take(self, count: int, reuse: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        for block in reuse:
+            self.free.remove(block)
+        new = [self.free.pop(0) for _ in range(count)]
+        for block in new:
+            self._maybe_evict_cached_block(block)
+        return reuse + new
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        if block.block_hash is None:
+            return False
+        del self.cached[block.block_hash]
+        block.block_hash = None
+        return True
+
+    def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                          kv_cache_group_id=0) -> None:
+        for block, block_hash in zip(blocks[num_cached_blocks:num_full_blocks],
+                                     request.block_hashes[num_cached_blocks:num_full_blocks]):
+            block.block_hash = with_group_id(block_hash, kv_cache_group_id)
+            self.cached[block.block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
+
+class KVCacheManager:
+    lookup_tail: tuple = (0,)
+    """What ``get_computed_blocks`` returns after (blocks, hit tokens): one more int in vLLM 0.32."""
+
+    def __init__(self, pool: BlockPool):
+        self.block_pool = pool
+        self.block_size = BLOCK
+        self.held: dict[str, list[KVCacheBlock]] = {}
+
+    def get_computed_blocks(self, request: Request) -> tuple:
+        hits: list[KVCacheBlock] = []
+        for block_hash in map(with_group_id, request.block_hashes):
+            if block_hash not in self.block_pool.cached:
+                break
+            hits.append(self.block_pool.cached[block_hash])
+        return (SimpleNamespace(blocks=(hits,)), len(hits) * BLOCK, *self.lookup_tail)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: Any = None) -> list[KVCacheBlock]:
+        reused = list(new_computed_blocks.blocks[0]) if new_computed_blocks else []
+        needed = -(-(num_new_computed_tokens + num_new_tokens) // BLOCK) - len(reused)
+        blocks = self.held[request.request_id] = self.block_pool.take(needed, reused)
+        self.block_pool.cache_full_blocks(request, blocks, len(reused), len(request.prompt_token_ids) // BLOCK,
+                                          BLOCK, 0)
+        return blocks
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        pass
+
+    def free(self, request: Request) -> None:
+        self.block_pool.free.extend(reversed(self.held.pop(request.request_id)))
+
+
+class Scheduler:
+    def __init__(self, vllm_config: Any, num_blocks: int = 4):
+        self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks))
+
+    def admit(self, request: Request) -> None:
+        """What ``schedule()`` does for a waiting request."""
+        blocks, hits = self.kv_cache_manager.get_computed_blocks(request)[:2]
+        self.kv_cache_manager.allocate_slots(request, len(request.prompt_token_ids) - hits, hits, blocks)
+        self.kv_cache_manager.record_prefix_cache_stats(request, hits)
+
+    def preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)  # back to waiting; its blocks stay cached until reused
+
+    def finish(self, request: Request, output_token_ids: list[int]) -> None:
+        request.output_token_ids = output_token_ids
+        self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict:
+        return {}
+
+
+class GPUModelRunner:
+    """The V1 runner's sampling step: greedy over a batch of logits rows, one per request."""
+
+    def __init__(self) -> None:
+        self.input_batch = SimpleNamespace(req_ids=[])
+        self.discard_request_mask = SimpleNamespace(np=np.zeros(8, dtype=bool))
+
+    def step(self, logits: dict[str, list[float]], partial_prefills: tuple[str, ...] = ()) -> None:
+        self.input_batch.req_ids = list(logits)
+        self.discard_request_mask.np[:] = False
+        self.discard_request_mask.np[[i for i, r in enumerate(logits) if r in partial_prefills]] = True
+        self._sample(np.array(list(logits.values()), dtype=np.float32), None)
+
+    def _sample(self, logits: np.ndarray, spec_decode_metadata: Any) -> Any:
+        return SimpleNamespace(sampled_token_ids=logits.argmax(axis=1)[:, None])
+
+
+def top2_on_the_host(logits: np.ndarray, chosen: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """:func:`sampler.top2_stats` for numpy arrays: this environment has no torch."""
+    order = np.argsort(-logits, axis=1)
+    ids = chosen.reshape(len(logits), -1)[:, 0]
+    rows = np.arange(len(logits))
+    top, second = logits[rows, order[:, 0]], logits[rows, order[:, 1]]
+    logsumexp = np.log(np.exp(logits - top[:, None]).sum(axis=1)) + top
+    return np.stack(SampledRow(chosen=ids, top1=order[:, 0], runner_up=order[:, 1], margin=top - second,
+                               chosen_logprob=logits[rows, ids] - logsumexp, sampled=valid), axis=1).astype(np.float32)
+
+
+@pytest.fixture
+def engine(memory_recorder, monkeypatch):
+    """A fake engine core with vLLM's hooks on, recording to ``memory_recorder``."""
+    monkeypatch.setattr(block_pool, "bare", get_block_hash)  # what the hooks ask vLLM itself
+    fakes = {"Scheduler", "KVCacheManager", "BlockPool", "GPUModelRunner"}
+    hooks = [Hook(__name__, hook.target, hook.wrapper) for hook in vllm_patch.HOOKS.hooks
+             if hook.target.split(".")[0] in fakes]
+    table = HookTable(vllm_patch.ENGINE, hooks, vllm_patch.HOOKS.failures)
+    table.install()
+    try:
+        yield Scheduler(VLLM_CONFIG)
+    finally:
+        table.restore()
+        vllm_patch._forget_requests()
+
+
+def spans(recorder, finished_requests) -> dict[str, tuple[dict, list]]:
+    """Request id → (span attributes, [(event name, event attributes)])."""
+    return {attributes[sc.REQUEST_ID]: (attributes, events)
+            for attributes, events, _ in finished_requests(recorder)}
+
+
+def events_named(events: list, name: str) -> list[dict]:
+    return [attributes for event, attributes in events if event == name]
+
+
+# --- admission --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lookup_tail", [(0,), (0, False)], ids=["vllm-0.32", "an-extra-element"])
+def test_a_hit_names_the_request_that_stored_its_blocks(engine, lookup_tail, monkeypatch, memory_recorder,
+                                                        finished_requests):
+    monkeypatch.setattr(KVCacheManager, "lookup_tail", lookup_tail)
+    first = Request("first-0000000a", list(range(1, 11)))  # two full blocks
+    engine.admit(first)
+    engine.finish(first, [7])
+    stored_ids = [block.block_id for block in engine.kv_cache_manager.block_pool.cached.values()]
+    second = Request("second-0000000b", list(range(1, 9)) + [42, 43, 44, 45])
+    engine.admit(second)
+    engine.finish(second, [8])
+
+    recorded = spans(memory_recorder, finished_requests)
+    attributes, events = recorded["second"]
+    assert attributes[sc.CACHE_REUSED_TOKENS] == 2 * BLOCK
+    assert attributes[sc.CACHE_SOURCE_REQUEST_ID] == "first"
+    (lookup,) = events_named(events, sc.EVENT_CACHE_LOOKUP)
+    assert list(lookup[sc.EVENT_BLOCK_IDS]) == stored_ids
+    assert list(attributes[sc.CACHE_HIT_BLOCK_HASHES]) == [h.hex() for h in first.block_hashes]
+
+
+def test_a_preempted_request_is_admitted_twice_and_recorded_once(engine, memory_recorder, finished_requests):
+    request = Request("long-0000000c", list(range(1, 9)))
+    engine.admit(request)
+    engine.preempt(request)
+    engine.admit(request)  # recomputes, from the blocks it stored itself
+    engine.finish(request, [3, 4])
+
+    ((attributes, events),) = spans(memory_recorder, finished_requests).values()
+    first, again = events_named(events, sc.EVENT_CACHE_LOOKUP)
+    assert first[sc.EVENT_OUTCOME] == sc.OUTCOME_MISS and sc.EVENT_REASON not in first
+    assert again[sc.EVENT_OUTCOME] == sc.OUTCOME_HIT and again[sc.EVENT_REASON] == sc.REASON_PREEMPTED
+    assert again[sc.EVENT_SOURCE_REQUEST_ID] == "long"
+    assert attributes[sc.CACHE_REUSED_TOKENS] == 0  # what the first admission found
+    assert list(attributes[sc.OUTPUT_TOKEN_IDS]) == [3, 4]
+
+
+# --- block pool ---------------------------------------------------------------------------------
+
+
+def test_an_eviction_names_the_request_whose_block_went(engine, memory_recorder, finished_requests):
+    old = Request("old-0000000d", list(range(1, 9)))  # fills two of the four blocks
+    engine.admit(old)
+    engine.finish(old, [1])
+    new = Request("new-0000000e", list(range(50, 66)))  # needs all four: the old prefix goes
+    engine.admit(new)
+    engine.finish(new, [2])
+
+    recorded = spans(memory_recorder, finished_requests)
+    evictions = events_named(recorded["new"][1], sc.EVENT_CACHE_EVICT)
+    assert sorted(h for e in evictions for h in e[sc.EVENT_BLOCK_HASHES]) == sorted(h.hex() for h in old.block_hashes)
+    assert {e[sc.EVENT_SOURCE_REQUEST_ID] for e in evictions} == {"old"}
+    assert {e[sc.EVENT_TOKENS] for e in evictions} == {BLOCK}
+    assert {e[sc.EVENT_REASON] for e in evictions} == {sc.REASON_CAPACITY}
+    assert events_named(recorded["old"][1], sc.EVENT_CACHE_EVICT) == []
+
+
+def test_a_reset_shows_on_the_next_request_only(engine, memory_recorder, finished_requests):
+    before = Request("before-0000000f", list(range(1, 9)))
+    engine.admit(before)
+    engine.finish(before, [1])
+    assert engine.kv_cache_manager.block_pool.reset_prefix_cache() is True
+    after = Request("after-00000010", list(range(1, 9)))
+    engine.admit(after)
+    engine.finish(after, [1])
+
+    recorded = spans(memory_recorder, finished_requests)
+    assert events_named(recorded["after"][1], sc.EVENT_CACHE_RESET)
+    assert not events_named(recorded["before"][1], sc.EVENT_CACHE_RESET)
+    assert recorded["after"][0][sc.CACHE_REUSED_TOKENS] == 0
+
+
+# --- sampler -------------------------------------------------------------------------------------
+
+
+def test_a_partial_prefill_step_gives_its_request_no_margin(engine, monkeypatch, memory_recorder,
+                                                            finished_requests):
+    monkeypatch.setattr(sampler, "top2_stats", top2_on_the_host)
+    runner = GPUModelRunner()
+    short, chunked = Request("short-00000011", [1, 2, 3]), Request("chunked-00000012", list(range(1, 13)))
+    engine.admit(short)
+    engine.admit(chunked)
+    runner.step({"short-00000011": [0.0, 3.0, 1.0], "chunked-00000012": [9.0, 0.0, 1.0]},
+                partial_prefills=("chunked-00000012",))
+    runner.step({"short-00000011": [2.0, 0.0, 0.5], "chunked-00000012": [0.0, 1.0, 4.0]})
+    engine.finish(short, [1, 0])
+    engine.finish(chunked, [2])
+
+    recorded = spans(memory_recorder, finished_requests)
+    assert list(recorded["short"][0][sc.OUTPUT_MARGINS]) == pytest.approx([2.0, 1.5])
+    assert list(recorded["chunked"][0][sc.OUTPUT_MARGINS]) == pytest.approx([3.0])  # not the prefill's 8.0
+    assert list(recorded["chunked"][0][sc.OUTPUT_RUNNER_UP_IDS]) == [1]
+
+
+def test_rows_a_worker_shipped_reach_the_request_in_the_engine_core(engine, memory_recorder, finished_requests):
+    request = Request("served-00000013", [1, 2, 3])
+    engine.admit(request)
+    prefill_chunk = (["served-00000013"], [[9.0, 9.0, 1.0, 8.0, -0.1, 0.0]])
+    token = (["served-00000013", "recorded-elsewhere"], [[5.0, 5.0, 6.0, 0.75, -0.5, 1.0],
+                                                         [1.0, 1.0, 2.0, 0.25, -0.2, 1.0]])
+    engine.update_from_output(None, SimpleNamespace(**{worker.ROWS_ATTR: [prefill_chunk, token]}))
+    engine.finish(request, [5])
+
+    ((attributes, _),) = spans(memory_recorder, finished_requests).values()
+    assert list(attributes[sc.OUTPUT_MARGINS]) == [0.75] and list(attributes[sc.OUTPUT_LOGPROBS]) == [-0.5]
+
+
+# --- never break the engine ------------------------------------------------------------------
+
+
+def test_a_failing_observation_still_returns_vllms_result(engine, memory_recorder):
+    manager = engine.kv_cache_manager
+    nameless = SimpleNamespace(block_hashes=[], prompt_token_ids=[1])  # no request_id: the hook cannot read it
+    result = manager.get_computed_blocks(nameless)
+    assert result[1:] == (0, 0) and result[0].blocks == ([],)
+    block = KVCacheBlock(block_id=None, block_hash=with_group_id(b"\x01"))  # an id kvtrace cannot read
+    manager.block_pool.cached[block.block_hash] = block
+    assert manager.block_pool._maybe_evict_cached_block(block) is True
+    assert block.block_hash is None
+    assert memory_recorder.pipeline.counters["instrumentation_errors"] == 2
+
+
+def test_the_engines_own_errors_pass_through_untouched(engine, memory_recorder):
+    with pytest.raises(KeyError):
+        engine.kv_cache_manager.block_pool._maybe_evict_cached_block(KVCacheBlock(9, with_group_id(b"gone")))
+    with pytest.raises(AttributeError):
+        engine.kv_cache_manager.get_computed_blocks(None)
+    assert memory_recorder.pipeline.counters["instrumentation_errors"] == 0
