@@ -64,13 +64,15 @@ class ScenarioBook:
     def turn(self, run: str, episode: str, turn: int, prompt: Sequence[int], tokens: Sequence[int],
              margins: Optional[Sequence[float]] = None, runner_up: Optional[Sequence[int]] = None,
              cache: CachePath = RECOMPUTE, arm: str = "reuse", weight_format: str = "F16",
-             engine: str = "llama.cpp") -> RequestRecord:
+             engine: str = "llama.cpp", at: Optional[float] = None) -> RequestRecord:
         """Record one request: ``tokens`` chosen with ``margins`` (default 1.0 each; ``[]``: token ids only,
-        as from an engine path that ships no per-token statistics)."""
+        as from an engine path that ships no per-token statistics), at time ``at`` (epoch seconds; default now)."""
         margins = [float(m) for m in margins] if margins is not None else [1.0] * len(tokens)
         runner_up = list(runner_up) if runner_up is not None else [t + 1 for t in tokens]
         with kvtrace.correlate(run_id=run, episode_id=episode, turn=turn):
             record = self.recorder.start_request(engine, model="scenario-model")
+        if at is not None:
+            record.start_time_unix_nano = record.end_time_unix_nano = int(at * 1e9)
         record.config = {sc.ARM: arm, sc.MODEL_WEIGHT_FORMAT: weight_format, sc.MODEL_FINGERPRINT: "fp-scenario"}
         record.prompt_token_ids = list(prompt)
         record.prompt_tokens = len(prompt)
