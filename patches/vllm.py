@@ -780,6 +780,9 @@ _HOOKS: dict[str, list[tuple[str, Callable]]] = {
     "vllm.v1.executor.multiproc_executor": [("WorkerProc._execute_worker_rpc", _worker_rpc_wrapper),
                                             ("WorkerProc.handle_output", _handle_output_wrapper)],
     "vllm.entrypoints.launchers.app": [("build_app", _build_app_wrapper)],
+    # The launcher binds build_app with a from-import before vLLM loads its plugins (the plugin alone,
+    # without `kvtrace run`, patches after that), so its own name is wrapped as well.
+    "vllm.entrypoints.launchers.api_server.entry": [("build_app", _build_app_wrapper)],
     "vllm.entrypoints.openai.api_server": [("build_app", _build_app_wrapper)],
 }
 _registered_modules: set[str] = set()
