@@ -19,12 +19,13 @@
 -- columns: engine, weight_format, arm, compared_with, runs, pairs, episodes_compared, episodes_forked,
 --   fork_rate, ci_low, ci_high, median_fork_turn, median_fork_position, mean_cached_tokens
 WITH
+${shared_requests_once}
 ${shared_output_divergence}
 ${shared_wilson_interval}
 ${shared_request_scope}
 requests AS (
     SELECT run_id, episode_id, turn, prompt_hash, output_hash, token_ids
-    FROM kvtrace_requests AS q
+    FROM requests_once AS q
     WHERE startsWith(run_id, {run_prefix:String}) AND episode_id != ''
       AND in_request_scope(q.Timestamp, q.engine, q.model, q.weight_format)  -- columns, not the aggregates' aliases
     ORDER BY run_id, episode_id, turn, Timestamp
@@ -32,14 +33,14 @@ requests AS (
 ),
 run_config AS (
     SELECT run_id, any(engine) AS engine, any(weight_format) AS weight_format, any(arm) AS arm
-    FROM kvtrace_requests AS q
+    FROM requests_once AS q
     WHERE startsWith(run_id, {run_prefix:String}) AND episode_id != ''
       AND in_request_scope(q.Timestamp, q.engine, q.model, q.weight_format)  -- columns, not the aggregates' aliases
     GROUP BY run_id
 ),
 cached AS (
     SELECT engine, weight_format, arm, avg(reused_tokens) AS mean_cached_tokens
-    FROM kvtrace_requests AS q
+    FROM requests_once AS q
     WHERE startsWith(run_id, {run_prefix:String}) AND episode_id != ''
       AND in_request_scope(q.Timestamp, q.engine, q.model, q.weight_format)  -- columns, not the aggregates' aliases
     GROUP BY engine, weight_format, arm

@@ -7,11 +7,12 @@
 --   source_turn, source_span_id, output_hash, token_ids, top1_ids, runner_up_ids, margins,
 --   event_names, event_layers, event_outcomes, event_tokens
 WITH
+${shared_requests_once}
 requests AS (
     SELECT run_id, turn, SpanId AS span_id, request_id, capture_mode, prompt_hash, prompt_tokens,
            cache_layer, reused_tokens, state_key, source_request_id, source_run_id, source_episode_id,
            source_turn, source_span_id, output_hash, token_ids, top1_ids, runner_up_ids, margins
-    FROM kvtrace_requests
+    FROM requests_once
     WHERE run_id IN ({run_a:String}, {run_b:String}) AND episode_id = {episode:String}
     ORDER BY run_id, turn, Timestamp
     LIMIT 1 BY run_id, turn

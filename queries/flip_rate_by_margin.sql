@@ -10,6 +10,7 @@
 -- params: run_prefix String = ''
 -- columns: weight_format, margin_bin, positions, flips, flip_rate, ci_low, ci_high
 WITH
+${shared_requests_once}
 ${shared_output_divergence}
 ${shared_wilson_interval}
 ${shared_margin_bins}

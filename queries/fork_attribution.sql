@@ -18,7 +18,9 @@
 --   choices a cache path can plausibly flip; raise it for coarser quantization. margin_share
 --   puts the fork margin in context: the share of all tokens of both runs whose margin is at most
 --   the fork margin, rounded up to the next of 0.1 %, 0.5 %, 1 %, 2 %, 5 %, 10 %, 25 %, 50 %, 100 %.
--- params: run_a String, run_b String, episode String = '', near_tie Float64 = 0.05
+--   turn_a / turn_b compare one turn of each run per episode instead (see shared/diff_sides.sql).
+-- params: run_a String, run_b String, episode String = '', near_tie Float64 = 0.05, turn_a Int64 = -1,
+--   turn_b Int64 = -1
 -- columns: episode_id, fork_turn, fork_kind, position, attribution, note, run_a, run_b,
 --   span_id_a, span_id_b, request_id_a, request_id_b, capture_mode,
 --   token_a, token_b, runner_up_a, runner_up_b, margin_a, margin_b, near_tie, margin_share,
@@ -29,6 +31,7 @@
 --   culprit_source_request_id, culprit_source_run_id, culprit_source_episode_id, culprit_source_turn,
 --   culprit_source_span_id
 WITH
+${shared_requests_once}
 ${shared_output_divergence}
 ${shared_diff_sides}
 ${shared_first_fork}

@@ -6,10 +6,12 @@
 --   when one output is a prefix of the other; -1 when unknown (hash comparison), when the prompts
 --   differ (kind `prompt`: outputs of different prompts are not compared token by token) or not forked.
 --   Episodes that did not fork get a row with forked = 0 and fork_turn = position = -1.
--- params: run_a String, run_b String, episode String = ''
+--   turn_a / turn_b compare one turn of each run per episode instead (see shared/diff_sides.sql).
+-- params: run_a String, run_b String, episode String = '', turn_a Int64 = -1, turn_b Int64 = -1
 -- columns: episode_id, forked, fork_turn, fork_kind, position, compared_by, turns_compared,
 --   turns_a, turns_b, span_id_a, span_id_b, token_a, token_b, output_tokens_a, output_tokens_b
 WITH
+${shared_requests_once}
 ${shared_output_divergence}
 ${shared_diff_sides}
 ${shared_first_fork}

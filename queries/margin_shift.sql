@@ -15,6 +15,7 @@
 -- columns: weight_format, request_pairs, positions, mean_shift, mean_abs_shift, p50_abs_shift,
 --   p95_abs_shift, max_abs_shift
 WITH
+${shared_requests_once}
 ${shared_output_divergence}
 ${shared_recompute_reference}
 ${shared_request_scope}

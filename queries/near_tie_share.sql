@@ -9,11 +9,12 @@
 --   weight_format String = ''
 -- columns: engine, model, weight_format, requests, positions, near_ties, near_tie_share
 WITH
+${shared_requests_once}
 ${shared_request_scope}
 hits AS (
     SELECT q.engine AS engine, q.model AS model, q.weight_format AS weight_format,
            length(q.margins) AS n, arrayCount(m -> m < {near_tie:Float64}, q.margins) AS ties
-    FROM kvtrace_requests AS q
+    FROM requests_once AS q
     WHERE startsWith(q.run_id, {run_prefix:String}) AND q.reused_tokens > 0 AND notEmpty(q.margins)
       AND in_request_scope(q.Timestamp, q.engine, q.model, q.weight_format)
 )

@@ -8,8 +8,8 @@ import os
 import pytest
 
 # --- Under CI a skip is a failure ------------------------------------------------------
-# Skips here only ever mean "an engine, an extra or Chromium is missing". Locally that is a
-# convenience; in CI (`CI=true`, where .ci/run installs all of them) it means the install is
+# Skips here only ever mean "an engine, an extra, Chromium or the Alertmanager is missing".
+# Locally that is a convenience; in CI (`CI=true`, where .ci/run installs all of them) it means the install is
 # broken, and a green run with the engine skipped would hide exactly that.
 
 

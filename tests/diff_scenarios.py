@@ -9,11 +9,15 @@ prompt — and ``ScenarioBook`` records it exactly as an engine patch would:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
+
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 import kvtrace
 from kvtrace import semconv as sc
@@ -64,14 +68,25 @@ class ScenarioBook:
     def turn(self, run: str, episode: str, turn: int, prompt: Sequence[int], tokens: Sequence[int],
              margins: Optional[Sequence[float]] = None, runner_up: Optional[Sequence[int]] = None,
              cache: CachePath = RECOMPUTE, arm: str = "reuse", weight_format: str = "F16",
-             engine: str = "llama.cpp") -> RequestRecord:
+             engine: str = "llama.cpp", at: Optional[float] = None, parent: Optional[RequestRecord] = None,
+             config: Optional[dict] = None) -> RequestRecord:
         """Record one request: ``tokens`` chosen with ``margins`` (default 1.0 each; ``[]``: token ids only,
-        as from an engine path that ships no per-token statistics)."""
+        as from an engine path that ships no per-token statistics), at time ``at`` (epoch seconds; default now),
+        as a child of ``parent``'s span (a server's span of a request a client recorded too), with ``config``
+        added to the request's attributes."""
         margins = [float(m) for m in margins] if margins is not None else [1.0] * len(tokens)
         runner_up = list(runner_up) if runner_up is not None else [t + 1 for t in tokens]
-        with kvtrace.correlate(run_id=run, episode_id=episode, turn=turn):
+        caller = contextlib.nullcontext()
+        if parent is not None:
+            caller = trace.use_span(NonRecordingSpan(SpanContext(
+                int(parent.trace_id, 16), int(parent.span_id, 16), is_remote=True,
+                trace_flags=TraceFlags(TraceFlags.SAMPLED))))
+        with caller, kvtrace.correlate(run_id=run, episode_id=episode, turn=turn):
             record = self.recorder.start_request(engine, model="scenario-model")
-        record.config = {sc.ARM: arm, sc.MODEL_WEIGHT_FORMAT: weight_format, sc.MODEL_FINGERPRINT: "fp-scenario"}
+        if at is not None:
+            record.start_time_unix_nano = record.end_time_unix_nano = int(at * 1e9)
+        record.config = {sc.ARM: arm, sc.MODEL_WEIGHT_FORMAT: weight_format, sc.MODEL_FINGERPRINT: "fp-scenario",
+                         **(config or {})}
         record.prompt_token_ids = list(prompt)
         record.prompt_tokens = len(prompt)
         record.cache_layer = cache.layer

@@ -165,8 +165,9 @@ def test_ci_run_runs_both_steps_and_fails_if_either_fails(tmp_path, main_exit, v
         python.chmod(0o755)
     tools = tmp_path / "bin"
     tools.mkdir()
-    (tools / "chromium").write_text("#!/bin/sh\n")
-    (tools / "chromium").chmod(0o755)
+    for tool in ("chromium", "prometheus-alertmanager"):  # installed: .ci/run leaves apt-get alone
+        (tools / tool).write_text("#!/bin/sh\n")
+        (tools / tool).chmod(0o755)
     log = tmp_path / "steps.log"
     env = dict(os.environ, PATH=f"{tools}{os.pathsep}{os.environ['PATH']}", CI_RUN_LOG=str(log), CI="true")
     done = subprocess.run(["bash", ".ci/run"], cwd=checkout, env=env, capture_output=True, text=True,

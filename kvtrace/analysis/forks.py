@@ -133,6 +133,18 @@ class Fork:
         return jsonable(asdict(self))
 
 
+@dataclass(frozen=True)
+class TurnPair:
+    """Which turn of run A is compared with which turn of run B, in every episode.
+
+    A probe records a prompt's cold request as turn 0 and its warm ones as turns 1..N of one run, so
+    ``TurnPair(0, 2)`` with run A = run B compares the cold request with the second warm one.
+    """
+
+    a: int
+    b: int
+
+
 @dataclass
 class Diff:
     run_a: str
@@ -141,6 +153,9 @@ class Diff:
     forks: list[Fork] = field(default_factory=list)
     unforked: list[str] = field(default_factory=list)
     compared_by: str = sc.COMPARED_BY_TOKEN_IDS
+    turns: Optional[TurnPair] = None
+    paths: dict[str, tuple[CachePath, CachePath]] = field(default_factory=dict)
+    """With ``turns``: per episode, how each side's prompt was served (forked or not)."""
 
 
 def known_runs(client) -> list[str]:
@@ -157,13 +172,24 @@ def check_runs(client, *run_ids: str) -> None:
 
 
 def diff_runs(client, run_a: str, run_b: str, episode: Optional[str] = None,
-              near_tie: float = DEFAULT_NEAR_TIE, detokenize: Optional[Detokenizer] = None) -> Diff:
-    """Every episode both runs contain: the forks (with attribution) and the episodes that did not fork."""
+              near_tie: float = DEFAULT_NEAR_TIE, detokenize: Optional[Detokenizer] = None,
+              turns: Optional[TurnPair] = None) -> Diff:
+    """Every episode both runs contain: the forks (with attribution) and the episodes that did not fork.
+
+    With ``turns``, one turn of each run per episode is compared, and every episode's two cache paths
+    are kept in ``Diff.paths``.
+    """
     check_runs(client, run_a, run_b)
-    params = {"run_a": run_a, "run_b": run_b, "episode": episode or ""}
+    params: dict[str, Any] = {"run_a": run_a, "run_b": run_b, "episode": episode or ""}
+    if turns is not None:
+        params.update(turn_a=turns.a, turn_b=turns.b)
     columns, rows = queries.run(client, "forks", params)
     summary = [dict(zip(columns, row)) for row in rows]
-    diff = Diff(run_a, run_b, episodes_compared=len(summary))
+    diff = Diff(run_a, run_b, episodes_compared=len(summary), turns=turns)
+    if turns is not None:
+        columns, rows = queries.run(client, "cache_paths", params)
+        diff.paths = {row["episode_id"]: (_cache_path(row, "a"), _cache_path(row, "b"))
+                      for row in (dict(zip(columns, r)) for r in rows)}
     diff.unforked = [r["episode_id"] for r in summary if not r["forked"]]
     if summary and all(r["compared_by"] == sc.COMPARED_BY_OUTPUT_HASH for r in summary):
         diff.compared_by = sc.COMPARED_BY_OUTPUT_HASH
@@ -174,14 +200,19 @@ def diff_runs(client, run_a: str, run_b: str, episode: Optional[str] = None,
     return diff
 
 
+def _cache_path(row: dict[str, Any], s: str) -> CachePath:
+    """Side ``s``'s cache path from a row of fork_attribution or cache_paths (same column names)."""
+    return CachePath(row[f"layer_{s}"], row[f"reused_tokens_{s}"], row[f"prompt_tokens_{s}"],
+                     row[f"state_key_{s}"], row[f"source_episode_id_{s}"], row[f"source_turn_{s}"])
+
+
 def _fork(row: dict[str, Any], detokenize: Optional[Detokenizer]) -> Fork:
     sides = {}
     for s in ("a", "b"):
         sides[s] = Side(
             run=row[f"run_{s}"], span_id=row[f"span_id_{s}"], request_id=row[f"request_id_{s}"],
             token=row[f"token_{s}"], runner_up=row[f"runner_up_{s}"], margin=row[f"margin_{s}"],
-            cache=CachePath(row[f"layer_{s}"], row[f"reused_tokens_{s}"], row[f"prompt_tokens_{s}"],
-                            row[f"state_key_{s}"], row[f"source_episode_id_{s}"], row[f"source_turn_{s}"]),
+            cache=_cache_path(row, s),
         )
         if detokenize and row["capture_mode"] == sc.CAPTURE_IDS and sides[s].token >= 0:
             sides[s].text = detokenize([sides[s].token])

@@ -1,4 +1,4 @@
-"""argparse types for the CLI's values: counts, finite numbers, input files, output files.
+"""argparse types for the CLI's values: counts, finite numbers, turn pairs, input files, output files.
 
 A bad value is refused while the command line is parsed — a one-line
 ``argument --x: ...`` error and exit code 2 — before anything runs, so a
@@ -45,6 +45,18 @@ def non_negative_number(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
     return value
+
+
+def turn_pair(text: str) -> tuple[int, int]:
+    """``A,B``: two turn numbers (whole numbers from 0 to 2**31 - 1, what a turn is stored as)."""
+    parts = text.split(",")
+    try:
+        turns = tuple(_whole(part.strip()) for part in parts)
+    except argparse.ArgumentTypeError:
+        turns = ()
+    if len(turns) != 2 or not all(0 <= t < 2**31 for t in turns):
+        raise argparse.ArgumentTypeError(f"{text!r} is not two turn numbers A,B (whole numbers >= 0), e.g. 0,1")
+    return turns[0], turns[1]
 
 
 def input_file(text: str) -> Path:

@@ -7,8 +7,8 @@ import sys
 from typing import TextIO
 
 from kvtrace import semconv as sc
-from kvtrace.analysis.forks import DEFAULT_NEAR_TIE, Diff, Fork, Side
-from kvtrace.commands.arguments import input_file, non_negative_number, output_file
+from kvtrace.analysis.forks import DEFAULT_NEAR_TIE, CachePath, Diff, Fork, Side, TurnPair
+from kvtrace.commands.arguments import input_file, non_negative_number, output_file, turn_pair
 from kvtrace.error_report import one_line
 from kvtrace.errors import ConfigError, KvtraceError
 
@@ -21,6 +21,9 @@ def register(sub) -> None:
     p.add_argument("run_a", metavar="RUN_A")
     p.add_argument("run_b", metavar="RUN_B")
     p.add_argument("--episode", metavar="ID", help="only this episode")
+    p.add_argument("--turns", type=turn_pair, metavar="A,B",
+                   help="compare turn A of RUN_A with turn B of RUN_B in each episode, and show both cache paths; "
+                        "RUN_A and RUN_B may be one run (a probe's cold turn 0 against warm turn B)")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--html", metavar="FILE", type=output_file, help="also write a self-contained HTML fork view")
     p.add_argument("--model", metavar="PATH.gguf", type=input_file,
@@ -34,10 +37,13 @@ def run(args) -> int:
     from kvtrace.commands.common import open_database
     from kvtrace.analysis.forks import diff_runs
 
+    if args.turns and args.html:
+        raise ConfigError("--html draws both runs' whole episodes side by side; it cannot be combined with --turns")
+    turns = TurnPair(*args.turns) if args.turns else None
     detokenize = model_detokenizer(args.model) if args.model else None
     client = open_database(args)
     diff = diff_runs(client, args.run_a, args.run_b, episode=args.episode, near_tie=args.near_tie,
-                     detokenize=detokenize)
+                     detokenize=detokenize, turns=turns)
     if args.format == "json":
         json.dump([f.to_json() for f in diff.forks], sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -66,13 +72,24 @@ def model_detokenizer(path):
 
 def print_diff(diff: Diff, out: TextIO) -> None:
     how = "token ids" if diff.compared_by == sc.COMPARED_BY_TOKEN_IDS else "output hashes (no token ids captured)"
-    out.write(f"{diff.run_a} vs {diff.run_b}: {len(diff.forks)} of {diff.episodes_compared} episode(s) "
+    sides = (f"{diff.run_a} turn {diff.turns.a} vs {diff.run_b} turn {diff.turns.b}" if diff.turns
+             else f"{diff.run_a} vs {diff.run_b}")
+    out.write(f"{sides}: {len(diff.forks)} of {diff.episodes_compared} episode(s) "
               f"forked (outputs compared by {how})\n")
     for fork in diff.forks:
         out.write("\n" + describe_fork(fork))
-    if diff.unforked:
+    if diff.unforked and diff.paths:
+        out.write(f"\nnot forked ({len(diff.unforked)}):\n")
+        for episode in diff.unforked:
+            a, b = diff.paths.get(episode, (None, None))
+            out.write(f"  episode {episode}: A {_path(a)} | B {_path(b)}\n")
+    elif diff.unforked:
         shown = ", ".join(diff.unforked[:20]) + (" ..." if len(diff.unforked) > 20 else "")
         out.write(f"\nnot forked ({len(diff.unforked)}): {shown}\n")
+
+
+def _path(path: CachePath | None) -> str:
+    return path.describe() if path is not None else "?"
 
 
 def describe_fork(fork: Fork) -> str:

@@ -14,7 +14,9 @@ def register(sub) -> None:
                                    "allows: vLLM cache_salt, llama-server cache_prompt=false, a flush request "
                                    "for llama-cpp-python) and warm requests, greedy with top-2 logprobs, and "
                                    "record them as kvtrace spans (run id, episode = prompt id, turn 0 = cold). "
-                                   "The margin_shift query and alert rules then compare warm against cold.")
+                                   "Each request carries traceparent and baggage, so a server kvtrace traces "
+                                   "records it in the same trace and run. The margin_shift query and alert rules "
+                                   "then compare warm against cold; so does kvtrace diff RUN RUN --turns 0,N.")
     p.add_argument("--url", required=True, metavar="URL", help="the server's OpenAI base URL, e.g. http://host:8000/v1")
     p.add_argument("--prompts", required=True, type=input_file, metavar="FILE",
                    help='JSON lines: {"id": ..., "messages": [...]} or {"id": ..., "prompt": "..."}')
@@ -63,5 +65,6 @@ def run(args) -> int:
     dropped = counters.get("spans_dropped_queue_full", 0)
     print(f"kvtrace: recorded {recorder.recorded} request span(s) as run {run_id}"
           + (f"; {dropped} dropped" if dropped else "")
-          + f"; see `kvtrace query margin_shift --param run_prefix={run_id}`", file=sys.stderr)
+          + f"; see `kvtrace query margin_shift --param run_prefix={run_id}` and "
+          + f"`kvtrace diff {run_id} {run_id} --turns 0,{args.warm}`", file=sys.stderr)
     return 1 if failed else 0

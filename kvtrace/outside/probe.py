@@ -23,6 +23,15 @@ How a cold request bypasses reuse, per server:
   tokens and warm ones with the whole prompt, marked ``assumed``.
 * any other server — no bypass known: cold requests are sent as they are and
   may be served from cache (the measured shift is then a lower bound).
+
+Every request carries W3C ``traceparent`` and ``baggage`` headers: the probe's
+own span id as the parent, the probe's run, the prompt id as the episode and
+the turn (0 cold, 1..N warm).  When kvtrace traces the server too (``kvtrace
+run``, vLLM's plugin), the engine's span of each request is the probe span's
+child in the same trace and run, with the cache provenance seen from inside;
+the saved queries then read the engine's record of the request (see
+``outside/recorder.py``).  A flush request carries the run only: it belongs
+to the server's history the probe made, but to no episode.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from typing import Any, Callable, Optional
 from kvtrace import semconv as sc
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.outside.openai_exchange import ExchangeError, parse_exchange
-from kvtrace.outside.recorder import OutsideRecorder
+from kvtrace.outside.recorder import OutsideRecorder, correlation_headers, trace_headers
 
 FLUSH_PROMPT = "kvtrace probe: unrelated flush text, discard."
 
@@ -124,9 +133,11 @@ def load_prompts(path: Path) -> list[ProbePrompt]:
     return prompts
 
 
-def http_json(method: str, url: str, body: Optional[dict] = None, timeout_s: float = 120.0) -> dict[str, Any]:
+def http_json(method: str, url: str, body: Optional[dict] = None, timeout_s: float = 120.0,
+              headers: Optional[dict[str, str]] = None) -> dict[str, Any]:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())
@@ -189,7 +200,8 @@ class Prober:
     def probe(self, prompt: ProbePrompt) -> list[ProbeResult]:
         """One cold and ``warm`` warm requests for one prompt; returns them in order."""
         if self.kind.bypass == "flush_request":
-            self._request({"prompt": FLUSH_PROMPT, "max_tokens": 1})
+            self._request({"prompt": FLUSH_PROMPT, "max_tokens": 1},
+                          correlation_headers(self.settings.run_id, arm=self.settings.arm))
         results = [self._probe_request(prompt, sc.PROBE_ROLE_COLD, 0)]
         for turn in range(1, self.settings.warm + 1):
             results.append(self._probe_request(prompt, sc.PROBE_ROLE_WARM, turn))
@@ -208,14 +220,17 @@ class Prober:
         body.update(self.kind.cold_fields() if role == sc.PROBE_ROLE_COLD else self.kind.warm_fields())
         return body
 
-    def _request(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _request(self, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
         path = "chat/completions" if "messages" in body else "completions"
-        return self._send("POST", f"{self.settings.base_url}/{path}", body, timeout_s=self.settings.timeout_s)
+        return self._send("POST", f"{self.settings.base_url}/{path}", body, timeout_s=self.settings.timeout_s,
+                          headers=headers)
 
     def _probe_request(self, prompt: ProbePrompt, role: str, turn: int) -> ProbeResult:
         body = self._body(prompt, role)
+        record = self.recorder.start(engine=self.kind.engine, run_id=self.settings.run_id, episode_id=prompt.id,
+                                     turn=turn, arm=self.settings.arm)
         start = time.time_ns()
-        response = self._request(body)
+        response = self._request(body, trace_headers(record))
         end = time.time_ns()
         try:
             exchange = parse_exchange(body, response, self.recorder.hasher, self.recorder.hash_prompt_ids)
@@ -228,8 +243,7 @@ class Prober:
             source = sc.REUSED_SOURCE_ASSUMED
         config = {sc.PROBE_ROLE: role, sc.PROBE_BYPASS: self.kind.bypass if role == sc.PROBE_ROLE_COLD else None,
                   sc.MODEL_WEIGHT_FORMAT: self.settings.weight_format or None}
-        self.recorder.record(exchange, engine=self.kind.engine, run_id=self.settings.run_id, episode_id=prompt.id,
-                             turn=turn, arm=self.settings.arm, reused_tokens=reused, reused_source=source,
+        self.recorder.finish(record, exchange, reused_tokens=reused, reused_source=source,
                              cache_layer=self.kind.cache_layer, start_ns=start, end_ns=end, config=config)
         return ProbeResult(prompt.id, role, turn, reused, source, exchange.token_ids, exchange.margins)
 

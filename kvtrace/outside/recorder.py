@@ -3,13 +3,25 @@
 Those commands are not engine processes: they make their own recorder from the
 environment (exporter, capture policy, hash key), tag every record explicitly,
 and flush before they exit.  The process-wide recorder is left alone.
+
+A request the probe sends carries the W3C ``traceparent`` and ``baggage`` of
+its record (:func:`trace_headers`): a server kvtrace traces (``kvtrace run``,
+vLLM's plugin) then records its own span of the request as a child of the
+probe's, in the same trace, run, episode and turn.  The saved queries count
+such a request once, by the engine's record (``queries/shared/requests_once.sql``).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from opentelemetry import baggage, trace
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
 import kvtrace
+from kvtrace import semconv as sc
 from kvtrace.config import Settings
 from kvtrace.errors import ConfigError
 from kvtrace.outside.openai_exchange import Exchange, TextHasher, fill_record
@@ -29,11 +41,22 @@ class OutsideRecorder:
         self.hasher = TextHasher(settings.hash_key)
         self.recorded = 0
 
+    def start(self, *, engine: str, run_id: str, episode_id: str, turn: int, arm: str) -> RequestRecord:
+        """A record with its ids and correlation fixed, before the request is sent (see :func:`trace_headers`)."""
+        with kvtrace.correlate(run_id=run_id, episode_id=episode_id, turn=turn, arm=arm or None):
+            return self.recorder.start_request(engine)
+
     def record(self, exchange: Exchange, *, engine: str, run_id: str, episode_id: str, turn: int, arm: str,
                reused_tokens: int, reused_source: str, cache_layer: str, start_ns: int, end_ns: int,
                config: Optional[dict] = None) -> RequestRecord:
-        with kvtrace.correlate(run_id=run_id, episode_id=episode_id, turn=turn, arm=arm or None):
-            record = self.recorder.start_request(engine, exchange.operation, exchange.model)
+        """Record an exchange that was not sent through :meth:`start` (an imported log)."""
+        record = self.start(engine=engine, run_id=run_id, episode_id=episode_id, turn=turn, arm=arm)
+        return self.finish(record, exchange, reused_tokens=reused_tokens, reused_source=reused_source,
+                           cache_layer=cache_layer, start_ns=start_ns, end_ns=end_ns, config=config)
+
+    def finish(self, record: RequestRecord, exchange: Exchange, *, reused_tokens: int, reused_source: str,
+               cache_layer: str, start_ns: int, end_ns: int, config: Optional[dict] = None) -> RequestRecord:
+        """Fill ``record`` (from :meth:`start`) with what the exchange says and emit its span."""
         record.start_time_unix_nano, record.end_time_unix_nano = start_ns, max(end_ns, start_ns)
         record.config.update(config or {})
         fill_record(record, exchange, reused_tokens, reused_source, cache_layer)
@@ -52,3 +75,32 @@ class OutsideRecorder:
         counters = dict(self.recorder.pipeline.counters)
         self.recorder.shutdown()
         return counters
+
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+
+
+def trace_headers(record: RequestRecord) -> dict[str, str]:
+    """W3C ``traceparent`` (the record's trace, the record's span as the parent) and ``baggage`` (its run,
+    episode, turn and arm), as a client harness sends them to a server kvtrace traces."""
+    span = NonRecordingSpan(SpanContext(int(record.trace_id, 16), int(record.span_id, 16), is_remote=False,
+                                        trace_flags=_SAMPLED))
+    return {**correlation_headers(record.correlation.run_id, record.correlation.episode_id, record.correlation.turn,
+                                  record.config.get(sc.ARM)),
+            **_inject(TraceContextTextMapPropagator(), trace.set_span_in_context(span))}
+
+
+def correlation_headers(run_id: str, episode_id: str = "", turn: Optional[int] = None,
+                        arm: Optional[str] = None) -> dict[str, str]:
+    """The W3C ``baggage`` header alone: run, and episode / turn / arm where given."""
+    context = None
+    for key, value in ((sc.RUN_ID, run_id), (sc.EPISODE_ID, episode_id), (sc.TURN, turn), (sc.ARM, arm)):
+        if value is not None and value != "":
+            context = baggage.set_baggage(key, str(value), context)
+    return _inject(W3CBaggagePropagator(), context)
+
+
+def _inject(propagator, context) -> dict[str, str]:
+    carrier: dict[str, str] = {}
+    propagator.inject(carrier, context=context)
+    return carrier

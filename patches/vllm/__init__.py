@@ -53,6 +53,9 @@ HOOKS = HookTable(ENGINE, (
     # API process
     Hook("vllm.v1.engine.input_processor", "InputProcessor.process_inputs", api_process.process_inputs),
     Hook("vllm.entrypoints.launchers.app", "build_app", _build_app),
+    # The launcher binds build_app with a from-import before vLLM loads its plugins (the plugin alone,
+    # without `kvtrace run`, patches after that), so its own name is wrapped as well.
+    Hook("vllm.entrypoints.launchers.api_server.entry", "build_app", _build_app),
     Hook("vllm.entrypoints.openai.api_server", "build_app", _build_app),
     # engine core: configuration, admission, the end of a request
     Hook(_SCHEDULER, "Scheduler.__init__", config.scheduler_init),

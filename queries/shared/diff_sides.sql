@@ -1,15 +1,27 @@
 -- CTEs `side_a` / `side_b`: the first request per (episode, turn) of runs A and B (optionally one
--- episode), with everything forks and fork_attribution read. Needs params run_a, run_b, episode.
+-- episode), with everything forks and fork_attribution read. Needs shared_requests_once before it
+-- and params run_a, run_b, episode, turn_a, turn_b. With turn_a and turn_b (>= 0; -1 = every turn)
+-- side A is run A's turn turn_a and side B run B's turn turn_b of each episode, compared as one turn
+-- numbered turn_b; the two runs may then be one (a probe's cold turn 0 against a warm turn).
 sides AS (
     SELECT run_id, episode_id, turn, SpanId AS span_id, request_id, capture_mode, prompt_hash, output_hash,
            token_ids, runner_up_ids, margins, output_tokens, cache_layer, reused_tokens, prompt_tokens,
            state_key, hit_block_hashes, source_span_id, source_request_id, source_run_id, source_episode_id,
            source_turn
-    FROM kvtrace_requests
+    FROM requests_once
     WHERE run_id IN ({run_a:String}, {run_b:String}) AND episode_id != ''
       AND ({episode:String} = '' OR episode_id = {episode:String})
+      AND ({turn_a:Int64} < 0 OR turn IN ({turn_a:Int64}, {turn_b:Int64}))
     ORDER BY run_id, episode_id, turn, Timestamp
     LIMIT 1 BY run_id, episode_id, turn
 ),
-side_a AS (SELECT * FROM sides WHERE run_id = {run_a:String}),
-side_b AS (SELECT * FROM sides WHERE run_id = {run_b:String}),
+side_a AS (
+    -- renumbered outside the filter: a WHERE would read the replaced turn
+    SELECT * REPLACE (if({turn_a:Int64} < 0, toInt64(turn), {turn_b:Int64}) AS turn)
+    FROM (SELECT * FROM sides WHERE run_id = {run_a:String} AND ({turn_a:Int64} < 0 OR turn = {turn_a:Int64}))
+),
+side_b AS (
+    SELECT * REPLACE (toInt64(turn) AS turn)
+    FROM sides
+    WHERE run_id = {run_b:String} AND ({turn_b:Int64} < 0 OR turn = {turn_b:Int64})
+),

@@ -3,7 +3,7 @@
 -- where the two are compared. A position is matched while the chosen tokens agree (same chosen
 -- prefix), up to and including the first differing position, and only where both requests have a
 -- margin. Shared by margin_shift and flip_rate_by_margin, which must compare the same positions.
--- Needs shared_output_divergence and shared_recompute_reference before it, and param run_prefix.
+-- Needs shared_requests_once, shared_output_divergence and shared_recompute_reference before it, and param run_prefix.
 --   format, hit_time, engine, model: the cache-hit request's (for grouping and scope filters)
 --   matched_positions: how many positions are matched (from the first)
 --   hit_margins, recompute_margins: both margins per matched position (raw logits)
@@ -21,7 +21,7 @@ matched AS (
         arraySlice(r.margins, 1, matched_positions) AS recompute_margins,
         arraySlice(if(notEmpty(h.top1_ids), h.top1_ids, h.token_ids), 1, matched_positions) AS hit_top_ids,
         arraySlice(r.top_ids, 1, matched_positions) AS recompute_top_ids
-    FROM kvtrace_requests AS h
+    FROM requests_once AS h
     INNER JOIN recomputed AS r
         ON h.engine = r.engine AND h.model_fingerprint = r.model_fingerprint
        AND h.weight_format = r.weight_format AND h.kv_cache_type = r.kv_cache_type

@@ -1,0 +1,17 @@
+-- CTE `requests_once`: kvtrace_requests with every request once. A request that `kvtrace probe`
+-- sent to a server kvtrace traces is recorded twice: by the probe, from outside (it sets
+-- reused_tokens_source: where its reused-token count came from), and by the engine, as a child span
+-- of the probe's in the same trace. The engine's record, with the cache provenance and raw-logit
+-- margins, stands for the request; the probe's record of it is left out. A probe's record with no
+-- engine child (an untraced server) and an imported log stay. Every saved query reads requests
+-- through it. The traces searched are only those that hold records made outside an engine.
+requests_once AS (
+    SELECT *
+    FROM kvtrace_requests
+    WHERE reused_tokens_source = ''
+       OR (TraceId, SpanId) NOT IN (
+           SELECT TraceId, ParentSpanId
+           FROM kvtrace_requests
+           WHERE reused_tokens_source = '' AND ParentSpanId != ''
+             AND TraceId IN (SELECT TraceId FROM kvtrace_requests WHERE reused_tokens_source != ''))
+),
