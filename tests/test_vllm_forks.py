@@ -161,9 +161,6 @@ def test_the_off_arm_rerun_is_bit_identical(fork_runs, db):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="patches/vllm.py _top2_stats takes torch.topk's order at an exact tie "
-                   "(on CPU the higher id first) while greedy picks the lower id: the recorded runner-up is then "
-                   "the chosen token itself, and top-1 is not the chosen token")
 def test_at_an_exact_tie_the_runner_up_is_the_other_tied_token(fork_runs, db):
     seen, _, spool = fork_runs
     ingest_paths(db, [spool])

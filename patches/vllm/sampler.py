@@ -57,8 +57,15 @@ def top2_stats(logits: Any, chosen: Any, valid: Any) -> Any:
         x = logits if logits.dtype == torch.float32 else logits.float()
         top = torch.topk(x, 2, dim=-1)
         ids = chosen.reshape(x.shape[0], -1)[:, 0].long().clamp(0, x.shape[1] - 1)
-        chosen_logprob = x.gather(1, ids[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
-        columns = SampledRow(chosen=ids.float(), top1=top.indices[:, 0].float(), runner_up=top.indices[:, 1].float(),
+        chosen_logit = x.gather(1, ids[:, None])[:, 0]
+        chosen_logprob = chosen_logit - torch.logsumexp(x, dim=-1)
+        # At an exact tie topk's order is not the sampler's (on CPU it lists the higher id first, greedy
+        # takes the lower): a chosen token tied with the top is the top-1, and the runner-up is the other.
+        tied = chosen_logit == top.values[:, 0]
+        top1 = torch.where(tied, ids, top.indices[:, 0])
+        runner_up = torch.where(tied & (top.indices[:, 0] == ids), top.indices[:, 1],
+                                torch.where(tied, top.indices[:, 0], top.indices[:, 1]))
+        columns = SampledRow(chosen=ids.float(), top1=top1.float(), runner_up=runner_up.float(),
                              margin=top.values[:, 0] - top.values[:, 1], chosen_logprob=chosen_logprob,
                              sampled=torch.as_tensor(valid, device=x.device).float())
         return torch.stack(columns, dim=1)
