@@ -55,34 +55,44 @@ def run_init(args) -> int:
 
 
 def run_ingest(args) -> int:
-    from kvtrace.collectors.ingest import ingest_paths
+    from kvtrace.collectors.ingest import find_files, ingest_paths
     from kvtrace.commands.common import open_database, progress_printer
     from kvtrace.config import default_spool_dir
+    from kvtrace.errors import IngestStopped
 
     paths = args.paths or [default_spool_dir()]
-    missing = [p for p in paths if not p.exists()]
-    if missing:
-        print(f"kvtrace: error: {missing[0]}: no such file or directory", file=sys.stderr)
-        return 1
+    find_files(paths)  # a path that cannot be ingested is refused before the database is opened
     client = open_database(args, ingest=False)
-    report = ingest_paths(client, paths, progress=progress_printer(args))
-    if sys.stderr.isatty() and not args.quiet:
-        sys.stderr.write("\n")
-    for f in report.files:
-        for message in f.messages:
-            print(f"kvtrace: warning: {message}", file=sys.stderr)
-    if args.format == "json":
-        print(json.dumps({"files": len(report.files), "spans": report.spans, "quarantined": report.quarantined,
-                          "pending_bytes": report.pending_bytes,
-                          "per_file": [f.__dict__ for f in report.files]}, indent=2))
-    else:
-        print(f"kvtrace: ingested {report.spans} spans from {len(report.files)} file(s); "
-              f"{report.quarantined} line(s) quarantined; {report.pending_bytes} byte(s) still being written")
+    try:
+        report = ingest_paths(client, paths, progress=progress_printer(args))
+    except IngestStopped as exc:
+        _print_ingest(args, exc.report)
+        kept = f"; the {exc.report.spans} span(s) stored before it stopped are kept" if exc.report else ""
+        raise IngestStopped(f"ingest stopped: {exc}{kept}. Free space (or fix the database) and run "
+                            "`kvtrace db ingest` again: it goes on where it stopped") from None
+    _print_ingest(args, report)
     return 0
 
 
+def _print_ingest(args, report) -> None:
+    if report is None:
+        return
+    if sys.stderr.isatty() and not args.quiet:
+        sys.stderr.write("\n")
+    for message in report.messages:
+        print(f"kvtrace: warning: {message}", file=sys.stderr)
+    if args.format == "json":
+        print(json.dumps({"files": len(report.files), "spans": report.spans, "duplicates": report.duplicates,
+                          "quarantined": report.quarantined, "pending_bytes": report.pending_bytes,
+                          "per_file": [f.__dict__ for f in report.files]}, indent=2))
+    else:
+        print(f"kvtrace: ingested {report.spans} spans from {len(report.files)} file(s); "
+              f"{report.duplicates} already stored; {report.quarantined} line(s) quarantined; "
+              f"{report.pending_bytes} byte(s) still being written")
+
+
 def run_status(args) -> int:
-    from kvtrace.collectors.ingest import pending_files
+    from kvtrace.collectors.ingest import pending_files, quarantined_lines
     from kvtrace.collectors.schema import TABLES, latest_version, schema_version
     from kvtrace.commands.common import open_database
     from kvtrace.config import default_database_url, default_spool_dir
@@ -97,6 +107,7 @@ def run_status(args) -> int:
     pending = pending_files(spool, client)
     stats = read_stats(spool)
     totals = span_totals(stats)
+    quarantined = quarantined_lines(spool / "quarantine")
     status = {
         "database": describe(default_database_url()),
         "schema_version": schema_version(client),
@@ -105,6 +116,7 @@ def run_status(args) -> int:
         "pending_files": [{"path": str(p), "bytes": n} for p, n in pending],
         "span_counters": totals,
         "processes": stats,
+        "quarantined_lines": quarantined,
     }
     if args.format == "json":
         print(json.dumps(status, indent=2))
@@ -121,6 +133,11 @@ def run_status(args) -> int:
     print("span counters (all processes that wrote to this spool):")
     for k in COUNTERS:
         print(f"  {k:<26} {totals.get(k, 0):>12,}")
+    print(f"quarantined: {len(quarantined)} line(s) in {spool / 'quarantine'}")
+    for q in quarantined[:10]:
+        print(f"  {q['file']}:{q['line']}: {q['error'][:160]}")
+    if len(quarantined) > 10:
+        print(f"  ... and {len(quarantined) - 10} more")
     if lost(totals):
         print(f"warning: {lost(totals)} span(s) could not be delivered (see counters above)")
     if totals.get("recorder_failures"):
