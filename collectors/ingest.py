@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from kvtrace.collectors.otlp_rows import COLUMNS, MalformedSpan, rows_from_request
+from kvtrace.collectors.view_completion import complete_views
 from kvtrace.errors import IngestStopped, UnreadableInput, UnusableInput
 from kvtrace.recording.exporters.spool import SPOOL_SUFFIX, spool_host, writer_of
 
@@ -535,12 +536,7 @@ class Ingestor:
         self._insert_lines(path, lines, result)
 
     def _insert_lines(self, path: Path, lines: list[_Line], result: FileResult) -> None:
-        stored = self._already_stored([row for line in lines for row in line.rows])
-        if stored:
-            for line in lines:
-                kept = [row for row in line.rows if (row[_TRACE_ID], row[_SPAN_ID]) not in stored]
-                result.duplicates += len(line.rows) - len(kept)
-                line.rows = kept
+        self._drop_stored(path, lines, result)
         lines = [line for line in lines if line.rows]
         rows = [row for line in lines for row in line.rows]
         if not rows:
@@ -563,6 +559,27 @@ class Ingestor:
             self._insert_lines(path, lines[middle:], result)
             return
         result.spans += len(rows)
+
+    def _drop_stored(self, path: Path, lines: list[_Line], result: FileResult) -> None:
+        """Drop rows whose span is stored already, after making sure its view rows are there too."""
+        stored = self._already_stored([row for line in lines for row in line.rows])
+        if not stored:
+            return
+        for line in lines:
+            kept = [row for row in line.rows if (row[_TRACE_ID], row[_SPAN_ID]) not in stored]
+            result.duplicates += len(line.rows) - len(kept)
+            line.rows = kept
+        try:
+            completed = complete_views(self.client, [span_id for _, span_id in stored])
+        except Exception as exc:  # noqa: BLE001 - same boundary as the insert itself
+            if database_refuses_writes(exc):
+                raise IngestStopped(f"the database stopped accepting spans: {first_line(exc)}") from None
+            result.messages.append(f"{path}: could not check the views of {len(stored)} span(s) stored before: "
+                                   f"{first_line(exc)}")
+            return
+        if completed:
+            result.messages.append(f"{path}: {completed} span(s) stored by an ingest that stopped mid-insert got "
+                                   "their view rows now")
 
     def _already_stored(self, rows: list[list]) -> set[tuple[str, str]]:
         candidates = [row for row in rows if row[_SPAN_ID]]
