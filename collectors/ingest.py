@@ -142,7 +142,8 @@ def find_files(paths: Iterable[Path]) -> list[Path]:
 
     A path that names no file or directory, or something that is not a regular file (a device such
     as /dev/null, a FIFO, a socket), is a usage mistake (``UnusableInput``); a directory that cannot
-    be listed is ``UnreadableInput``.  Inside a directory, anything but regular files is passed over.
+    be listed or a file that cannot be opened is ``UnreadableInput``.  Inside a directory, anything but
+    regular files is passed over (and a file there that cannot be read is reported by ingest).
     """
     found: list[Path] = []
     for path in paths:
@@ -162,6 +163,10 @@ def find_files(paths: Iterable[Path]) -> list[Path]:
                 if child.suffix in (SPOOL_SUFFIX, ".json") and not child.name.startswith(".") and _is_regular(child):
                     found.append(child)
         elif stat.S_ISREG(mode):
+            try:
+                open(path, "rb").close()
+            except OSError as exc:
+                raise UnreadableInput(f"{path}: cannot read it: {exc.strerror or exc}") from None
             found.append(path)
         else:
             raise UnusableInput(f"{path} is not a regular file or a directory; ingest reads OTLP/JSON span "
@@ -355,8 +360,8 @@ class Ingestor:
 
     # --- one file ----------------------------------------------------------------------
 
-    def ingest_file(self, path: Path) -> FileResult:
-        result = FileResult(str(path))
+    def ingest_file(self, path: Path, result: Optional[FileResult] = None) -> FileResult:
+        result = result or FileResult(str(path))
         try:
             with open(path, "rb") as f:
                 self._ingest_open_file(path, f, result)
@@ -615,7 +620,8 @@ def ingest_paths(client, paths: Iterable[Path], quarantine_dir: Optional[Path] =
         ingestor = Ingestor(client, quarantine_dir or default_spool_dir() / "quarantine", progress)
         for index, path in enumerate(files, 1):
             ingestor.progress(f"[{index}/{len(files)}] {path.name}")
-            report.files.append(ingestor.ingest_file(path))
+            report.files.append(FileResult(str(path)))  # before: a stop mid-file still counts its spans
+            ingestor.ingest_file(path, report.files[-1])
     except IngestStopped as exc:
         exc.report = report
         raise

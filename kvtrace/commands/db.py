@@ -20,7 +20,12 @@ def register(sub) -> None:
     init.add_argument("--print", action="store_true", help="print the DDL of a new database instead of running it")
     init.set_defaults(func=run_init)
 
-    ingest = dbsub.add_parser("ingest", help="load spool / OTLP-JSON span files into ClickHouse")
+    ingest = dbsub.add_parser(
+        "ingest", help="load spool / OTLP-JSON span files into ClickHouse",
+        description="Store every span of the files once; lines that cannot be stored are quarantined (FILE:LINE "
+                    "and why; see `db status`). Exit 0: done; 1: a file could not be read, or the database "
+                    "stopped accepting spans (what was stored is kept; run again to go on); 2: a path that is not "
+                    "a span file or a directory (missing, /dev/null, a FIFO).")
     ingest.add_argument("paths", nargs="*", type=Path,
                         help="spool files or directories (default: the spool directory)")
     ingest.add_argument("--format", choices=("text", "json"), default="text")
@@ -66,21 +71,12 @@ def run_ingest(args) -> int:
     try:
         report = ingest_paths(client, paths, progress=progress_printer(args))
     except IngestStopped as exc:
-        _print_ingest(args, exc.report)
-        kept = f"; the {exc.report.spans} span(s) stored before it stopped are kept" if exc.report else ""
-        raise IngestStopped(f"ingest stopped: {exc}{kept}. Free space (or fix the database) and run "
-                            "`kvtrace db ingest` again: it goes on where it stopped") from None
-    _print_ingest(args, report)
-    return 0
-
-
-def _print_ingest(args, report) -> None:
-    if report is None:
-        return
-    if sys.stderr.isatty() and not args.quiet:
-        sys.stderr.write("\n")
-    for message in report.messages:
-        print(f"kvtrace: warning: {message}", file=sys.stderr)
+        _print_warnings(args, exc.report.messages if exc.report else [])
+        stored = exc.report.spans if exc.report else 0
+        raise IngestStopped(f"ingest stopped: {exc}. Everything stored is kept ({stored} span(s) by this run); "
+                            "free space (or fix the database) and run `kvtrace db ingest` again: it goes on "
+                            "where it stopped") from None
+    _print_warnings(args, report.messages)
     if args.format == "json":
         print(json.dumps({"files": len(report.files), "spans": report.spans, "duplicates": report.duplicates,
                           "quarantined": report.quarantined, "pending_bytes": report.pending_bytes,
@@ -89,6 +85,14 @@ def _print_ingest(args, report) -> None:
         print(f"kvtrace: ingested {report.spans} spans from {len(report.files)} file(s); "
               f"{report.duplicates} already stored; {report.quarantined} line(s) quarantined; "
               f"{report.pending_bytes} byte(s) still being written")
+    return 1 if any(f.unreadable for f in report.files) else 0
+
+
+def _print_warnings(args, messages: list[str]) -> None:
+    if sys.stderr.isatty() and not args.quiet:
+        sys.stderr.write("\n")
+    for message in messages:
+        print(f"kvtrace: warning: {message}", file=sys.stderr)
 
 
 def run_status(args) -> int:
