@@ -73,7 +73,7 @@ def epoch_number_to_nanos(value: float | int, what: str) -> int:
         raise ImplausibleTime(f"{what} {value!r} is before 1970")
     for below, scale, _unit in EPOCH_UNITS:
         if value < below:
-            return check_unix_nanos(int(round(value * scale)) if isinstance(value, float) else value * int(scale),
-                                    what)
+            whole = int(value)  # whole units exactly, then the fraction: 1718000000.25 s is ...250000000 ns
+            return check_unix_nanos(whole * int(scale) + round((value - whole) * scale), what)
     raise ImplausibleTime(f"{what} {value!r} is too large to be a time in seconds, milliseconds, microseconds "
                           "or nanoseconds since 1970")
