@@ -150,15 +150,16 @@ def _array_json(values: list) -> str:
     if not values:
         return "[]"
     first = values[0]
-    # Fast paths for the per-token arrays: homogeneous ints or doubles.
-    if isinstance(first, dict) and "intValue" in first and all(
-            isinstance(v, dict) and "intValue" in v for v in values):
-        numbers = [_int64(v["intValue"]) for v in values]
+    # Fast paths for the per-token arrays: homogeneous ints or doubles.  (An element of another
+    # shape raises here, and rows_from_request reports it as a malformed span.)
+    if isinstance(first, dict) and "intValue" in first and all(["intValue" in v for v in values]):
+        numbers = list(map(int, [v["intValue"] for v in values]))
+        if min(numbers) < INT64_MIN or max(numbers) > INT64_MAX:
+            raise MalformedSpan("intValue in an array is outside the 64-bit integer range")
         return "[" + ",".join(map(str, numbers)) + "]"
     if isinstance(first, dict) and "doubleValue" in first and all(
-            isinstance(v, dict) and isinstance(v.get("doubleValue"), (int, float))
-            and not isinstance(v.get("doubleValue"), bool) for v in values):
-        return "[" + ",".join([format_double(float(v["doubleValue"])) for v in values]) + "]"
+            [type(v.get("doubleValue")) is float for v in values]):
+        return "[" + ",".join([format_double(v["doubleValue"]) for v in values]) + "]"
     return json.dumps([_raw(v) for v in values], separators=(",", ":"), ensure_ascii=False)
 
 
