@@ -197,3 +197,25 @@ def test_a_copy_of_a_finished_file_is_known_without_reading_it_again(db, tmp_pat
     copy.write_bytes(a.read_bytes())
     report = ingest_paths(db, [copy])
     assert report.files[0].skipped and (report.spans, report.duplicates) == (0, 0)
+
+
+def test_progress_recorded_by_an_older_kvtrace_is_honoured(db, tmp_path):
+    # Before checkpoints carried a prefix hash, a file was keyed by the hash of its first line alone.
+    import hashlib
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    path = write_lines(dead_writer_name(spool, 0), [request(i) for i in range(3)])
+    first_line = path.read_bytes().split(b"\n")[0] + b"\n"
+    assert ingest_paths(db, [path]).spans == 3
+    db.command("TRUNCATE TABLE kvtrace_ingest_files")
+    db.insert("kvtrace_ingest_files", [[hashlib.sha256(first_line).hexdigest()[:32], str(path), path.stat().st_size,
+                                        3, 3, 0, 0, 0]],
+              column_names=["file_key", "path", "offset", "lines", "spans", "quarantined", "complete", "updated"])
+    with open(path, "a") as f:
+        f.write(json.dumps(request(3)) + "\n")
+
+    report = ingest_paths(db, [path])
+
+    assert (report.spans, report.duplicates) == (1, 0)  # resumed at the old offset, not re-read
+    assert db.query("SELECT count(), uniqExact(SpanId) FROM otel_traces").result_rows[0] == (4, 4)
