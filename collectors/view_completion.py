@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 
 SOURCE = "otel_traces"
+_SPANS_IN = "SpanId IN (SELECT arrayJoin({span_ids:Array(String)}))"
 _TARGET = re.compile(r"\bTO\s+(?:`?[\w]+`?\.)?`?(\w+)`?", re.IGNORECASE)
 
 TABLES_SQL = ("SELECT name, engine, dependencies_table, create_table_query, as_select "
@@ -72,20 +73,19 @@ def complete_views(client, span_ids: list[str]) -> int:
     for view in views_from(client):
         parameters = {"span_ids": sorted(set(span_ids))}
         expected = {row[0] for row in client.query(
-            f"SELECT DISTINCT SpanId FROM ({view.select}) WHERE SpanId IN (SELECT arrayJoin({{span_ids:Array(String)}}))",
+            f"SELECT DISTINCT SpanId FROM ({view.select}) WHERE {_SPANS_IN}",
             parameters=parameters).result_rows}
         if not expected:
             continue
         present = {row[0] for row in client.query(
-            f"SELECT DISTINCT SpanId FROM `{view.target}` WHERE SpanId IN (SELECT arrayJoin({{span_ids:Array(String)}}))",
+            f"SELECT DISTINCT SpanId FROM `{view.target}` WHERE {_SPANS_IN}",
             parameters=parameters).result_rows}
         missing = sorted(expected - present)
         if not missing:
             continue
         columns = ", ".join(f"`{c}`" for c in view.columns)
         client.command(
-            f"INSERT INTO `{view.target}` ({columns}) SELECT {columns} FROM ({view.select}) "
-            "WHERE SpanId IN (SELECT arrayJoin({span_ids:Array(String)}))",
+            f"INSERT INTO `{view.target}` ({columns}) SELECT {columns} FROM ({view.select}) WHERE {_SPANS_IN}",
             parameters={"span_ids": missing})
         completed += len(missing)
     return completed

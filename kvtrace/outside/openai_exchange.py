@@ -174,7 +174,8 @@ def _positions(logprobs: Any) -> list[tuple[_Token, list[_Token]]]:
             if alternatives is None:
                 alternatives = []
             if not isinstance(alternatives, list):
-                raise ExchangeError(f"logprobs.content[{i}].top_logprobs must be a list, got {type(alternatives).__name__}")
+                raise ExchangeError(f"logprobs.content[{i}].top_logprobs must be a list, "
+                                    f"got {type(alternatives).__name__}")
             if not all(isinstance(a, dict) for a in alternatives):
                 raise ExchangeError(f"logprobs.content[{i}].top_logprobs must be a list of objects "
                                     "({\"token\": ..., \"logprob\": ...})")

@@ -13,6 +13,10 @@ from kvtrace import semconv as sc
 BASE_NS = time.time_ns() - 3_600_000_000_000
 
 
+def _array(*values: dict) -> dict:
+    return {"arrayValue": {"values": list(values)}}
+
+
 def request(i: int, run_id: str = "fault-run", name: str = sc.SPAN_REQUEST) -> dict:
     """An export request holding one kvtrace request span (turn ``i``) with ids unique to ``i``."""
     start = BASE_NS + i * 1_000_000
@@ -25,8 +29,8 @@ def request(i: int, run_id: str = "fault-run", name: str = sc.SPAN_REQUEST) -> d
                 {"key": sc.RUN_ID, "value": {"stringValue": run_id}},
                 {"key": sc.EPISODE_ID, "value": {"stringValue": "e0"}},
                 {"key": sc.TURN, "value": {"intValue": str(i)}},
-                {"key": sc.OUTPUT_TOKEN_IDS, "value": {"arrayValue": {"values": [{"intValue": "7"}, {"intValue": "8"}]}}},
-                {"key": sc.OUTPUT_MARGINS, "value": {"arrayValue": {"values": [{"doubleValue": 0.5}, {"doubleValue": 1.5}]}}},
+                {"key": sc.OUTPUT_TOKEN_IDS, "value": _array({"intValue": "7"}, {"intValue": "8"})},
+                {"key": sc.OUTPUT_MARGINS, "value": _array({"doubleValue": 0.5}, {"doubleValue": 1.5})},
             ],
             "events": [{"timeUnixNano": str(start + 10), "name": sc.EVENT_CACHE_LOOKUP, "attributes": []}],
             "status": {"code": 1},

@@ -103,7 +103,8 @@ def test_a_hostile_line_is_quarantined_with_its_place_and_reason_and_the_rest_is
     assert (stored, report.quarantined) == (3, 1)
     assert stored + report.quarantined == len(lines)
     assert report.files[0].messages[0].startswith(f"{path}:2: ") and reason in report.files[0].messages[0]
-    (record,) = [json.loads(text) for text in (tmp_path / "q" / "mixed.jsonl.quarantine.jsonl").read_text().splitlines()]
+    quarantine_file = tmp_path / "q" / "mixed.jsonl.quarantine.jsonl"
+    (record,) = [json.loads(text) for text in quarantine_file.read_text().splitlines()]
     assert (record["file"], record["line"]) == (str(path), 2) and reason in record["error"]
     # The quarantined line is kept as it was written, for whoever wants to repair it.
     assert record["text"] == path.read_text(errors="surrogateescape").splitlines()[1].encode(
