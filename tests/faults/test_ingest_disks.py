@@ -1,8 +1,9 @@
 """Ingest against full disks and paths that are no span files: one line, a documented exit code.
 
-The full disk is a real tmpfs of a few MB (mounting one needs root; elsewhere these tests skip and
-say why).  Permissions are real too: as root the child runs without the capabilities that let
-root read anything (``setpriv``), so a mode-000 directory refuses it as it would refuse a user.
+The full disk is a real tmpfs of a few MB (``sink_faults.tmpfs``: mounting one needs root; elsewhere
+these tests skip and say why, and fail under CI).  Permissions are real too: as root the child runs
+without the capabilities that let root read anything (``setpriv``), so a mode-000 directory refuses
+it as it would refuse a user.
 Exit codes (README): 0 done, 1 runtime failure (unreadable input, database full), 2 usage error.
 """
 
@@ -13,11 +14,13 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from sink_faults import tmpfs
 from span_lines import dead_writer_name, request, spoiled, write_lines
+
+from kvtrace.collectors.ingest import quarantined_lines
 
 
 def kvtrace(*args: str, unprivileged: bool = False, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -36,26 +39,6 @@ def _one_line_error(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """``tmpfs(size)``: a fresh tmpfs of ``size`` (e.g. "6m") mounted under tmp_path; unmounted after."""
-    mounted = []
-
-    def mount(size: str) -> Path:
-        target = tmp_path / f"tmpfs-{len(mounted)}"
-        target.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}); needs root")
-        mounted.append(target)
-        return target
-
-    yield mount
-    for target in reversed(mounted):
-        subprocess.run(["umount", "-l", str(target)], capture_output=True)
-
-
 def _count(query: str) -> int:
     from kvtrace.db import connect
 
@@ -66,59 +49,60 @@ def _count(query: str) -> int:
         client.close()
 
 
-def test_a_full_database_disk_stops_ingest_in_one_line_and_keeps_what_is_stored(tmpfs, tmp_path, monkeypatch):
-    disk = tmpfs("6m")
-    monkeypatch.setenv("KVTRACE_CLICKHOUSE_URL", f"chdb://{disk / 'db'}")
-    spool = tmp_path / "spool"
-    spool.mkdir()
-    # A first, small run fits; then a run of ~12 MB of spans arrives, more than the disk holds.
-    write_lines(dead_writer_name(spool, 0), [request(i, run_id="small-run") for i in range(50)])
-    assert kvtrace("db", "ingest").returncode == 0
-    big = [write_lines(dead_writer_name(spool, 1 + k), [request(i, run_id="big-run-" + "x" * 3000)
-                                                        for i in range(1000 + 800 * k, 1800 + 800 * k)])
-           for k in range(5)]
-    written = 50 + 800 * len(big)
+def test_a_full_database_disk_stops_ingest_in_one_line_and_keeps_what_is_stored(tmp_path, monkeypatch):
+    with tmpfs(tmp_path / "disk", "6m") as disk:
+        monkeypatch.setenv("KVTRACE_CLICKHOUSE_URL", f"chdb://{disk / 'db'}")
+        spool = tmp_path / "spool"
+        spool.mkdir()
+        # A first, small run fits; then a run of ~12 MB of spans arrives, more than the disk holds.
+        write_lines(dead_writer_name(spool, 0), [request(i, run_id="small-run") for i in range(50)])
+        assert kvtrace("db", "ingest").returncode == 0
+        big = [write_lines(dead_writer_name(spool, 1 + k), [request(i, run_id="big-run-" + "x" * 3000)
+                                                            for i in range(1000 + 800 * k, 1800 + 800 * k)])
+               for k in range(5)]
+        written = 50 + 800 * len(big)
 
-    full = kvtrace("db", "ingest")
-    assert full.returncode == 1
-    error = _one_line_error(full)
-    assert "ingest stopped" in error and "space" in error and "Everything stored is kept" in error
+        full = kvtrace("db", "ingest")
+        assert full.returncode == 1
+        error = _one_line_error(full)
+        assert "ingest stopped" in error and "space" in error and "Everything stored is kept" in error
 
-    # The query side still answers from what is stored, with a warning.
-    runs = kvtrace("runs", "--format", "json")
-    assert runs.returncode == 0 and "Traceback" not in runs.stderr
-    assert "small-run" in {r["run_id"] for r in json.loads(runs.stdout)}
-    assert "spool not (fully) ingested" in runs.stderr
+        # The query side still answers from what is stored, with a warning.
+        runs = kvtrace("runs", "--format", "json")
+        assert runs.returncode == 0 and "Traceback" not in runs.stderr
+        assert "small-run" in {r["run_id"] for r in json.loads(runs.stdout)}
+        assert "spool not (fully) ingested" in runs.stderr
 
-    # More room (the same tmpfs, grown): the next ingest goes on and stores everything exactly once.
-    subprocess.run(["mount", "-o", "remount,size=256m", str(disk)], check=True)
-    assert kvtrace("db", "ingest").returncode == 0
-    stored = _count("SELECT count() FROM otel_traces")
-    assert stored == _count("SELECT uniqExact(TraceId, SpanId) FROM otel_traces") == written
-    assert stored + 0 == written  # nothing quarantined: the lines were never the problem
+        # More room (the same tmpfs, grown): the next ingest goes on and stores everything exactly once.
+        subprocess.run(["mount", "-o", "remount,size=256m", str(disk)], check=True)
+        assert kvtrace("db", "ingest").returncode == 0
+        stored = _count("SELECT count() FROM otel_traces")
+        quarantined = len(quarantined_lines(spool / "quarantine"))
+        assert stored == _count("SELECT uniqExact(TraceId, SpanId) FROM otel_traces")
+        assert (stored + quarantined, quarantined) == (written, 0)  # the lines were never the problem
 
 
-def test_a_quarantine_copy_on_a_full_spool_disk_is_still_reported_and_counted(tmpfs, monkeypatch):
-    spool = tmpfs("1m")
-    monkeypatch.setenv("KVTRACE_SPOOL_DIR", str(spool))
-    lines = [request(0), spoiled(1, lambda req: req.update(resourceSpans=[1])), request(2)]
-    path = write_lines(dead_writer_name(spool, 0), lines)
-    filler = os.open(spool / "filler.bin", os.O_WRONLY | os.O_CREAT)
-    for size in (65536, 1):  # fill the disk to the last byte
-        try:
-            while True:
-                os.write(filler, b"\0" * size)
-        except OSError:
-            pass
-    os.close(filler)
+def test_a_quarantine_copy_on_a_full_spool_disk_is_still_reported_and_counted(tmp_path, monkeypatch):
+    with tmpfs(tmp_path / "spool-disk", "1m") as spool:
+        monkeypatch.setenv("KVTRACE_SPOOL_DIR", str(spool))
+        lines = [request(0), spoiled(1, lambda req: req.update(resourceSpans=[1])), request(2)]
+        path = write_lines(dead_writer_name(spool, 0), lines)
+        filler = os.open(spool / "filler.bin", os.O_WRONLY | os.O_CREAT)
+        for size in (65536, 1):  # fill the disk to the last byte
+            try:
+                while True:
+                    os.write(filler, b"\0" * size)
+            except OSError:
+                pass
+        os.close(filler)
 
-    done = kvtrace("db", "ingest", "--format", "json")
+        done = kvtrace("db", "ingest", "--format", "json")
 
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
-    assert (report["spans"], report["quarantined"]) == (2, 1)
-    assert report["spans"] + report["quarantined"] == len(lines)
-    assert f"{path}:2: " in done.stderr and "the quarantine copy failed: No space left on device" in done.stderr
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        assert (report["spans"], report["quarantined"]) == (2, 1)
+        assert report["spans"] + report["quarantined"] == len(lines)
+        assert f"{path}:2: " in done.stderr and "the quarantine copy failed: No space left on device" in done.stderr
 
 
 def test_dev_null_a_fifo_or_a_missing_path_is_a_usage_error(tmp_path):
