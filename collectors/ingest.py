@@ -1,13 +1,30 @@
-"""Spool → ClickHouse: idempotent, resumable ingest of OTLP/JSON span files.
+"""Spool → ClickHouse: exactly-once, resumable ingest of OTLP/JSON span files.
 
-* Idempotent: ``kvtrace_ingest_files`` remembers, per file, the byte offset up
-  to which its lines are stored; a file is identified by its first line, so
-  ingesting it again (or a copy of it) adds nothing.
-* Resumable: a file still being written is taken up to its last complete
-  line and continued from there next time.
-* A truncated last line left by a writer that died (its pid is gone) is
-  quarantined, as is any line that is not an OTLP trace request; the rest of
-  the file is stored.  Nothing valid is lost.
+* **Exactly once.**  A span is stored once per (TraceId, SpanId): before a
+  chunk is inserted, the spans of it that are already stored are dropped (one
+  query over the chunk's time window).  So a pass that died between an insert
+  and its progress record, a copy of a file, or a concatenation of files that
+  were stored before adds nothing twice.
+* **Files are known by content.**  ``kvtrace_ingest_files`` keeps checkpoints
+  keyed ``<hash of the first line>:<hash of bytes [0, offset)>``.  A pass
+  resumes a file from the furthest checkpoint whose prefix hash matches the
+  file's own bytes; a file that only shares its first line with one stored
+  before (``cat a.jsonl b.jsonl > merged.jsonl``) is read from wherever its
+  bytes stop matching, so its new spans are stored.  A file whose size equals
+  a checkpoint of a complete file with the same first line is taken as
+  unchanged without reading it (so a spool of finished files costs nothing).
+* **Resumable.**  A file still being written is taken up to its last complete
+  line and continued from there next time; a truncated last line left by a
+  writer that died (its pid is gone) is quarantined.
+* **Quarantine, never crash.**  A line that cannot become rows (not JSON, not
+  an OTLP trace request, a wrong shape or type, an id, integer or time out of
+  range) or that the database rejects (the chunk is split until the lines to
+  blame are found) is copied to the quarantine directory with ``FILE:LINE``
+  and the reason; the rest of the file is stored.
+* **Stops cleanly.**  When the database refuses writes for a reason no line
+  is to blame for (full disk, lost connection), ``IngestStopped`` says so in
+  one line.  Everything stored until then is kept and the next pass goes on
+  from there.
 
 Accepts kvtrace spool files and OTLP/JSON written by other tools (the
 Collector's file exporter: one request per line; or one request per file,
@@ -16,41 +33,73 @@ pretty-printed).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
+import stat
 import time
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from kvtrace.collectors.otlp_rows import COLUMNS, MalformedSpan, rows_from_request
+from kvtrace.collectors.view_completion import complete_views
+from kvtrace.errors import IngestStopped, UnreadableInput, UnusableInput
 from kvtrace.recording.exporters.spool import SPOOL_SUFFIX, spool_host, writer_of
 
 CHUNK_BYTES = 8 * 1024 * 1024
 TABLE = "otel_traces"
 LOG_TABLE = "kvtrace_ingest_files"
+LOG_COLUMNS = ["file_key", "path", "offset", "lines", "spans", "quarantined", "complete", "updated"]
+STORED_CHECK_BATCH = 4000
+"""Span ids per already-stored query (they travel as one bound array parameter)."""
+
+_TIMESTAMP, _TRACE_ID, _SPAN_ID = COLUMNS.index("Timestamp"), COLUMNS.index("TraceId"), COLUMNS.index("SpanId")
+
+STORED_SPANS_SQL = (
+    f"SELECT TraceId, SpanId FROM {TABLE} "
+    "WHERE Timestamp >= fromUnixTimestamp64Nano({earliest:Int64}) "
+    "AND Timestamp <= fromUnixTimestamp64Nano({latest:Int64}) "
+    "AND SpanId IN (SELECT arrayJoin({span_ids:Array(String)}))"
+)
 
 
 @dataclass(frozen=True)
-class FileProgress:
-    """What ``kvtrace_ingest_files`` remembers of one file: bytes stored so far and running totals."""
+class Checkpoint:
+    """One row of ``kvtrace_ingest_files``: a file's bytes [0, offset) are stored, with running totals.
 
+    ``prefix`` is the hash of those bytes; rows written before checkpoints carried it have none, and
+    are trusted by their first line alone as they were then.
+    """
+
+    head: str
+    prefix: str = ""
     offset: int = 0
     complete: bool = False
     lines: int = 0
     spans: int = 0
     quarantined: int = 0
 
+    @property
+    def key(self) -> str:
+        return f"{self.head}:{self.prefix}" if self.prefix else self.head
+
 
 @dataclass
 class FileResult:
     path: str
     spans: int = 0
+    """Spans stored by this pass."""
+    duplicates: int = 0
+    """Spans this pass read that were already stored (from this file or another), so not stored again."""
     lines: int = 0
     quarantined: int = 0
     skipped: bool = False
     pending_bytes: int = 0
+    unreadable: bool = False
     messages: list[str] = field(default_factory=list)
 
 
@@ -63,6 +112,10 @@ class IngestReport:
         return sum(f.spans for f in self.files)
 
     @property
+    def duplicates(self) -> int:
+        return sum(f.duplicates for f in self.files)
+
+    @property
     def quarantined(self) -> int:
         return sum(f.quarantined for f in self.files)
 
@@ -70,21 +123,62 @@ class IngestReport:
     def pending_bytes(self) -> int:
         return sum(f.pending_bytes for f in self.files)
 
+    @property
+    def messages(self) -> list[str]:
+        return [m for f in self.files for m in f.messages]
+
+
+@dataclass
+class _Line:
+    """A parsed line of a chunk and the rows it gives."""
+
+    number: int
+    text: bytes
+    rows: list[list]
+
 
 def find_files(paths: Iterable[Path]) -> list[Path]:
-    """Span files named by ``paths`` (files as given; directories: *.jsonl / *.json inside)."""
+    """Span files named by ``paths`` (files as given; directories: *.jsonl / *.json inside).
+
+    A path that names no file or directory, or something that is not a regular file (a device such
+    as /dev/null, a FIFO, a socket), is a usage mistake (``UnusableInput``); a directory that cannot
+    be listed or a file that cannot be opened is ``UnreadableInput``.  Inside a directory, anything but
+    regular files is passed over (and a file there that cannot be read is reported by ingest).
+    """
     found: list[Path] = []
     for path in paths:
         path = Path(path)
-        if path.is_dir():
-            for child in sorted(path.iterdir()):
-                if child.is_file() and child.suffix in (SPOOL_SUFFIX, ".json") and not child.name.startswith("."):
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            raise UnusableInput(f"{path}: no such file or directory") from None
+        except OSError as exc:
+            raise UnreadableInput(f"{path}: cannot read it: {exc.strerror or exc}") from None
+        if stat.S_ISDIR(mode):
+            try:
+                children = sorted(path.iterdir())
+            except OSError as exc:
+                raise UnreadableInput(f"{path}: cannot list the directory: {exc.strerror or exc}") from None
+            for child in children:
+                if child.suffix in (SPOOL_SUFFIX, ".json") and not child.name.startswith(".") and _is_regular(child):
                     found.append(child)
-        elif path.is_file():
+        elif stat.S_ISREG(mode):
+            try:
+                open(path, "rb").close()
+            except OSError as exc:
+                raise UnreadableInput(f"{path}: cannot read it: {exc.strerror or exc}") from None
             found.append(path)
         else:
-            raise FileNotFoundError(f"{path}: no such file or directory")
+            raise UnusableInput(f"{path} is not a regular file or a directory; ingest reads OTLP/JSON span "
+                                "files (.jsonl, .json) or directories of them")
     return found
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
 
 
 def _is_pretty_printed(first_line: bytes) -> bool:
@@ -99,8 +193,8 @@ def _is_pretty_printed(first_line: bytes) -> bool:
     return False
 
 
-def _file_key(first_line: bytes) -> str:
-    return hashlib.sha256(first_line).hexdigest()[:32]
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
 
 
 def _writer_is_gone(path: Path) -> bool:
@@ -117,182 +211,452 @@ def _writer_is_gone(path: Path) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except PermissionError:
+    except (PermissionError, OverflowError):
         return False
     return False
+
+
+_REFUSAL_MARKERS = ("no space left", "not_enough_space", "not enough space", "cannot reserve", "disk quota",
+                    "read-only file system", "readonly", "memory_limit_exceeded", "memory limit",
+                    "too_many_parts", "connection refused", "connection reset", "broken pipe", "timed out",
+                    "timeout", "network is unreachable", "socket")
+_REFUSAL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ENOMEM)
+
+
+def database_refuses_writes(exc: BaseException) -> bool:
+    """True for errors no line is to blame for: a full or read-only disk, memory, a lost connection."""
+    if isinstance(exc, OSError) and exc.errno in _REFUSAL_ERRNOS:
+        return True
+    if type(exc).__name__ in ("OperationalError", "StreamFailureError"):
+        return True
+    text = str(exc).lower()
+    return any(marker in text for marker in _REFUSAL_MARKERS)
+
+
+def first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return (lines[0] if lines else type(exc).__name__)[:300]
+
+
+@contextmanager
+def _quiet_serializer():
+    """clickhouse-connect logs a traceback for every row it cannot serialize; ingest reports those itself."""
+    logger = logging.getLogger("clickhouse_connect.driver.transform")
+    previous = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = previous
+
+
+class IngestLog:
+    """Checkpoints in ``kvtrace_ingest_files``, grouped by the hash of each file's first line."""
+
+    def __init__(self, client):
+        self.client = client
+        self._by_head: dict[str, dict[str, Checkpoint]] = {}
+        rows = client.query(
+            f"SELECT file_key, offset, complete, lines, spans, quarantined FROM {LOG_TABLE} FINAL").result_rows
+        for key, offset, complete, lines, spans, quarantined in rows:
+            head, _, prefix = str(key).partition(":")
+            self._remember(Checkpoint(head, prefix, int(offset), bool(complete), int(lines), int(spans),
+                                      int(quarantined)))
+
+    def _remember(self, checkpoint: Checkpoint) -> None:
+        self._by_head.setdefault(checkpoint.head, {})[checkpoint.key] = checkpoint
+
+    def checkpoints(self, head: str) -> list[Checkpoint]:
+        """This first line's checkpoints, furthest first."""
+        return sorted(self._by_head.get(head, {}).values(), key=lambda c: -c.offset)
+
+    def save(self, checkpoint: Checkpoint, path: Path) -> None:
+        self.client.insert(
+            LOG_TABLE,
+            [[checkpoint.key, str(path), checkpoint.offset, checkpoint.lines, checkpoint.spans,
+              checkpoint.quarantined, int(checkpoint.complete), time.time_ns() // 1000]],
+            column_names=LOG_COLUMNS,
+        )
+        self._remember(checkpoint)
+
+
+class _Quarantine:
+    """Copies of rejected lines, one JSON record each, in ``<dir>/<file name>.quarantine.jsonl``.
+
+    A line already copied (a pass that re-reads after a crash) is not copied twice.  When the copy
+    cannot be written (the disk is full) the line is still reported and counted: it stays in its
+    own file, which ingest never changes.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self._recorded: dict[Path, set[tuple[str, int]]] = {}
+
+    def target(self, source: Path) -> Path:
+        return self.directory / f"{source.name}.quarantine.jsonl"
+
+    def _already(self, target: Path) -> set[tuple[str, int]]:
+        if target not in self._recorded:
+            seen: set[tuple[str, int]] = set()
+            for record in read_quarantine_file(target):
+                seen.add((record.get("file"), record.get("line")))
+            self._recorded[target] = seen
+        return self._recorded[target]
+
+    def add(self, source: Path, line_no: int, text: bytes, reason: str) -> str:
+        """Copy the line; returns where it went (or why it could not be copied), for the message."""
+        target = self.target(source)
+        try:
+            seen = self._already(target)
+            if (str(source), line_no) not in seen:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                record = {"file": str(source), "line": line_no, "error": reason,
+                          "text": text.decode("utf-8", errors="replace")}
+                with open(target, "a", encoding="utf-8") as out:
+                    out.write(json.dumps(record) + "\n")
+                seen.add((str(source), line_no))
+        except OSError as exc:
+            return f"line kept only in {source.name}: the quarantine copy failed: {exc.strerror or exc}"
+        return f"line moved to {target}"
+
+
+def read_quarantine_file(path: Path) -> list[dict]:
+    """The records of one quarantine file (unreadable records and files are passed over)."""
+    records = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict):
+                    records.append(record)
+    except OSError:
+        pass
+    return records
+
+
+def quarantined_lines(quarantine_dir: Path) -> list[dict]:
+    """Every quarantined line under ``quarantine_dir``: {file, line, error} (text left out)."""
+    out = []
+    try:
+        targets = sorted(Path(quarantine_dir).glob("*.quarantine.jsonl"))
+    except OSError:
+        return out
+    for target in targets:
+        for record in read_quarantine_file(target):
+            out.append({"file": str(record.get("file", "")), "line": record.get("line"),
+                        "error": str(record.get("error", ""))})
+    return out
 
 
 class Ingestor:
     def __init__(self, client, quarantine_dir: Path, progress: Optional[Callable[[str], None]] = None):
         self.client = client
-        self.quarantine_dir = Path(quarantine_dir)
+        self.quarantine = _Quarantine(quarantine_dir)
         self.progress = progress or (lambda message: None)
-        self._state = self._load_state()
-        self._before = dict(self._state)  # progress at the start of this pass, per file
+        self.log = IngestLog(client)
 
-    def _load_state(self) -> dict[str, FileProgress]:
-        rows = self.client.query(
-            f"SELECT file_key, offset, complete, lines, spans, quarantined FROM {LOG_TABLE} FINAL").result_rows
-        return {key: FileProgress(int(offset), bool(complete), int(lines), int(spans), int(quarantined))
-                for key, offset, complete, lines, spans, quarantined in rows}
+    # --- one file ----------------------------------------------------------------------
 
-    def _save_state(self, key: str, path: Path, offset: int, result: FileResult, complete: bool) -> None:
-        """Remember how far ``path`` is stored; counts are totals over every pass on the file."""
-        before = self._before.get(key, FileProgress())
-        progress = FileProgress(offset, complete, before.lines + result.lines, before.spans + result.spans,
-                                before.quarantined + result.quarantined)
-        self.client.insert(
-            LOG_TABLE,
-            [[key, str(path), offset, progress.lines, progress.spans, progress.quarantined, int(complete),
-              time.time_ns() // 1000]],
-            column_names=["file_key", "path", "offset", "lines", "spans", "quarantined", "complete", "updated"],
-        )
-        self._state[key] = progress
-
-    def _quarantine(self, path: Path, line_no: int, text: bytes, error: str, result: FileResult) -> None:
-        self.quarantine_dir.mkdir(parents=True, exist_ok=True)
-        target = self.quarantine_dir / f"{path.name}.quarantine.jsonl"
-        record = {"file": str(path), "line": line_no, "error": error,
-                  "text": text.decode("utf-8", errors="replace")}
-        with open(target, "a", encoding="utf-8") as out:
-            out.write(json.dumps(record) + "\n")
-        result.quarantined += 1
-        result.messages.append(f"{path}:{line_no}: {error} (line moved to {target})")
-
-    def ingest_file(self, path: Path) -> FileResult:
-        result = FileResult(str(path))
-        with open(path, "rb") as f:
-            head = f.readline()
-            if not head.endswith(b"\n"):
-                return self._ingest_single_document(path, head + f.read(), result)
-            if _is_pretty_printed(head):
-                f.seek(0)
-                data = f.read()
-                if self._state.get(_file_key(data), FileProgress()).complete:
-                    result.skipped = True
-                    return result
-                try:
-                    json.loads(data)
-                except ValueError:
-                    pass  # not one document after all: take it line by line, quarantining what is bad
-                else:
-                    return self._ingest_single_document(path, data, result)
-            key = _file_key(head)
-            done = self._state.get(key, FileProgress())
-            if done.complete:
-                result.skipped = True
-                return result
-            offset = done.offset
-            line_no = done.lines  # quarantine messages point at the file's real line numbers
-            f.seek(offset)
-            rows: list[list] = []
-            carry = b""
-            while True:
-                chunk = f.read(CHUNK_BYTES)
-                if not chunk:
-                    break
-                data = carry + chunk
-                cut = data.rfind(b"\n")
-                if cut < 0:
-                    carry = data
-                    continue
-                carry = data[cut + 1:]
-                for line in data[: cut + 1].splitlines():
-                    line_no += 1
-                    if line.strip():
-                        self._parse_line(path, line_no, line, rows, result)
-                    result.lines += 1
-                # Store what was parsed, then remember how far we got: a crash between the two
-                # re-ingests at most this chunk, never skips one.
-                self._insert(rows)
-                rows = []
-                offset += cut + 1
-                self._save_state(key, path, offset, result, False)
-                self.progress(f"{path.name}: {result.spans} spans")
-            complete = False
-            if carry:
-                if _writer_is_gone(path):
-                    self._quarantine(path, line_no + 1, carry, "truncated last line (its writer ended before finishing it)", result)
-                    offset += len(carry)
-                    complete = True
-                else:
-                    result.pending_bytes = len(carry)
-            elif _writer_is_gone(path):
-                complete = True
-            self._save_state(key, path, offset, result, complete)
+    def ingest_file(self, path: Path, result: Optional[FileResult] = None) -> FileResult:
+        result = result or FileResult(str(path))
+        try:
+            with open(path, "rb") as f:
+                self._ingest_open_file(path, f, result)
+        except OSError as exc:  # the span file itself (the quarantine copy handles its own errors)
+            result.unreadable = True
+            result.messages.append(f"{path}: cannot read it: {exc.strerror or exc}; the rest is ingested")
         return result
 
-    def _ingest_single_document(self, path: Path, data: bytes, result: FileResult) -> FileResult:
+    def _ingest_open_file(self, path: Path, f, result: FileResult) -> None:
+        size = os.fstat(f.fileno()).st_size
+        head = f.readline()
+        if not head.endswith(b"\n"):
+            self._ingest_single_document(path, head + f.read(), result)
+            return
+        if _is_pretty_printed(head):
+            f.seek(0)
+            data = f.read()
+            try:
+                json.loads(data)
+            except ValueError:
+                pass  # not one document after all: take it line by line, quarantining what is bad
+            else:
+                self._ingest_single_document(path, data, result)
+                return
+        head_key = _digest(head)
+        start, hasher = self._resume_point(f, size, head_key)
+        if start is not None and start.offset == size:
+            # Nothing new since the last pass.  A spool file whose writer has ended since is finished.
+            if not start.complete and _writer_is_gone(path):
+                self.log.save(replace(start, complete=True), path)
+            result.skipped = True
+            return
+        start = start or Checkpoint(head_key)
+        offset, line_no = start.offset, start.lines
+        before = (start.lines, start.spans, start.quarantined)
+        f.seek(offset)
+        carry = b""
+        while True:
+            chunk = f.read(CHUNK_BYTES)
+            if not chunk:
+                break
+            data = carry + chunk
+            cut = data.rfind(b"\n")
+            if cut < 0:
+                carry = data
+                continue
+            carry = data[cut + 1:]
+            parsed = []
+            for line in data[: cut + 1].splitlines():
+                line_no += 1
+                result.lines += 1
+                if line.strip():
+                    self._parse_line(path, line_no, line, parsed, result)
+            self._store(path, parsed, result)
+            # Progress only after the rows are stored: a crash in between re-reads this chunk next
+            # time, and the already-stored check keeps its spans from being stored twice.
+            hasher.update(data[: cut + 1])
+            offset += cut + 1
+            self._save(path, head_key, hasher, offset, before, result, complete=False)
+            self.progress(f"{path.name}: {result.spans} spans")
+        complete = False
+        if carry:
+            if _writer_is_gone(path):
+                self._quarantine(path, line_no + 1, carry, "truncated last line (its writer ended before finishing it)",
+                                 result)
+                result.lines += 1
+                hasher.update(carry)
+                offset += len(carry)
+                complete = True
+            else:
+                result.pending_bytes = len(carry)
+        elif _writer_is_gone(path):
+            complete = True
+        self._save(path, head_key, hasher, offset, before, result, complete)
+
+    def _resume_point(self, f, size: int, head: str):
+        """The furthest checkpoint of this first line that this file's own bytes match, and a hash of
+        the file up to it (to be continued); ``(None, hash of nothing)`` when none matches.
+
+        A checkpoint exactly at the file's size is taken without reading the file (see the module
+        doc): that is every finished spool file on every pass.
+        """
+        checkpoints = self.log.checkpoints(head)
+        for checkpoint in checkpoints:
+            if checkpoint.offset == size:
+                return checkpoint, None
+        usable = sorted((c for c in checkpoints if 0 < c.offset < size), key=lambda c: c.offset)
+        hasher = hashlib.sha256()
+        best, best_hasher = None, hasher.copy()
+        position, last_byte = 0, b""
+        f.seek(0)
+        for checkpoint in usable:
+            while position < checkpoint.offset:
+                block = f.read(min(1 << 20, checkpoint.offset - position))
+                if not block:
+                    break
+                hasher.update(block)
+                position += len(block)
+                last_byte = block[-1:]
+            if position != checkpoint.offset:
+                break
+            if checkpoint.prefix:
+                matches = hasher.hexdigest()[:32] == checkpoint.prefix
+            else:
+                matches = last_byte == b"\n"  # an old first-line-only checkpoint: trusted at a line end
+            if matches:
+                best, best_hasher = checkpoint, hasher.copy()
+        return best, best_hasher
+
+    def _save(self, path: Path, head: str, hasher, offset: int, before: tuple[int, int, int], result: FileResult,
+              complete: bool) -> None:
+        lines, spans, quarantined = before
+        self.log.save(Checkpoint(head, hasher.hexdigest()[:32], offset, complete, lines + result.lines,
+                                 spans + result.spans, quarantined + result.quarantined), path)
+
+    def _ingest_single_document(self, path: Path, data: bytes, result: FileResult) -> None:
         """A file without newlines: either one pretty-printed request, or a first line still being written."""
         if not data.strip():
-            return result
-        key = _file_key(data)
-        if self._state.get(key, FileProgress()).complete:
+            return
+        key = _digest(data)
+        if any(c.offset == len(data) and c.complete for c in self.log.checkpoints(key)):
             result.skipped = True
-            return result
+            return
+        document = hashlib.sha256(data)
         try:
             request = json.loads(data)
         except ValueError:
             if _writer_is_gone(path):
+                result.lines = 1
                 self._quarantine(path, 1, data, "truncated line (its writer ended before finishing it)", result)
-                self._save_state(key, path, len(data), result, True)
+                self._save(path, key, document, len(data), (0, 0, 0), result, True)
             else:
                 result.pending_bytes = len(data)
-            return result
-        rows: list[list] = []
-        try:
-            rows.extend(rows_from_request(request))
-        except MalformedSpan as exc:
-            self._quarantine(path, 1, data, str(exc), result)
-        self._insert(rows)
-        result.spans += len(rows)
+            return
         result.lines = 1
-        self._save_state(key, path, len(data), result, True)
-        return result
+        try:
+            rows = rows_from_request(request)
+        except MalformedSpan as exc:
+            self._quarantine(path, 1, data, f"not an OTLP/JSON trace request: {exc}", result)
+        else:
+            self._store(path, [_Line(1, data, rows)], result)
+        self._save(path, key, document, len(data), (0, 0, 0), result, True)
 
-    def _parse_line(self, path: Path, line_no: int, line: bytes, rows: list, result: FileResult) -> None:
+    def _parse_line(self, path: Path, line_no: int, line: bytes, parsed: list[_Line], result: FileResult) -> None:
         try:
             request = json.loads(line)
-            parsed = list(rows_from_request(request))
-        except (ValueError, MalformedSpan) as exc:
+        except (ValueError, RecursionError) as exc:
+            self._quarantine(path, line_no, line, f"not JSON: {exc}", result)
+            return
+        try:
+            rows = rows_from_request(request)
+        except MalformedSpan as exc:
             self._quarantine(path, line_no, line, f"not an OTLP/JSON trace request: {exc}", result)
             return
-        rows.extend(parsed)
-        result.spans += len(parsed)
+        parsed.append(_Line(line_no, line, rows))
 
-    def _insert(self, rows: list[list]) -> None:
-        if rows:
-            self.client.insert(TABLE, rows, column_names=COLUMNS)
+    def _quarantine(self, path: Path, line_no: int, text: bytes, reason: str, result: FileResult) -> None:
+        where = self.quarantine.add(path, line_no, text, reason)
+        result.quarantined += 1
+        result.messages.append(f"{path}:{line_no}: {reason} ({where})")
+
+    # --- storing rows exactly once -----------------------------------------------------------
+
+    def _store(self, path: Path, lines: list[_Line], result: FileResult) -> None:
+        """Insert the rows of ``lines`` that are not stored yet; quarantine lines the database rejects."""
+        seen: set[tuple[str, str]] = set()
+        for line in lines:  # the same span twice in one chunk: keep the first
+            kept = []
+            for row in line.rows:
+                ident = (row[_TRACE_ID], row[_SPAN_ID])
+                if ident[1] and ident in seen:
+                    result.duplicates += 1
+                    continue
+                seen.add(ident)
+                kept.append(row)
+            line.rows = kept
+        self._insert_lines(path, lines, result)
+
+    def _insert_lines(self, path: Path, lines: list[_Line], result: FileResult) -> None:
+        self._drop_stored(path, lines, result)
+        lines = [line for line in lines if line.rows]
+        rows = [row for line in lines for row in line.rows]
+        if not rows:
+            return
+        try:
+            with _quiet_serializer():
+                self.client.insert(TABLE, rows, column_names=COLUMNS)
+        except Exception as exc:  # noqa: BLE001 - the client raises anything its serializers raise
+            if database_refuses_writes(exc):
+                raise IngestStopped(f"the database stopped accepting spans: {first_line(exc)}") from None
+            if len(lines) == 1:
+                line = lines[0]
+                self._quarantine(path, line.number, line.text, f"the database rejected it: {first_line(exc)}",
+                                 result)
+                return
+            # Split until the lines to blame are found; each half checks again what is stored, in case
+            # the failed insert stored part of the batch.
+            middle = len(lines) // 2
+            self._insert_lines(path, lines[:middle], result)
+            self._insert_lines(path, lines[middle:], result)
+            return
+        result.spans += len(rows)
+
+    def _drop_stored(self, path: Path, lines: list[_Line], result: FileResult) -> None:
+        """Drop rows whose span is stored already, after making sure its view rows are there too."""
+        stored = self._already_stored([row for line in lines for row in line.rows])
+        if not stored:
+            return
+        for line in lines:
+            kept = [row for row in line.rows if (row[_TRACE_ID], row[_SPAN_ID]) not in stored]
+            result.duplicates += len(line.rows) - len(kept)
+            line.rows = kept
+        try:
+            completed = complete_views(self.client, [span_id for _, span_id in stored])
+        except Exception as exc:  # noqa: BLE001 - same boundary as the insert itself
+            if database_refuses_writes(exc):
+                raise IngestStopped(f"the database stopped accepting spans: {first_line(exc)}") from None
+            result.messages.append(f"{path}: could not check the views of {len(stored)} span(s) stored before: "
+                                   f"{first_line(exc)}")
+            return
+        if completed:
+            result.messages.append(f"{path}: {completed} span(s) stored by an ingest that stopped mid-insert got "
+                                   "their view rows now")
+
+    def _already_stored(self, rows: list[list]) -> set[tuple[str, str]]:
+        candidates = [row for row in rows if row[_SPAN_ID]]
+        stored: set[tuple[str, str]] = set()
+        for start in range(0, len(candidates), STORED_CHECK_BATCH):
+            batch = candidates[start:start + STORED_CHECK_BATCH]
+            wanted = {(row[_TRACE_ID], row[_SPAN_ID]) for row in batch}
+            try:
+                found = self.client.query(STORED_SPANS_SQL, parameters={
+                    "earliest": min(row[_TIMESTAMP] for row in batch),
+                    "latest": max(row[_TIMESTAMP] for row in batch),
+                    "span_ids": sorted({ident[1] for ident in wanted}),
+                }).result_rows
+            except Exception as exc:  # noqa: BLE001 - a database that cannot answer cannot be written either
+                raise IngestStopped(f"the database could not say which spans it holds: {first_line(exc)}") from None
+            stored.update(ident for ident in found if tuple(ident) in wanted)
+        return {tuple(ident) for ident in stored}
 
 
 def ingest_paths(client, paths: Iterable[Path], quarantine_dir: Optional[Path] = None,
                  progress: Optional[Callable[[str], None]] = None) -> IngestReport:
-    """Ingest every span file under ``paths``.  Requires the schema (``kvtrace db init``)."""
+    """Ingest every span file under ``paths``.  Requires the schema (``kvtrace db init``).
+
+    Raises ``UnusableInput`` / ``UnreadableInput`` for a path argument that cannot be ingested, and
+    ``IngestStopped`` (carrying the report so far as ``.report``) when the database stops accepting
+    spans.  A file that cannot be read is reported in its result's messages and passed over.
+    """
     from kvtrace.config import default_spool_dir
 
     files = find_files(paths)
-    ingestor = Ingestor(client, quarantine_dir or default_spool_dir() / "quarantine", progress)
     report = IngestReport()
-    for index, path in enumerate(files, 1):
-        ingestor.progress(f"[{index}/{len(files)}] {path.name}")
-        report.files.append(ingestor.ingest_file(path))
+    try:
+        ingestor = Ingestor(client, quarantine_dir or default_spool_dir() / "quarantine", progress)
+        for index, path in enumerate(files, 1):
+            ingestor.progress(f"[{index}/{len(files)}] {path.name}")
+            report.files.append(FileResult(str(path)))  # before: a stop mid-file still counts its spans
+            ingestor.ingest_file(path, report.files[-1])
+    except IngestStopped as exc:
+        exc.report = report
+        raise
+    except Exception as exc:  # noqa: BLE001 - the progress log itself could not be read or written
+        if not database_refuses_writes(exc):
+            raise
+        stopped = IngestStopped(f"the database stopped accepting spans: {first_line(exc)}")
+        stopped.report = report
+        raise stopped from None
     return report
 
 
 def pending_files(spool_dir: Path, client) -> list[tuple[Path, int]]:
-    """Spool files with bytes not yet ingested: (path, pending bytes)."""
+    """Spool files with bytes not yet ingested: (path, pending bytes).
+
+    Judged by size against the furthest checkpoint of each file's first line, without reading the
+    files (``db status`` must stay cheap); ingest itself checks the content.
+    """
     spool_dir = Path(spool_dir)
-    if not spool_dir.is_dir():
+    try:
+        if not spool_dir.is_dir():
+            return []
+        files = find_files([spool_dir])
+    except (UnusableInput, UnreadableInput, OSError):
         return []
-    state = {key: offset for key, offset, _ in client.query(
-        f"SELECT file_key, offset, complete FROM {LOG_TABLE} FINAL").result_rows}
+    log = IngestLog(client)
     out = []
-    for path in find_files([spool_dir]):
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.readline()
-        key = _file_key(head)
-        done = state.get(key, 0)
+    for path in files:
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                head = f.readline()
+        except OSError:
+            continue
+        done = max((c.offset for c in log.checkpoints(_digest(head)) if c.offset <= size), default=0)
         if size > done:
             out.append((path, size - done))
     return out

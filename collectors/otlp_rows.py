@@ -12,7 +12,9 @@ import base64
 import binascii
 import json
 import math
-from typing import Any, Iterator
+from typing import Any
+
+from kvtrace.timestamps import ImplausibleTime, unix_nanos
 
 COLUMNS = [
     "Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState", "SpanName", "SpanKind",
@@ -51,70 +53,146 @@ def format_double(value: float) -> str:
     return text
 
 
-def _raw(value: dict) -> Any:
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else {dict: "an object", list: "a list", str: "text", bool: "a boolean",
+                                         int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _object(value: Any, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise MalformedSpan(f"{what} must be an object, got {_kind(value)}")
+    return value
+
+
+def _list(value: Any, what: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise MalformedSpan(f"{what} must be a list, got {_kind(value)}")
+    return value
+
+
+def _text(value: Any, what: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise MalformedSpan(f"{what} must be text, got {_kind(value)}")
+    return value
+
+
+def _int64(value: Any) -> int:
+    """An ``intValue``: a JSON integer or, as proto3 JSON writes int64, a decimal string."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise MalformedSpan(f"intValue must be an integer, got {_kind(value)}")
+    try:
+        number = int(value)
+    except ValueError:
+        raise MalformedSpan(f"intValue {value[:40]!r} is not an integer") from None
+    if not INT64_MIN <= number <= INT64_MAX:
+        raise MalformedSpan(f"intValue {number} is outside the 64-bit integer range")
+    return number
+
+
+def _double(value: Any) -> Any:
+    """A ``doubleValue``: a JSON number, or a string proto3 JSON allows ("NaN", "Infinity", "1.5")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise MalformedSpan(f"doubleValue must be a number, got {_kind(value)}")
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            raise MalformedSpan(f"doubleValue {value[:40]!r} is not a number") from None
+        return value
+    return float(value)
+
+
+def _raw(value: Any) -> Any:
     """An AnyValue as a plain JSON-able Python value (for arrays and maps)."""
+    value = _object(value, "attribute value")
     if not value:
         return None
     if "stringValue" in value:
-        return value["stringValue"]
+        return _text(value["stringValue"], "stringValue")
     if "intValue" in value:
-        return int(value["intValue"])
+        return _int64(value["intValue"])
     if "doubleValue" in value:
-        v = value["doubleValue"]
-        return float(v) if not isinstance(v, str) else v
+        return _double(value["doubleValue"])
     if "boolValue" in value:
         return bool(value["boolValue"])
     if "arrayValue" in value:
-        return [_raw(v) for v in (value["arrayValue"] or {}).get("values", ())]
+        return [_raw(v) for v in _array_values(value)]
     if "kvlistValue" in value:
-        return {kv["key"]: _raw(kv.get("value") or {}) for kv in (value["kvlistValue"] or {}).get("values", ())}
+        pairs = _list(_object(value["kvlistValue"], "kvlistValue").get("values"), "kvlistValue.values")
+        return {_key(kv): _raw(kv.get("value")) for kv in pairs}
     if "bytesValue" in value:
-        return value["bytesValue"]
+        return _text(value["bytesValue"], "bytesValue")
     raise MalformedSpan(f"unknown attribute value type {sorted(value)}")
+
+
+def _array_values(value: dict) -> list:
+    return _list(_object(value["arrayValue"], "arrayValue").get("values"), "arrayValue.values")
+
+
+def _key(kv: Any) -> str:
+    kv = _object(kv, "attribute")
+    key = kv.get("key")
+    if not isinstance(key, str):
+        raise MalformedSpan(f"attribute key must be text, got {_kind(key)}")
+    return key
 
 
 def _array_json(values: list) -> str:
     if not values:
         return "[]"
     first = values[0]
-    # Fast paths for the per-token arrays: homogeneous ints or doubles.
-    if "intValue" in first and all("intValue" in v for v in values):
-        return "[" + ",".join([str(int(v["intValue"])) for v in values]) + "]"
-    if "doubleValue" in first and all(not isinstance(v.get("doubleValue"), str) for v in values):
+    # Fast paths for the per-token arrays: homogeneous ints or doubles.  (An element of another
+    # shape raises here, and rows_from_request reports it as a malformed span.)
+    if isinstance(first, dict) and "intValue" in first and all(["intValue" in v for v in values]):
+        numbers = list(map(int, [v["intValue"] for v in values]))
+        if min(numbers) < INT64_MIN or max(numbers) > INT64_MAX:
+            raise MalformedSpan("intValue in an array is outside the 64-bit integer range")
+        return "[" + ",".join(map(str, numbers)) + "]"
+    if isinstance(first, dict) and "doubleValue" in first and all(
+            [type(v.get("doubleValue")) is float for v in values]):
         return "[" + ",".join([format_double(v["doubleValue"]) for v in values]) + "]"
     return json.dumps([_raw(v) for v in values], separators=(",", ":"), ensure_ascii=False)
 
 
-def value_as_string(value: dict) -> str:
+def value_as_string(value: Any) -> str:
+    value = _object(value, "attribute value")
     if not value:
         return ""
     if "stringValue" in value:
-        return value["stringValue"]
+        return _text(value["stringValue"], "stringValue")
     if "intValue" in value:
-        return str(int(value["intValue"]))
+        return str(_int64(value["intValue"]))
     if "doubleValue" in value:
-        v = value["doubleValue"]
+        v = _double(value["doubleValue"])
         if isinstance(v, str):
             return {"Infinity": "+Inf", "-Infinity": "-Inf"}.get(v, v)
         return format_double(v)
     if "boolValue" in value:
         return "true" if value["boolValue"] else "false"
     if "arrayValue" in value:
-        return _array_json((value["arrayValue"] or {}).get("values", []))
+        return _array_json(_array_values(value))
     if "kvlistValue" in value or "bytesValue" in value:
         raw = _raw(value)
         return raw if isinstance(raw, str) else json.dumps(raw, separators=(",", ":"), ensure_ascii=False)
     raise MalformedSpan(f"unknown attribute value type {sorted(value)}")
 
 
-def attributes_map(attributes: list | None) -> dict[str, str]:
-    if not attributes:
-        return {}
-    return {kv["key"]: value_as_string(kv.get("value") or {}) for kv in attributes}
+def attributes_map(attributes: Any, what: str = "attributes") -> dict[str, str]:
+    return {_key(kv): value_as_string(kv.get("value")) for kv in _list(attributes, what)}
 
 
-def _hex_id(value: str | None, nbytes: int) -> str:
+def _hex_id(value: Any, nbytes: int, what: str) -> str:
     """OTLP/JSON ids are hex; protobuf's generic JSON mapping writes base64.  Accept both."""
+    value = _text(value, what)
     if not value:
         return ""
     if len(value) == nbytes * 2:
@@ -126,71 +204,87 @@ def _hex_id(value: str | None, nbytes: int) -> str:
     try:
         raw = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
-        raise MalformedSpan(f"id {value!r} is neither hex nor base64") from None
+        raise MalformedSpan(f"{what} {value[:60]!r} is neither hex nor base64") from None
     if len(raw) != nbytes:
-        raise MalformedSpan(f"id {value!r} has {len(raw)} bytes, expected {nbytes}")
+        raise MalformedSpan(f"{what} {value[:60]!r} has {len(raw)} bytes, expected {nbytes}")
     return raw.hex()
 
 
 def _enum(value: Any, names: tuple[str, ...]) -> str:
     if isinstance(value, str):
         return value if value in names else names[0]
+    if isinstance(value, int) and 0 <= value < len(names):
+        return names[value]
+    return names[0]
+
+
+def _nanos(value: Any, what: str) -> int:
     try:
-        return names[int(value or 0)]
-    except (IndexError, ValueError, TypeError):
-        return names[0]
+        return unix_nanos(value, what)
+    except ImplausibleTime as exc:
+        raise MalformedSpan(str(exc)) from None
 
 
-def _nanos(value: Any) -> int:
-    return int(value or 0)
+def rows_from_request(request: Any) -> list[list]:
+    """One ``otel_traces`` row (values in ``COLUMNS`` order) per span of an export request.
 
-
-def rows_from_request(request: dict) -> Iterator[list]:
-    """Yield one ``otel_traces`` row (values in ``COLUMNS`` order) per span."""
+    Anything that does not fit the table (a wrong shape or type, an id that is not 8/16 bytes, an
+    integer outside int64, a time outside what ``DateTime64(9)`` holds) raises ``MalformedSpan``
+    naming the field, so the caller can quarantine the whole request.
+    """
     if not isinstance(request, dict) or "resourceSpans" not in request:
         raise MalformedSpan("not an OTLP trace export request (no resourceSpans)")
-    for resource_spans in request.get("resourceSpans") or ():
-        resource_attrs = attributes_map((resource_spans.get("resource") or {}).get("attributes"))
-        service = resource_attrs.get("service.name", "")
-        for scope_spans in resource_spans.get("scopeSpans") or resource_spans.get("instrumentationLibrarySpans") or ():
-            scope = scope_spans.get("scope") or scope_spans.get("instrumentationLibrary") or {}
-            scope_name, scope_version = scope.get("name", ""), scope.get("version", "")
-            for span in scope_spans.get("spans") or ():
-                yield _span_row(span, service, resource_attrs, scope_name, scope_version)
+    rows = []
+    try:
+        for resource_spans in _list(request["resourceSpans"], "resourceSpans"):
+            resource_spans = _object(resource_spans, "resourceSpans[]")
+            resource = _object(resource_spans.get("resource"), "resource")
+            resource_attrs = attributes_map(resource.get("attributes"), "resource.attributes")
+            service = resource_attrs.get("service.name", "")
+            scopes = resource_spans.get("scopeSpans") or resource_spans.get("instrumentationLibrarySpans")
+            for scope_spans in _list(scopes, "scopeSpans"):
+                scope_spans = _object(scope_spans, "scopeSpans[]")
+                scope = _object(scope_spans.get("scope") or scope_spans.get("instrumentationLibrary"), "scope")
+                scope_name, scope_version = _text(scope.get("name"), "scope.name"), _text(scope.get("version"),
+                                                                                          "scope.version")
+                for span in _list(scope_spans.get("spans"), "spans"):
+                    rows.append(_span_row(_object(span, "span"), service, resource_attrs, scope_name,
+                                          scope_version))
+    except MalformedSpan:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
+        # A shape the checks above did not foresee: still this request's fault, never the caller's.
+        raise MalformedSpan(f"unexpected shape: {type(exc).__name__}: {exc}") from None
+    return rows
 
 
 def _span_row(span: dict, service: str, resource_attrs: dict, scope_name: str, scope_version: str) -> list:
-    try:
-        start = _nanos(span.get("startTimeUnixNano"))
-        end = _nanos(span.get("endTimeUnixNano")) or start
-        events = span.get("events") or ()
-        links = span.get("links") or ()
-        status = span.get("status") or {}
-        return [
-            start,
-            _hex_id(span.get("traceId"), 16),
-            _hex_id(span.get("spanId"), 8),
-            _hex_id(span.get("parentSpanId"), 8),
-            span.get("traceState", ""),
-            span.get("name", ""),
-            _enum(span.get("kind"), SPAN_KINDS),
-            service,
-            resource_attrs,
-            scope_name,
-            scope_version,
-            attributes_map(span.get("attributes")),
-            max(0, end - start),
-            _enum(status.get("code"), STATUS_CODES),
-            status.get("message", ""),
-            [_nanos(e.get("timeUnixNano")) for e in events],
-            [e.get("name", "") for e in events],
-            [attributes_map(e.get("attributes")) for e in events],
-            [_hex_id(link.get("traceId"), 16) for link in links],
-            [_hex_id(link.get("spanId"), 8) for link in links],
-            [link.get("traceState", "") for link in links],
-            [attributes_map(link.get("attributes")) for link in links],
-        ]
-    except MalformedSpan:
-        raise
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
-        raise MalformedSpan(f"span field has an unexpected shape: {exc}") from None
+    start = _nanos(span.get("startTimeUnixNano"), "startTimeUnixNano")
+    end = _nanos(span.get("endTimeUnixNano"), "endTimeUnixNano") or start
+    events = [_object(e, "events[]") for e in _list(span.get("events"), "events")]
+    links = [_object(link, "links[]") for link in _list(span.get("links"), "links")]
+    status = _object(span.get("status"), "status")
+    return [
+        start,
+        _hex_id(span.get("traceId"), 16, "traceId"),
+        _hex_id(span.get("spanId"), 8, "spanId"),
+        _hex_id(span.get("parentSpanId"), 8, "parentSpanId"),
+        _text(span.get("traceState"), "traceState"),
+        _text(span.get("name"), "name"),
+        _enum(span.get("kind"), SPAN_KINDS),
+        service,
+        resource_attrs,
+        scope_name,
+        scope_version,
+        attributes_map(span.get("attributes")),
+        max(0, end - start),
+        _enum(status.get("code"), STATUS_CODES),
+        _text(status.get("message"), "status.message"),
+        [_nanos(e.get("timeUnixNano"), "events[].timeUnixNano") for e in events],
+        [_text(e.get("name"), "events[].name") for e in events],
+        [attributes_map(e.get("attributes"), "events[].attributes") for e in events],
+        [_hex_id(link.get("traceId"), 16, "links[].traceId") for link in links],
+        [_hex_id(link.get("spanId"), 8, "links[].spanId") for link in links],
+        [_text(link.get("traceState"), "links[].traceState") for link in links],
+        [attributes_map(link.get("attributes"), "links[].attributes") for link in links],
+    ]

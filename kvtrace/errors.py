@@ -59,3 +59,20 @@ class SchemaUpgradeFailed(KvtraceError):
 
 class EngineFailed(KvtraceError):
     """An engine process crashed or hung during one of kvtrace's own runs (experiment, demo)."""
+
+
+class UnusableInput(KvtraceError):
+    """An input path that names nothing kvtrace can read spans from (missing, a device, a FIFO)."""
+
+    exit_code = 2
+
+
+class UnreadableInput(KvtraceError):
+    """An input path that exists but cannot be read (permissions, an I/O error)."""
+
+
+class IngestStopped(KvtraceError):
+    """The database stopped accepting spans (full disk, lost connection); what was stored is kept."""
+
+    report = None
+    """The ``IngestReport`` of what was done before stopping, when ingest got that far."""

@@ -67,8 +67,8 @@ def test_truncated_tail_of_a_crashed_writer_is_quarantined_and_the_rest_kept(db,
 
 def test_corrupt_lines_are_quarantined_with_their_line_numbers(db, tmp_path):
     path = tmp_path / "mixed.jsonl"
-    good = encode_request(_spans(1))
-    path.write_text("\n".join([good, "{not json", good, '{"resourceLogs": []}', good]) + "\n")
+    good = [encode_request(_spans(1)) for _ in range(3)]
+    path.write_text("\n".join([good[0], "{not json", good[1], '{"resourceLogs": []}', good[2]]) + "\n")
     report = ingest_paths(db, [path], quarantine_dir=tmp_path / "q")
     assert report.spans == 3 and report.quarantined == 2
     messages = report.files[0].messages
@@ -96,8 +96,7 @@ def test_otlp_json_from_another_tool_lands_in_otel_traces(db, tmp_path):
 
 def test_a_corrupt_first_line_does_not_hide_the_rest_of_the_file(db, tmp_path):
     path = tmp_path / "first-bad.jsonl"
-    good = encode_request(_spans(1))
-    path.write_text("{garbage\n" + good + "\n" + good + "\n")
+    path.write_text("{garbage\n" + encode_request(_spans(1)) + "\n" + encode_request(_spans(1)) + "\n")
     report = ingest_paths(db, [path], quarantine_dir=tmp_path / "q")
     assert report.spans == 2 and report.quarantined == 1
 
@@ -106,11 +105,10 @@ def test_a_resumed_file_reports_its_real_line_numbers(db, tmp_path):
     spool = tmp_path / "spool"
     spool.mkdir()
     path = spool / f"kvtrace-{spool_host()}-{__import__('os').getpid()}-2-000000.jsonl"
-    good = encode_request(_spans(1))
-    path.write_text(good + "\n" + good + "\n")
+    path.write_text(encode_request(_spans(1)) + "\n" + encode_request(_spans(1)) + "\n")
     assert ingest_paths(db, [spool]).spans == 2
     with open(path, "a") as f:
-        f.write("{broken\n" + good + "\n")
+        f.write("{broken\n" + encode_request(_spans(1)) + "\n")
     report = ingest_paths(db, [spool], quarantine_dir=tmp_path / "q")
     assert report.spans == 1 and report.quarantined == 1
     assert ":3:" in report.files[0].messages[0]

@@ -5,13 +5,17 @@ from __future__ import annotations
 import sys
 
 from kvtrace.config import default_database_url, default_spool_dir
-from kvtrace.errors import SchemaMissing
+from kvtrace.errors import KvtraceError, SchemaMissing
+
+
+def _silent(message: str) -> None:
+    pass
 
 
 def progress_printer(args):
     """Progress lines on stderr (only to a terminal, never with --quiet)."""
     if getattr(args, "quiet", False) or not sys.stderr.isatty():
-        return lambda message: None
+        return _silent
 
     def show(message: str) -> None:
         sys.stderr.write("\r\033[K" + message[:150])
@@ -39,15 +43,35 @@ def open_database(args, ingest: bool = True):
     if version < latest_version() or missing:
         init_schema(client)
     if ingest:
-        spool = default_spool_dir()
-        if spool.is_dir():
-            from kvtrace.collectors.ingest import ingest_paths
-
-            report = ingest_paths(client, [spool], progress=progress_printer(args))
-            if report.quarantined:
-                for f in report.files:
-                    for message in f.messages:
-                        print(f"kvtrace: warning: {message}", file=sys.stderr)
+        _ingest_spool(args, client)
     return client
 
 
+QUERY_SIDE_WARNINGS = 5
+"""Ingest warnings a query command prints before pointing at ``kvtrace db status``."""
+
+
+def _ingest_spool(args, client) -> None:
+    """Take in the spool before a query.  Whatever goes wrong here is a warning: the query still runs."""
+    from kvtrace.collectors.ingest import ingest_paths
+
+    spool = default_spool_dir()
+    try:
+        if not spool.is_dir():
+            return
+        report = ingest_paths(client, [spool], progress=progress_printer(args))
+    except KvtraceError as exc:  # unreadable spool, or a database that stopped accepting spans
+        report = getattr(exc, "report", None)
+        messages = (report.messages if report else [])[:QUERY_SIDE_WARNINGS]
+        messages.append(f"spool not (fully) ingested: {exc}; the query uses what is stored")
+    except OSError as exc:
+        messages = [f"spool {spool} not ingested: {exc.strerror or exc}; the query uses what is stored"]
+    else:
+        messages = report.messages
+    if messages and progress_printer(args) is not _silent:
+        sys.stderr.write("\r\033[K")  # clear the progress line
+    for message in messages[:QUERY_SIDE_WARNINGS]:
+        print(f"kvtrace: warning: {message}", file=sys.stderr)
+    if len(messages) > QUERY_SIDE_WARNINGS:
+        print(f"kvtrace: warning: ... and {len(messages) - QUERY_SIDE_WARNINGS} more; `kvtrace db status` "
+              "lists what is quarantined", file=sys.stderr)

@@ -20,7 +20,12 @@ def register(sub) -> None:
     init.add_argument("--print", action="store_true", help="print the DDL of a new database instead of running it")
     init.set_defaults(func=run_init)
 
-    ingest = dbsub.add_parser("ingest", help="load spool / OTLP-JSON span files into ClickHouse")
+    ingest = dbsub.add_parser(
+        "ingest", help="load spool / OTLP-JSON span files into ClickHouse",
+        description="Store every span of the files once; lines that cannot be stored are quarantined (FILE:LINE "
+                    "and why; see `db status`). Exit 0: done; 1: a file could not be read, or the database "
+                    "stopped accepting spans (what was stored is kept; run again to go on); 2: a path that is not "
+                    "a span file or a directory (missing, /dev/null, a FIFO).")
     ingest.add_argument("paths", nargs="*", type=Path,
                         help="spool files or directories (default: the spool directory)")
     ingest.add_argument("--format", choices=("text", "json"), default="text")
@@ -55,34 +60,43 @@ def run_init(args) -> int:
 
 
 def run_ingest(args) -> int:
-    from kvtrace.collectors.ingest import ingest_paths
+    from kvtrace.collectors.ingest import find_files, ingest_paths
     from kvtrace.commands.common import open_database, progress_printer
     from kvtrace.config import default_spool_dir
+    from kvtrace.errors import IngestStopped
 
     paths = args.paths or [default_spool_dir()]
-    missing = [p for p in paths if not p.exists()]
-    if missing:
-        print(f"kvtrace: error: {missing[0]}: no such file or directory", file=sys.stderr)
-        return 1
+    find_files(paths)  # a path that cannot be ingested is refused before the database is opened
     client = open_database(args, ingest=False)
-    report = ingest_paths(client, paths, progress=progress_printer(args))
-    if sys.stderr.isatty() and not args.quiet:
-        sys.stderr.write("\n")
-    for f in report.files:
-        for message in f.messages:
-            print(f"kvtrace: warning: {message}", file=sys.stderr)
+    try:
+        report = ingest_paths(client, paths, progress=progress_printer(args))
+    except IngestStopped as exc:
+        _print_warnings(args, exc.report.messages if exc.report else [])
+        stored = exc.report.spans if exc.report else 0
+        raise IngestStopped(f"ingest stopped: {exc}. Everything stored is kept ({stored} span(s) by this run); "
+                            "free space (or fix the database) and run `kvtrace db ingest` again: it goes on "
+                            "where it stopped") from None
+    _print_warnings(args, report.messages)
     if args.format == "json":
-        print(json.dumps({"files": len(report.files), "spans": report.spans, "quarantined": report.quarantined,
-                          "pending_bytes": report.pending_bytes,
+        print(json.dumps({"files": len(report.files), "spans": report.spans, "duplicates": report.duplicates,
+                          "quarantined": report.quarantined, "pending_bytes": report.pending_bytes,
                           "per_file": [f.__dict__ for f in report.files]}, indent=2))
     else:
         print(f"kvtrace: ingested {report.spans} spans from {len(report.files)} file(s); "
-              f"{report.quarantined} line(s) quarantined; {report.pending_bytes} byte(s) still being written")
-    return 0
+              f"{report.duplicates} already stored; {report.quarantined} line(s) quarantined; "
+              f"{report.pending_bytes} byte(s) still being written")
+    return 1 if any(f.unreadable for f in report.files) else 0
+
+
+def _print_warnings(args, messages: list[str]) -> None:
+    if sys.stderr.isatty() and not args.quiet:
+        sys.stderr.write("\n")
+    for message in messages:
+        print(f"kvtrace: warning: {message}", file=sys.stderr)
 
 
 def run_status(args) -> int:
-    from kvtrace.collectors.ingest import pending_files
+    from kvtrace.collectors.ingest import pending_files, quarantined_lines
     from kvtrace.collectors.schema import TABLES, latest_version, schema_version
     from kvtrace.commands.common import open_database
     from kvtrace.config import default_database_url, default_spool_dir
@@ -97,6 +111,7 @@ def run_status(args) -> int:
     pending = pending_files(spool, client)
     stats = read_stats(spool)
     totals = span_totals(stats)
+    quarantined = quarantined_lines(spool / "quarantine")
     status = {
         "database": describe(default_database_url()),
         "schema_version": schema_version(client),
@@ -105,6 +120,7 @@ def run_status(args) -> int:
         "pending_files": [{"path": str(p), "bytes": n} for p, n in pending],
         "span_counters": totals,
         "processes": stats,
+        "quarantined_lines": quarantined,
     }
     if args.format == "json":
         print(json.dumps(status, indent=2))
@@ -121,6 +137,11 @@ def run_status(args) -> int:
     print("span counters (all processes that wrote to this spool):")
     for k in COUNTERS:
         print(f"  {k:<26} {totals.get(k, 0):>12,}")
+    print(f"quarantined: {len(quarantined)} line(s) in {spool / 'quarantine'}")
+    for q in quarantined[:10]:
+        print(f"  {q['file']}:{q['line']}: {q['error'][:160]}")
+    if len(quarantined) > 10:
+        print(f"  ... and {len(quarantined) - 10} more")
     if lost(totals):
         print(f"warning: {lost(totals)} span(s) could not be delivered (see counters above)")
     if totals.get("recorder_failures"):

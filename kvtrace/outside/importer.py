@@ -5,7 +5,7 @@ One line per request::
     {"run_id": "agent-a",          # optional: else --run-id, else the file name's stem
      "episode_id": "task-17", "request_index": 3,    # request_index becomes the turn
      "arm": "reuse",               # optional
-     "timestamp": 1718000000.25,   # optional: epoch seconds or ISO 8601 (request start)
+     "timestamp": 1718000000.25,   # optional: epoch s / ms / us / ns (told apart by size) or ISO 8601
      "request": {...},             # the body sent to /v1/chat/completions or /v1/completions
      "response": {...}}            # the non-streamed answer, with logprobs
 
@@ -20,16 +20,22 @@ every other line is imported.
 from __future__ import annotations
 
 import json
+import struct
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.outside.openai_exchange import ExchangeError, parse_exchange
 from kvtrace.outside.recorder import OutsideRecorder
+from kvtrace.timestamps import ImplausibleTime, check_unix_nanos, epoch_number_to_nanos
+
+MAX_TURN = 2**31 - 1
+"""Turns are Int32 in the typed tables."""
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 @dataclass(frozen=True)
@@ -96,8 +102,8 @@ def import_line(recorder: OutsideRecorder, line: str, path: Path, number: int, o
     index = entry.get("request_index")
     if episode is None or str(episode) == "":
         raise LineError("missing episode_id")
-    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
-        raise LineError(f"request_index must be a whole number >= 0, got {index!r}")
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index <= MAX_TURN:
+        raise LineError(f"request_index must be a whole number from 0 to {MAX_TURN}, got {index!r:.40}")
     for key in ("request", "response"):
         if not isinstance(entry.get(key), dict):
             raise LineError(f"missing `{key}` object")
@@ -105,6 +111,9 @@ def import_line(recorder: OutsideRecorder, line: str, path: Path, number: int, o
         exchange = parse_exchange(entry["request"], entry["response"], recorder.hasher, recorder.hash_prompt_ids)
     except ExchangeError as exc:
         raise LineError(str(exc)) from None
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError, struct.error, RecursionError) as exc:
+        # A shape parse_exchange's checks did not foresee: still this line's fault, never the file's.
+        raise LineError(f"unexpected shape: {type(exc).__name__}: {exc}") from None
     start_ns = _start_ns(entry.get("timestamp"), default_start_ns)
     run_id = str(entry.get("run_id") or options.run_id or Path(path).stem)
     reused = exchange.cached_tokens if exchange.cached_tokens is not None else 0
@@ -119,13 +128,23 @@ def import_line(recorder: OutsideRecorder, line: str, path: Path, number: int, o
 
 
 def _start_ns(raw: Any, default: int) -> int:
+    """Epoch seconds, milliseconds, microseconds or nanoseconds (told apart by size), or ISO 8601."""
     if raw is None:
         return default
-    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-        return int(raw * 1e9)
-    if isinstance(raw, str):
-        try:
-            return int(datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp() * 1e9)
-        except ValueError:
-            pass
-    raise LineError(f"timestamp {raw!r} is neither epoch seconds nor ISO 8601")
+    try:
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return epoch_number_to_nanos(raw, "timestamp")
+        if isinstance(raw, str):
+            try:
+                moment = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+            except ValueError:
+                pass
+            else:
+                if moment.tzinfo is None:
+                    moment = moment.astimezone()  # a time without a zone is this machine's local time
+                delta = moment - EPOCH
+                return check_unix_nanos((delta.days * 86400 + delta.seconds) * 10**9 + delta.microseconds * 1000,
+                                        "timestamp")
+    except ImplausibleTime as exc:
+        raise LineError(str(exc)) from None
+    raise LineError(f"timestamp {raw!r:.60} is neither epoch seconds (ms, us, ns) nor ISO 8601")

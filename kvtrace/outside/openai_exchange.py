@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -117,6 +118,8 @@ def parse_exchange(request: dict[str, Any], response: dict[str, Any], hasher: Te
     usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
     prompt_ids = response.get("prompt_token_ids") or choice.get("prompt_token_ids")
     if isinstance(prompt_ids, list) and prompt_ids and all(isinstance(t, int) for t in prompt_ids):
+        for token_id in prompt_ids:
+            _check_id(token_id, "prompt token id")
         prompt_hash, hash_source = prompt_hash_of_ids(prompt_ids), sc.PROMPT_HASH_SOURCE_TOKEN_IDS
     else:
         prompt_ids = None
@@ -167,38 +170,72 @@ def _positions(logprobs: Any) -> list[tuple[_Token, list[_Token]]]:
         for i, entry in enumerate(logprobs["content"]):
             if not isinstance(entry, dict) or "logprob" not in entry:
                 raise ExchangeError(f"logprobs.content[{i}] has no logprob")
-            alternatives = entry.get("top_logprobs") or []
-            out.append((_token(entry, i), [_token(a, i) for a in alternatives if isinstance(a, dict)]))
+            alternatives = entry.get("top_logprobs")
+            if alternatives is None:
+                alternatives = []
+            if not isinstance(alternatives, list):
+                raise ExchangeError(f"logprobs.content[{i}].top_logprobs must be a list, "
+                                    f"got {type(alternatives).__name__}")
+            if not all(isinstance(a, dict) for a in alternatives):
+                raise ExchangeError(f"logprobs.content[{i}].top_logprobs must be a list of objects "
+                                    "({\"token\": ..., \"logprob\": ...})")
+            out.append((_token(entry, i), [_token(a, i) for a in alternatives]))
         return out
     tokens, token_logprobs = logprobs.get("tokens"), logprobs.get("token_logprobs")
     if isinstance(tokens, list) and isinstance(token_logprobs, list) and len(tokens) == len(token_logprobs):
         tops = logprobs.get("top_logprobs") or [None] * len(tokens)
+        if not isinstance(tops, list) or not all(top is None or isinstance(top, dict) for top in tops):
+            raise ExchangeError("logprobs.top_logprobs must be a list of {token: logprob} objects (completions)")
         out = []
-        for text, lp, top in zip(tokens, token_logprobs, tops):
-            alternatives = [_Token(str(t), float(v), None, _vllm_id(str(t))) for t, v in (top or {}).items()
+        for i, (text, lp, top) in enumerate(zip(tokens, token_logprobs, tops)):
+            alternatives = [_Token(str(t), _logprob(v, i), None, _vllm_id(str(t))) for t, v in (top or {}).items()
                             if v is not None]
-            out.append((_Token(str(text), float(lp if lp is not None else 0.0), None, _vllm_id(str(text))),
+            out.append((_Token(str(text), _logprob(lp if lp is not None else 0.0, i), None, _vllm_id(str(text))),
                         alternatives))
         return out
     raise ExchangeError("logprobs has neither `content` (chat) nor `tokens`/`token_logprobs` (completions)")
 
 
-def _token(entry: dict[str, Any], position: int) -> _Token:
+MAX_TOKEN_ID = 2**63 - 1
+"""Token ids are Int64 in the typed tables."""
+
+
+def _check_id(value: int, what: str) -> int:
+    if not 0 <= value <= MAX_TOKEN_ID:
+        raise ExchangeError(f"{what} {value} is outside 0..2^63-1")
+    return value
+
+
+def _logprob(value: Any, position: int) -> float:
     try:
-        logprob = float(entry["logprob"])
-    except (KeyError, TypeError, ValueError):
-        raise ExchangeError(f"logprobs position {position}: a token without a numeric logprob") from None
+        logprob = float(value)
+    except (TypeError, ValueError):
+        raise ExchangeError(f"logprobs position {position}: a token without a numeric logprob "
+                            f"({value!r:.40})") from None
+    if not math.isfinite(logprob):
+        raise ExchangeError(f"logprobs position {position}: logprob {value!r} is not a finite number")
+    return logprob
+
+
+def _token(entry: dict[str, Any], position: int) -> _Token:
+    if "logprob" not in entry:
+        raise ExchangeError(f"logprobs position {position}: a token without a numeric logprob")
+    logprob = _logprob(entry["logprob"], position)
     text = str(entry.get("token", ""))
     raw = entry.get("bytes")
     raw_bytes = bytes(raw) if isinstance(raw, list) and all(isinstance(b, int) and 0 <= b < 256 for b in raw) else None
-    engine_id = entry.get("id") if isinstance(entry.get("id"), int) else _vllm_id(text)
+    given = entry.get("id")
+    if isinstance(given, int) and not isinstance(given, bool):
+        engine_id = _check_id(given, "token id")
+    else:
+        engine_id = _vllm_id(text)
     return _Token(text, logprob, raw_bytes, engine_id)
 
 
 def _vllm_id(text: str) -> Optional[int]:
     """vLLM's ``return_tokens_as_token_ids`` writes tokens as ``token_id:123``."""
     if text.startswith("token_id:") and text[9:].isdigit():
-        return int(text[9:])
+        return _check_id(int(text[9:]), "token id")
     return None
 
 
