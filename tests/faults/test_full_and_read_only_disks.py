@@ -44,7 +44,10 @@ def test_a_spool_that_fills_up_keeps_whole_records_and_counts_what_did_not_fit(t
     print(f"{len(lines)} whole lines spooled, counters: { {k: v for k, v in counters.items() if v} }")
     assert_every_span_accounted(300, counters, stored=0, spooled=spooled)
     assert counters["spans_failed_export"] > 0  # the disk really filled up
-    assert len(host.warnings("No space left on device")) == 1, host.stderr  # once, when the failures start
+    # Once each time failures start: a small batch can still fit after a failure, and writing then
+    # "works again" until the next failure starts a new spell, which is logged once more.
+    spells = len(host.warnings("works again")) + 1
+    assert len(host.warnings("No space left on device")) == spells, host.stderr
 
 
 def test_a_disk_full_from_the_start_still_publishes_counters_where_db_status_finds_them(tmp_path, db):
