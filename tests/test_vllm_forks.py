@@ -36,7 +36,7 @@ pytest.importorskip("vllm")
 from kvtrace import semconv as sc  # noqa: E402
 from kvtrace.analysis.forks import diff_runs  # noqa: E402
 from kvtrace.collectors.ingest import ingest_paths  # noqa: E402
-from kvtrace.patches.llama_cpp_repack import cpu_has_amx  # noqa: E402
+from kvtrace.patches.llama_cpp.repack import cpu_has_amx  # noqa: E402
 
 WORKLOAD = str(Path(__file__).with_name("vllm_fork_workload.py"))
 OFF, PREFIX, OFF_AGAIN = "vllm-fork-off", "vllm-fork-prefix", "vllm-fork-off-again"
