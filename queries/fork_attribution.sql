@@ -18,6 +18,9 @@
 --   choices a cache path can plausibly flip; raise it for coarser quantization. margin_share
 --   puts the fork margin in context: the share of all tokens of both runs whose margin is at most
 --   the fork margin, rounded up to the next of 0.1 %, 0.5 %, 1 %, 2 %, 5 %, 10 %, 25 %, 50 %, 100 %.
+--   The levels come from a histogram at 8 significant bits (bfloat16), and the fork margin is
+--   compared with them at that precision: a fork margin within about 0.8 % of a level (or, among
+--   few margins, next to it) can be put one step away from where exact quantiles would put it.
 --   turn_a / turn_b compare one turn of each run per episode instead (see shared/diff_sides.sql).
 -- params: run_a String, run_b String, episode String = '', near_tie Float64 = 0.05, turn_a Int64 = -1,
 --   turn_b Int64 = -1
@@ -81,13 +84,20 @@ serving_events AS (
     LIMIT 1 BY SpanId
 ),
 -- The finite margins of kvtrace_tokens, read as kvtrace_requests' per-request arrays (the tokens
--- table is their expansion): the same values, without a row per token to read and filter.
+-- table is their expansion): the same values, without a row per token to read and filter. The
+-- levels only place the fork margin among coarse steps, so a bfloat16 histogram (deterministic,
+-- one pass) stands in for exact quantiles, which select over every margin of both runs and cost
+-- several times more. It truncates each margin to 8 significant bits (what bfloat16_truncated
+-- does) and takes rank ceil(n * level) where exact quantiles take floor(n * level) + 1 (the same
+-- rank unless n * level is whole); the fork margin is truncated alike before the comparison, so
+-- a fork margin equal to a level still counts as within it.
 margin_levels AS (
-    SELECT quantilesExactArray(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5)(arrayFilter(m -> isFinite(m), margins))
+    SELECT quantilesBFloat16Array(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5)(arrayFilter(m -> isFinite(m), margins))
         AS levels
     FROM kvtrace_requests
     WHERE run_id IN ({run_a:String}, {run_b:String})
-)
+),
+x -> reinterpretAsFloat32(bitAnd(reinterpretAsUInt32(toFloat32(x)), 0xFFFF0000)) AS bfloat16_truncated
 SELECT
     f.episode_id AS episode_id,
     toInt64(f.turn) AS fork_turn,
@@ -117,7 +127,7 @@ SELECT
         AS near_tie,
     if(isFinite(least(f.margin_a, f.margin_b)) AND notEmpty(m.levels),
        arrayElement([0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0],
-                    arrayCount(q -> q < least(f.margin_a, f.margin_b), m.levels) + 1),
+                    arrayCount(q -> q < bfloat16_truncated(least(f.margin_a, f.margin_b)), m.levels) + 1),
        nan) AS margin_share,
     f.layer_a AS layer_a, f.reused_tokens_a AS reused_tokens_a, f.prompt_tokens_a AS prompt_tokens_a,
     f.state_key_a AS state_key_a, f.source_episode_id_a AS source_episode_id_a, f.source_turn_a AS source_turn_a,
