@@ -133,15 +133,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = open_dataset(root, args.episodes, args.turns, args.tokens)
         only = {name for name in args.only.split(",") if name}
-        print(f"{args.repeat} rounds per query")
+        print(f"{args.repeat} rounds per query; {load()}")
         for name, params in saved_queries():
             if not only or name in only:
                 print(timed(client, name, params, args.repeat).line(name), flush=True)
+        print(f"after: {load()}")
         client.close()
     finally:
         if not args.db:
             shutil.rmtree(root, ignore_errors=True)
     return 0
+
+
+def load() -> str:
+    """The machine's load next to its CPU count: wall times stretch with it, CPU times much less."""
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.1f} (1 min) / {five:.1f} (5 min) on {os.cpu_count()} CPUs"
 
 
 def open_dataset(root: Path, episodes: int, turns: int, tokens: int):
