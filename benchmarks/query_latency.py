@@ -84,9 +84,12 @@ class Timing:
     rows: int
 
     def line(self, name: str) -> str:
-        ms = lambda seconds: f"{seconds * 1000:6.0f}"  # noqa: E731
-        return (f"{name:<20} wall best {ms(min(self.wall))} median {ms(statistics.median(self.wall))} ms   "
-                f"cpu best {ms(min(self.cpu))} median {ms(statistics.median(self.cpu))} ms   ({self.rows} rows)")
+        return (f"{name:<20} wall best {_ms(min(self.wall))} median {_ms(statistics.median(self.wall))} ms   "
+                f"cpu best {_ms(min(self.cpu))} median {_ms(statistics.median(self.cpu))} ms   ({self.rows} rows)")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:6.0f}"
 
 
 def timed(client, name: str, params: dict, rounds: int) -> Timing:
