@@ -84,7 +84,8 @@ serving_events AS (
     LIMIT 1 BY SpanId
 ),
 -- The finite margins of kvtrace_tokens, read as kvtrace_requests' per-request arrays (the tokens
--- table is their expansion): the same values, without a row per token to read and filter. The
+-- table is their expansion, every record included, so not requests_once): the same values, without
+-- a row per token to read and filter. The
 -- levels only place the fork margin among coarse steps, so a bfloat16 histogram (deterministic,
 -- one pass) stands in for exact quantiles, which select over every margin of both runs and cost
 -- several times more. It truncates each margin to 8 significant bits (what bfloat16_truncated
