@@ -3,10 +3,15 @@
 Generates two runs of 800 episodes x 8 turns x 100 generated tokens (12,800 request spans,
 1.28 M token rows) through the real path — Recorder -> spool -> ingest into an embedded chDB —
 with a cache-reuse run that forks from a cache-off run on about a third of the episodes, then
-times the saved queries ``forks`` and ``fork_attribution`` (and the rate queries) and prints
-the figures.
+times every saved query and prints, per query, the best and the median of the rounds, wall time
+next to CPU time (chDB runs in this process, so the process's CPU time is the query's, summed
+over its threads; on a shared machine it is steadier than wall time).
 
     python benchmarks/query_latency.py [--episodes 800] [--turns 8] [--tokens 100] [--repeat 5]
+        [--db DIR] [--only forks,fork_attribution]
+
+--db keeps the generated database in DIR and reuses it on the next run (same sizes), so that
+queries can be timed again without recording and ingesting again.
 """
 
 from __future__ import annotations
@@ -14,10 +19,12 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -70,16 +77,47 @@ def generate(spool: Path, episodes: int, turns: int, tokens: int, seed: int = 7)
     return spans
 
 
-def timed(client, name: str, params: dict, repeat: int) -> tuple[float, float, int]:
+@dataclass(frozen=True)
+class Timing:
+    wall: list[float]
+    cpu: list[float]
+    rows: int
+
+    def line(self, name: str) -> str:
+        return (f"{name:<20} wall best {_ms(min(self.wall))} median {_ms(statistics.median(self.wall))} ms   "
+                f"cpu best {_ms(min(self.cpu))} median {_ms(statistics.median(self.cpu))} ms   ({self.rows} rows)")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:6.0f}"
+
+
+def timed(client, name: str, params: dict, rounds: int) -> Timing:
     from kvtrace import queries
 
-    times, rows = [], 0
-    for _ in range(repeat):
-        start = time.perf_counter()
+    wall, cpu, rows = [], [], 0
+    for _ in range(rounds):
+        start, start_cpu = time.perf_counter(), time.process_time()
         _, result = queries.run(client, name, params)
-        times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+        wall.append(time.perf_counter() - start)
         rows = len(result)
-    return statistics.median(times), max(times), rows
+    return Timing(wall, cpu, rows)
+
+
+def saved_queries() -> list[tuple[str, dict]]:
+    """Every saved query with the parameters an analyst would pass on this data."""
+    pair = {"run_a": "bench-reuse", "run_b": "bench-off"}
+    return [
+        ("runs", {}),
+        ("forks", pair),
+        ("fork_attribution", pair),
+        ("episode_timeline", {**pair, "episode": "ep0000"}),
+        ("divergence_rates", {"baseline_arm": "off"}),
+        ("margin_shift", {}),
+        ("flip_rate_by_margin", {}),
+        ("near_tie_share", {}),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,34 +125,66 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=800)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=100)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=5, help="rounds per query (at least 3)")
+    parser.add_argument("--db", type=Path, help="keep the database here and reuse it when it exists")
+    parser.add_argument("--only", default="", help="comma-separated saved queries to time (default: all)")
     args = parser.parse_args(argv)
+    if args.repeat < 3:
+        parser.error("--repeat must be at least 3 (best and median of the rounds are reported)")
 
-    root = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
-    start = time.perf_counter()
-    spans = generate(root / "spool", args.episodes, args.turns, args.tokens)
-    generated = time.perf_counter() - start
+    root = args.db.resolve() if args.db else Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
+    try:
+        client = open_dataset(root, args.episodes, args.turns, args.tokens)
+        only = {name for name in args.only.split(",") if name}
+        print(f"{args.repeat} rounds per query; {load()}")
+        for name, params in saved_queries():
+            if not only or name in only:
+                print(timed(client, name, params, args.repeat).line(name), flush=True)
+        print(f"after: {load()}")
+        client.close()
+    finally:
+        if not args.db:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
 
+
+def load() -> str:
+    """The machine's load next to its CPU count: wall times stretch with it, CPU times much less."""
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.1f} (1 min) / {five:.1f} (5 min) on {os.cpu_count()} CPUs"
+
+
+def open_dataset(root: Path, episodes: int, turns: int, tokens: int):
+    """The benchmark database in ``root``: reused when it already holds the data, else generated."""
     from kvtrace.collectors.ingest import ingest_paths
     from kvtrace.collectors.schema import init_schema
     from kvtrace.db import connect
 
+    marker = root / "sizes"
+    sizes = f"{episodes} {turns} {tokens}"
+    reuse = marker.exists() and marker.read_text() == sizes
+    if not reuse:
+        if root.exists() and any(root.iterdir()) and not marker.exists():
+            raise SystemExit(f"{root} is not empty and holds no benchmark database; pass an empty or new directory")
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        start = time.perf_counter()
+        generate(root / "spool", episodes, turns, tokens)
+        generated = time.perf_counter() - start
     client = connect(f"chdb://{root / 'db'}")
     init_schema(client)
-    start = time.perf_counter()
-    ingest_paths(client, [root / "spool"], quarantine_dir=root / "quarantine")
-    client.command("OPTIMIZE TABLE kvtrace_requests FINAL")
-    ingested = time.perf_counter() - start
-    tokens = client.query("SELECT count() FROM kvtrace_tokens").result_rows[0][0]
-    print(f"data: {spans:,} request spans, {tokens:,} token rows "
-          f"(recorded in {generated:.1f} s, ingested in {ingested:.1f} s)")
-    pair = {"run_a": "bench-reuse", "run_b": "bench-off"}
-    for name, params in (("forks", pair), ("fork_attribution", pair), ("divergence_rates", {"baseline_arm": "off"}),
-                         ("margin_shift", {}), ("flip_rate_by_margin", {})):
-        median, worst, rows = timed(client, name, params, args.repeat)
-        print(f"{name:<20} median {median * 1000:7.0f} ms   max {worst * 1000:7.0f} ms   ({rows} rows)")
-    client.close()
-    return 0
+    if not reuse:
+        start = time.perf_counter()
+        ingest_paths(client, [root / "spool"], quarantine_dir=root / "quarantine")
+        client.command("OPTIMIZE TABLE kvtrace_requests FINAL")
+        ingested = time.perf_counter() - start
+        shutil.rmtree(root / "spool", ignore_errors=True)
+        marker.write_text(sizes)
+    spans = client.query("SELECT count() FROM kvtrace_requests").result_rows[0][0]
+    token_rows = client.query("SELECT count() FROM kvtrace_tokens").result_rows[0][0]
+    how = "reused" if reuse else f"recorded in {generated:.1f} s, ingested in {ingested:.1f} s"
+    print(f"data: {spans:,} request spans, {token_rows:,} token rows ({how})")
+    return client
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@
 --   choices a cache path can plausibly flip; raise it for coarser quantization. margin_share
 --   puts the fork margin in context: the share of all tokens of both runs whose margin is at most
 --   the fork margin, rounded up to the next of 0.1 %, 0.5 %, 1 %, 2 %, 5 %, 10 %, 25 %, 50 %, 100 %.
+--   The levels come from a histogram at 8 significant bits (bfloat16), and the fork margin is
+--   compared with them at that precision: a fork margin within about 0.8 % of a level (or, among
+--   few margins, next to it) can be put one step away from where exact quantiles would put it.
 --   turn_a / turn_b compare one turn of each run per episode instead (see shared/diff_sides.sql).
 -- params: run_a String, run_b String, episode String = '', near_tie Float64 = 0.05, turn_a Int64 = -1,
 --   turn_b Int64 = -1
@@ -35,35 +38,44 @@ ${shared_requests_once}
 ${shared_output_divergence}
 ${shared_diff_sides}
 ${shared_first_fork}
+-- attribution is computed a subquery below its uses: an alias mentioned again in the same SELECT is
+-- planned again at every mention.
 attributed AS (
     SELECT
         *,
-        multiIf(
-            prompt_differs, '${ATTRIBUTION_PROMPT_MISMATCH}',
-            (reused_tokens_a > 0) != (reused_tokens_b > 0), '${ATTRIBUTION_HIT_VS_RECOMPUTE}',
-            reused_tokens_a > 0 AND reused_tokens_a != reused_tokens_b, '${ATTRIBUTION_REUSE_LENGTH}',
-            reused_tokens_a > 0 AND (layer_a != layer_b OR state_key_a != state_key_b
-                OR hit_block_hashes_a != hit_block_hashes_b
-                OR source_episode_id_a != source_episode_id_b OR source_turn_a != source_turn_b),
-                '${ATTRIBUTION_CACHE_SOURCE}',
-            '${ATTRIBUTION_SAME_CACHE_PATH}') AS attribution,
-        (source_episode_id_a != '' AND source_episode_id_a != episode_id) AS foreign_source_a,
-        (source_episode_id_b != '' AND source_episode_id_b != episode_id) AS foreign_source_b,
         multiIf(
             attribution = '${ATTRIBUTION_HIT_VS_RECOMPUTE}', if(reused_tokens_a > 0, 'a', 'b'),
             attribution = '${ATTRIBUTION_REUSE_LENGTH}', if(reused_tokens_a > reused_tokens_b, 'a', 'b'),
             attribution = '${ATTRIBUTION_CACHE_SOURCE}', if(foreign_source_b AND NOT foreign_source_a, 'b', 'a'),
             '') AS culprit_side,
         multiIf(culprit_side = 'a', span_id_a, culprit_side = 'b', span_id_b, '') AS culprit_span_id
-    FROM first_fork
+    FROM (
+        SELECT
+            *,
+            multiIf(
+                prompt_differs, '${ATTRIBUTION_PROMPT_MISMATCH}',
+                (reused_tokens_a > 0) != (reused_tokens_b > 0), '${ATTRIBUTION_HIT_VS_RECOMPUTE}',
+                reused_tokens_a > 0 AND reused_tokens_a != reused_tokens_b, '${ATTRIBUTION_REUSE_LENGTH}',
+                reused_tokens_a > 0 AND (layer_a != layer_b OR state_key_a != state_key_b
+                    OR hit_block_hashes_a != hit_block_hashes_b
+                    OR source_episode_id_a != source_episode_id_b OR source_turn_a != source_turn_b),
+                    '${ATTRIBUTION_CACHE_SOURCE}',
+                '${ATTRIBUTION_SAME_CACHE_PATH}') AS attribution,
+            (source_episode_id_a != '' AND source_episode_id_a != episode_id) AS foreign_source_a,
+            (source_episode_id_b != '' AND source_episode_id_b != episode_id) AS foreign_source_b
+        FROM episode_forks
+        WHERE found = 1
+    )
 ),
--- The event that served the culprit's prefix: a restore beats a reuse beats a lookup hit.
+-- The event that served the culprit's prefix: a restore beats a reuse beats a lookup hit. Picked for
+-- every span of both runs and matched to the culprit by the join: restricting it to the culprits'
+-- spans (IN attributed) would plan and run the whole fork search a second time.
 serving_events AS (
     SELECT SpanId, event, event_index, layer, key_hash, block_hashes,
            source_span_id, source_request_id, source_run_id, source_episode_id, source_turn
     FROM kvtrace_cache_events
     WHERE run_id IN ({run_a:String}, {run_b:String})
-      AND SpanId IN (SELECT culprit_span_id FROM attributed WHERE culprit_span_id != '')
+      AND ({episode:String} = '' OR episode_id = {episode:String})
       AND (event IN ('${EVENT_CACHE_RESTORE}', '${EVENT_CACHE_REUSE}')
            OR (event = '${EVENT_CACHE_LOOKUP}' AND outcome = '${OUTCOME_HIT}'))
     ORDER BY SpanId,
@@ -71,11 +83,22 @@ serving_events AS (
              event_index
     LIMIT 1 BY SpanId
 ),
+-- The finite margins of kvtrace_tokens, read as kvtrace_requests' per-request arrays (the tokens
+-- table is their expansion, every record included, so not requests_once): the same values, without
+-- a row per token to read and filter. The
+-- levels only place the fork margin among coarse steps, so a bfloat16 histogram (deterministic,
+-- one pass) stands in for exact quantiles, which select over every margin of both runs and cost
+-- several times more. It truncates each margin to 8 significant bits (what bfloat16_truncated
+-- does) and takes rank ceil(n * level) where exact quantiles take floor(n * level) + 1 (the same
+-- rank unless n * level is whole); the fork margin is truncated alike before the comparison, so
+-- a fork margin equal to a level still counts as within it.
 margin_levels AS (
-    SELECT quantilesExact(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5)(margin) AS levels
-    FROM kvtrace_tokens
-    WHERE run_id IN ({run_a:String}, {run_b:String}) AND isFinite(margin)
-)
+    SELECT quantilesBFloat16Array(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5)(arrayFilter(m -> isFinite(m), margins))
+        AS levels
+    FROM kvtrace_requests
+    WHERE run_id IN ({run_a:String}, {run_b:String})
+),
+x -> reinterpretAsFloat32(bitAnd(reinterpretAsUInt32(toFloat32(x)), 0xFFFF0000)) AS bfloat16_truncated
 SELECT
     f.episode_id AS episode_id,
     toInt64(f.turn) AS fork_turn,
@@ -105,7 +128,7 @@ SELECT
         AS near_tie,
     if(isFinite(least(f.margin_a, f.margin_b)) AND notEmpty(m.levels),
        arrayElement([0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0],
-                    arrayCount(q -> q < least(f.margin_a, f.margin_b), m.levels) + 1),
+                    arrayCount(q -> q < bfloat16_truncated(least(f.margin_a, f.margin_b)), m.levels) + 1),
        nan) AS margin_share,
     f.layer_a AS layer_a, f.reused_tokens_a AS reused_tokens_a, f.prompt_tokens_a AS prompt_tokens_a,
     f.state_key_a AS state_key_a, f.source_episode_id_a AS source_episode_id_a, f.source_turn_a AS source_turn_a,

@@ -15,33 +15,22 @@ ${shared_requests_once}
 ${shared_output_divergence}
 ${shared_diff_sides}
 ${shared_first_fork}
-per_episode AS (
-    SELECT episode_id, count() AS turns_compared, max(by_ids) AS any_by_ids
-    FROM compared
-    GROUP BY episode_id
-),
-turn_counts_a AS (SELECT episode_id, count() AS turns FROM side_a GROUP BY episode_id),
-turn_counts_b AS (SELECT episode_id, count() AS turns FROM side_b GROUP BY episode_id)
 SELECT
-    e.episode_id AS episode_id,
-    toUInt8(f.found) AS forked,
+    f.episode_id AS episode_id,
+    f.found AS forked,
     if(f.found = 1, toInt64(f.turn), toInt64(-1)) AS fork_turn,
     multiIf(f.found = 0, '', f.prompt_differs, '${FORK_KIND_PROMPT}', '${FORK_KIND_OUTPUT}') AS fork_kind,
     if(f.found = 1, f.position, toInt64(-1)) AS position,
-    if(if(f.found = 1, f.by_ids, e.any_by_ids), '${COMPARED_BY_TOKEN_IDS}', '${COMPARED_BY_OUTPUT_HASH}')
+    if(if(f.found = 1, f.by_ids, f.any_by_ids), '${COMPARED_BY_TOKEN_IDS}', '${COMPARED_BY_OUTPUT_HASH}')
         AS compared_by,
-    e.turns_compared AS turns_compared,
-    ta.turns AS turns_a,
-    tb.turns AS turns_b,
-    f.span_id_a AS span_id_a,
-    f.span_id_b AS span_id_b,
+    f.turns_compared AS turns_compared,
+    f.turns_a AS turns_a,
+    f.turns_b AS turns_b,
+    if(f.found = 1, f.span_id_a, '') AS span_id_a,
+    if(f.found = 1, f.span_id_b, '') AS span_id_b,
     if(f.found = 1, f.token_a, toInt64(-1)) AS token_a,
     if(f.found = 1, f.token_b, toInt64(-1)) AS token_b,
-    f.output_tokens_a AS output_tokens_a,
-    f.output_tokens_b AS output_tokens_b
-FROM per_episode AS e
-LEFT JOIN first_fork AS f ON f.episode_id = e.episode_id
-LEFT JOIN turn_counts_a AS ta ON ta.episode_id = e.episode_id
-LEFT JOIN turn_counts_b AS tb ON tb.episode_id = e.episode_id
+    if(f.found = 1, f.output_tokens_a, 0) AS output_tokens_a,
+    if(f.found = 1, f.output_tokens_b, 0) AS output_tokens_b
+FROM episode_forks AS f
 ORDER BY episode_id
-SETTINGS join_use_nulls = 0

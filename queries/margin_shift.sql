@@ -31,8 +31,9 @@ SELECT
     sum(matched_positions) AS positions,
     avgArray(shifts) AS mean_shift,
     avgArray(arrayMap(x -> abs(x), shifts)) AS mean_abs_shift,
-    quantileExactArray(0.5)(arrayMap(x -> abs(x), shifts)) AS p50_abs_shift,
-    quantileExactArray(0.95)(arrayMap(x -> abs(x), shifts)) AS p95_abs_shift,
+    -- both levels from one selection over the shifts; NaN when there are none, as a single level gives
+    if(positions > 0, quantilesExactArray(0.5, 0.95)(arrayMap(x -> abs(x), shifts))[1], nan) AS p50_abs_shift,
+    if(positions > 0, quantilesExactArray(0.5, 0.95)(arrayMap(x -> abs(x), shifts))[2], nan) AS p95_abs_shift,
     maxArray(arrayMap(x -> abs(x), shifts)) AS max_abs_shift
 FROM hit_shifts
 GROUP BY GROUPING SETS ((format), ())
