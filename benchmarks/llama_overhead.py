@@ -5,7 +5,8 @@
 Generates (once, cached under --model-dir) the ~100M-parameter random-weight Llama model in each
 format and loads it the way kvtrace loads its own engines (the weight repack off).  Each round runs
 four greedy streaming requests on the same ``Llama`` in ABBA order (untraced, traced, traced,
-untraced; the next round BAAB), so drift on a shared machine hits both arms alike.
+untraced; the next round BAAB), so drift on a shared machine hits both arms alike, then one
+request with the timers around hooks that only call through (below).
 
 Per request it measures:
 
@@ -14,10 +15,15 @@ Per request it measures:
 * CPU time of the engine thread (the thread that iterates the stream) and of kvtrace's exporter
   thread, and the process's CPU time; the traced arm's span is flushed before the clocks stop;
 * wall time;
-* with tracing on, the hooks' own CPU time: timers inside the per-token hooks (``Llama.sample``,
+* with tracing on, the hooks' own time: timers inside the per-token hooks (``Llama.sample``,
   ``Llama.eval`` where hooked) and the stream step, the engine's own time inside them subtracted.
   The timers are wrappers this benchmark installs around the hook table's wrappers; a normal
-  ``patch()`` has none.
+  ``patch()`` has none.  They read the monotonic clock (a vDSO read; the thread CPU clock is a
+  system call that costs about as much as a hook) and leave out calls the scheduler interrupted
+  (over 1 ms), so the figure is CPU time.  Right after a decode step every Python call is several
+  times slower than warm, the timers' own included, so each round also times hooks that only call
+  through: what the timers and the forwarding cost in place.  The hooks' cost lies between the
+  timed figure and the timed figure less that.
 
 CPU time and the in-hook timers are the figures to trust on a shared machine; wall time is printed
 beside them.  Each figure is per token, best and median over the rounds.
@@ -38,8 +44,10 @@ from typing import Callable, Iterator, Optional
 
 PER_TOKEN_HOOKS = ("Llama.sample", "Llama.eval")
 """Hooks that run on every token; the benchmark times these."""
+STREAM_STEP = "stream step"
+REQUEST_END = "request end (recorder.finish)"
 
-clock = time.thread_time_ns
+thread_cpu_ns = time.thread_time_ns
 
 
 def parse_args() -> argparse.Namespace:
@@ -68,37 +76,84 @@ def model_path(model_dir: Path, size: str, quant: str) -> Path:
 
 # --- timers inside the hooks ------------------------------------------------------------------
 
+hook_clock_ns = time.perf_counter_ns
+"""The hooks' timers read the monotonic clock: a vDSO read, where the thread CPU clock is a system
+call that costs more (after a decode step, with cold caches) than what it would measure."""
+PREEMPTED_NS = 1_000_000
+"""A timed hook call longer than this (1 ms; a hook takes tens of µs) was interrupted by the
+scheduler: it is left out, counted, and the hook's cost per call is the mean of the others."""
+
+
+@dataclass
+class HookTime:
+    ns: int = 0
+    calls: int = 0
+    preempted: int = 0
+
+    def add(self, ns: int) -> None:
+        if ns > PREEMPTED_NS:
+            self.preempted += 1
+        else:
+            self.ns += ns
+            self.calls += 1
+
+    def since(self, before: "HookTime") -> "HookTime":
+        return HookTime(self.ns - before.ns, self.calls - before.calls, self.preempted - before.preempted)
+
+    def total_ns(self) -> float:
+        """Time of every call, those left out counted at the mean of the others."""
+        return self.ns / self.calls * (self.calls + self.preempted) if self.calls else 0.0
+
 
 @dataclass
 class HookClock:
-    """CPU nanoseconds spent in kvtrace's per-token code, the engine's own time inside it excluded."""
+    """Time spent in kvtrace's per-token code, the engine's own time inside it excluded."""
 
-    ns: int = 0
+    by_hook: dict[str, HookTime] = field(default_factory=dict)
+    nested_ns: int = 0
+    """Time of timed functions called inside a stream step (counted under their own name)."""
 
-    def around_hook(self, hook: Callable) -> Callable:
+    def around_function(self, function: Callable, name: str) -> Callable:
+        """``function`` with its time counted under ``name`` and left out of the stream step that calls it."""
+        times = self.by_hook.setdefault(name, HookTime())
+
+        def timed(*args, **kwargs):
+            start = hook_clock_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                elapsed = hook_clock_ns() - start
+                self.nested_ns += elapsed
+                times.add(elapsed)
+
+        return timed
+
+    def around_hook(self, hook: Callable, name: str) -> Callable:
         """A wrapt wrapper that runs ``hook`` and counts its time minus the wrapped engine call's."""
+        times = self.by_hook.setdefault(name, HookTime())
 
         def timed(wrapped, instance, args, kwargs):
             engine_ns = 0
 
             def engine(*a, **k):
                 nonlocal engine_ns
-                t = clock()
+                t = hook_clock_ns()
                 try:
                     return wrapped(*a, **k)
                 finally:
-                    engine_ns += clock() - t
+                    engine_ns += hook_clock_ns() - t
 
-            start = clock()
+            start = hook_clock_ns()
             try:
                 return hook(engine, instance, args, kwargs)
             finally:
-                self.ns += clock() - start - engine_ns
+                times.add(hook_clock_ns() - start - engine_ns)
 
         return timed
 
     def around_stream(self, traced_stream: Callable) -> Callable:
         """``request.traced_stream`` with the time of each step outside the engine's own step counted."""
+        times = self.by_hook.setdefault(STREAM_STEP, HookTime())
         hook_clock = self
 
         class EngineSteps:
@@ -109,11 +164,11 @@ class HookClock:
                 return self
 
             def __next__(self):
-                t = clock()
+                t = hook_clock_ns()
                 try:
                     return next(self.chunks)
                 finally:
-                    self.ns += clock() - t
+                    self.ns += hook_clock_ns() - t
 
             def close(self):
                 close = getattr(self.chunks, "close", None)
@@ -125,27 +180,54 @@ class HookClock:
             outer = traced_stream(state, engine)
             try:
                 while True:
-                    before, t = engine.ns, clock()
+                    before, nested, t = engine.ns, hook_clock.nested_ns, hook_clock_ns()
                     try:
                         chunk = next(outer)
                     except StopIteration:
                         return
                     finally:
-                        hook_clock.ns += clock() - t - (engine.ns - before)
+                        times.add(hook_clock_ns() - t - (engine.ns - before) - (hook_clock.nested_ns - nested))
                     yield chunk
             finally:
                 outer.close()
 
         return timed
 
-    def overhead_ns(self) -> float:
+    def snapshot(self) -> dict[str, HookTime]:
+        return {name: HookTime(t.ns, t.calls, t.preempted) for name, t in self.by_hook.items()}
+
+    @staticmethod
+    def overhead_ns() -> float:
         """What one timed hook call adds by itself (the clock reads and the closure), measured warm."""
         probe = HookClock()
-        timed = probe.around_hook(lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs))
+        timed = probe.around_hook(lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs), "probe")
         calls = 2000
         for _ in range(calls):
             timed(int, None, (), {})
-        return probe.ns / calls
+        return probe.by_hook["probe"].ns / calls
+
+
+def call_through_hooks(patch, hook_clock: HookClock):
+    """A hook table with the per-token hooks and the stream step doing nothing but call through,
+    timed like the real ones: what the timers and the forwarding cost by themselves, in place."""
+    from kvtrace.patches.hooks import Hook, HookTable
+
+    def call_through(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs)
+
+    def identity_stream(state, chunks):
+        yield from chunks
+
+    timed_stream = hook_clock.around_stream(identity_stream)
+
+    def completion(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        return timed_stream(None, result) if isinstance(result, Iterator) else result
+
+    hooks = [Hook(hook.module, hook.target, hook_clock.around_hook(call_through, hook.target))
+             for hook in patch.HOOKS.hooks if hook.target in PER_TOKEN_HOOKS]
+    hooks.append(Hook("llama_cpp.llama", "Llama.create_completion", completion))
+    return HookTable("call-through", hooks, patch.HOOKS.failures)
 
 
 def install_hook_timers(patch, hook_clock: HookClock) -> list[str]:
@@ -157,12 +239,13 @@ def install_hook_timers(patch, hook_clock: HookClock) -> list[str]:
     hooks = []
     for hook in patch.HOOKS.hooks:
         if hook.target in PER_TOKEN_HOOKS:
-            hook = Hook(hook.module, hook.target, hook_clock.around_hook(hook.wrapper))
+            hook = Hook(hook.module, hook.target, hook_clock.around_hook(hook.wrapper, hook.target))
             timed.append(hook.target)
         hooks.append(hook)
     patch.HOOKS.hooks = tuple(hooks)
     request.traced_stream = hook_clock.around_stream(request.traced_stream)
-    return timed + ["stream step"]
+    request.end = hook_clock.around_function(request.end, REQUEST_END)
+    return timed + [STREAM_STEP, REQUEST_END]
 
 
 # --- one request --------------------------------------------------------------------------------
@@ -188,9 +271,14 @@ class Sample:
     engine_ns: int = 0
     exporter_ns: int = 0
     process_ns: int = 0
-    hook_ns: int = 0
+    by_hook: dict[str, HookTime] = field(default_factory=dict)
 
-    def per_token_us(self, total_ns: int) -> float:
+    @property
+    def hook_ns(self) -> float:
+        """The per-token hooks and stream steps (the request's end is the recorder's, reported apart)."""
+        return sum(t.total_ns() for name, t in self.by_hook.items() if name != REQUEST_END)
+
+    def per_token_us(self, total_ns: float) -> float:
         return total_ns / self.tokens / 1e3
 
 
@@ -200,11 +288,11 @@ def run_request(llm, prompt: list[int], tokens: int, traced: bool, hook_clock: H
 
     llm.reset()
     exporter_before = exporter_cpu_ns() or 0
-    hook_before = hook_clock.ns
-    wall, engine, process = time.perf_counter_ns(), clock(), time.process_time_ns()
+    hooks_before = hook_clock.snapshot()
+    wall, engine, process = time.perf_counter_ns(), thread_cpu_ns(), time.process_time_ns()
     for _ in llm.create_completion(prompt, max_tokens=tokens, temperature=0.0, stream=True):
         pass
-    engine = clock() - engine
+    engine = thread_cpu_ns() - engine
     wall = time.perf_counter_ns() - wall
     if traced:
         get_recorder().pipeline.force_flush()  # the exporter's work for this request lands in this request
@@ -214,7 +302,11 @@ def run_request(llm, prompt: list[int], tokens: int, traced: bool, hook_clock: H
     into.engine_ns += engine
     into.exporter_ns += (exporter_cpu_ns() or 0) - exporter_before
     into.process_ns += process
-    into.hook_ns += hook_clock.ns - hook_before
+    for name, times in hook_clock.snapshot().items():
+        this_request = times.since(hooks_before.get(name, HookTime()))
+        total = into.by_hook.setdefault(name, HookTime())
+        total.ns, total.calls = total.ns + this_request.ns, total.calls + this_request.calls
+        total.preempted += this_request.preempted
 
 
 # --- the comparison ----------------------------------------------------------------------------
@@ -224,9 +316,12 @@ def run_request(llm, prompt: list[int], tokens: int, traced: bool, hook_clock: H
 class Rounds:
     untraced: list[Sample] = field(default_factory=list)
     traced: list[Sample] = field(default_factory=list)
+    call_through: list[Sample] = field(default_factory=list)
+    """One request per round with timed hooks that only call through (not traced)."""
 
 
-def bench_format(path: Path, args: argparse.Namespace, patch, hook_clock: HookClock) -> Rounds:
+def bench_format(path: Path, args: argparse.Namespace, patch, hook_clock: HookClock, null_clock: HookClock,
+                 call_through) -> Rounds:
     from kvtrace.patches.llama_cpp.repack import load_llama
 
     llm = load_llama(path, n_ctx=max(512, args.tokens + 64), n_batch=64, n_ubatch=64, n_threads=args.threads,
@@ -236,13 +331,18 @@ def bench_format(path: Path, args: argparse.Namespace, patch, hook_clock: HookCl
     patch.patch()
     run_request(llm, prompt, 16, True, hook_clock, Sample())  # warm-up: page in the weights, start the exporter
     for index in range(args.rounds):
-        untraced, traced = Sample(), Sample()
+        untraced, traced, null = Sample(), Sample(), Sample()
         order = (False, True, True, False) if index % 2 == 0 else (True, False, False, True)
         for arm in order:
             patch.patch() if arm else patch.unpatch()
             run_request(llm, prompt, args.tokens, arm, hook_clock, traced if arm else untraced)
+        patch.unpatch()
+        call_through.install()
+        run_request(llm, prompt, args.tokens, False, null_clock, null)
+        call_through.restore()
         rounds.untraced.append(untraced)
         rounds.traced.append(traced)
+        rounds.call_through.append(null)
         print(f"  round {index + 1}: {untraced.tokens // 2} tokens/request, engine CPU "
               f"{untraced.per_token_us(untraced.engine_ns):.0f} / {traced.per_token_us(traced.engine_ns):.0f} µs/token "
               f"(untraced / traced), hooks {traced.per_token_us(traced.hook_ns):.1f} µs/token", file=sys.stderr)
@@ -256,7 +356,7 @@ def best_and_median(values: list[float]) -> str:
 
 
 def report(quant: str, rounds: Rounds, timer_overhead_ns: float) -> None:
-    def figure(name: str, arm: list[Sample], total: Callable[[Sample], int]) -> list[float]:
+    def figure(name: str, arm: list[Sample], total: Callable[[Sample], float]) -> list[float]:
         values = [s.per_token_us(total(s)) for s in arm]
         print(f"  {name:34} {best_and_median(values)}")
         return values
@@ -272,8 +372,22 @@ def report(quant: str, rounds: Rounds, timer_overhead_ns: float) -> None:
     figure("traced: process CPU", rounds.traced, lambda s: s.process_ns)
     figure("traced: wall", rounds.traced, lambda s: s.wall_ns)
     hooks = figure("traced: hooks' own CPU (timers)", rounds.traced, lambda s: s.hook_ns)
-    per_call = timer_overhead_ns / 1e3
-    print(f"  (the timers themselves add about {per_call:.2f} µs per timed call, included above)")
+    for name in sorted({name for s in rounds.traced for name in s.by_hook} - {REQUEST_END}):
+        figure(f"  of which {name}", rounds.traced,
+               lambda s, name=name: s.by_hook[name].total_ns() if name in s.by_hook else 0)
+    figure(f"traced: {REQUEST_END}", rounds.traced,
+           lambda s: s.by_hook[REQUEST_END].total_ns() if REQUEST_END in s.by_hook else 0)
+    timers = figure("call-through hooks, timed the same", rounds.call_through, lambda s: s.hook_ns)
+    for name in sorted({name for s in rounds.call_through for name in s.by_hook}):
+        figure(f"  of which {name}", rounds.call_through,
+               lambda s, name=name: s.by_hook[name].total_ns() if name in s.by_hook else 0)
+    net = [h - t for h, t in zip(hooks, timers)]
+    print(f"  {'traced: hooks less that (their work)':34} {best_and_median(net)}")
+    calls = sum(t.calls + t.preempted for s in rounds.traced for t in s.by_hook.values())
+    preempted = sum(t.preempted for s in rounds.traced for t in s.by_hook.values())
+    print(f"  (timed calls: {calls}, {preempted} interrupted by the scheduler and left out; warm, a timer adds "
+          f"{timer_overhead_ns / 1e3:.2f} µs per call; in place, after a decode step, timers and forwarding "
+          f"cost what the call-through line says)")
 
     def ratios(name: str, pairs: list[float]) -> None:
         print(f"  {name:34} {min(pairs):9.4f} {statistics.median(pairs):9.4f}")
@@ -285,6 +399,7 @@ def report(quant: str, rounds: Rounds, timer_overhead_ns: float) -> None:
     ratios("traced/untraced wall",
            [b.wall_ns / b.tokens / (a.wall_ns / a.tokens) for a, b in zip(rounds.untraced, rounds.traced)])
     ratios("hooks / untraced engine CPU", [h / a for a, h in zip(engine_a, hooks)])
+    ratios("hooks' work / untraced engine CPU", [h / a for a, h in zip(engine_a, net)])
 
 
 def main() -> int:
@@ -295,7 +410,8 @@ def main() -> int:
     from kvtrace.recording.recorder import get_recorder
     from kvtrace.testmodels.llama_gguf import SIZES
 
-    hook_clock = HookClock()
+    hook_clock, null_clock = HookClock(), HookClock()
+    call_through = call_through_hooks(patch, null_clock)
     timed = install_hook_timers(patch, hook_clock)
     timer_overhead = hook_clock.overhead_ns()
     print(f"model: {args.size} ({SIZES[args.size].n_params / 1e6:.0f}M params, vocab {SIZES[args.size].n_vocab}), "
@@ -304,7 +420,7 @@ def main() -> int:
     print("load average: %.2f %.2f %.2f on %d CPUs" % (*os.getloadavg(), os.cpu_count() or 0))
     for quant in args.quants:
         path = model_path(args.model_dir, args.size, quant)
-        report(quant, bench_format(path, args, patch, hook_clock), timer_overhead)
+        report(quant, bench_format(path, args, patch, hook_clock, null_clock, call_through), timer_overhead)
     print("\nload average: %.2f %.2f %.2f" % os.getloadavg())
     recorder = get_recorder()
     if recorder is not None:
