@@ -35,9 +35,13 @@ def generate_wrapper(wrapped, instance, args, kwargs):
     if state is not None and state.prompt is None:
         try:
             on_generate(state, instance, args, kwargs)
-            watch_first_eval(state, instance)
         except Exception:
             FAILURES.count("generate", state.recorder)
+        if state.prompt is not None:  # the prompt is known: what the first eval does can be told
+            try:
+                watch_first_eval(state, instance)
+            except Exception:
+                FAILURES.count("eval watch", state.recorder)
     return wrapped(*args, **kwargs)
 
 
@@ -99,13 +103,13 @@ class FirstEvalWatch:
 
     def __call__(self, *args, **kwargs):
         state = self.state
-        if CALLS.of(self.llama) is state:
-            self.remove()
-            try:
+        try:
+            if CALLS.of(self.llama) is state:
+                self.remove()
                 tokens = args[0] if args else kwargs["tokens"]
                 on_prompt_eval(state, int(self.llama.n_tokens), len(tokens))
-            except Exception:
-                FAILURES.count("eval", state.recorder)
+        except Exception:
+            FAILURES.count("eval", state.recorder)
         return self.engine_eval(*args, **kwargs)
 
     def remove(self) -> None:
