@@ -6,6 +6,10 @@ The raw logits come before penalties, grammar and logits processors, so the chos
 differ from top-1; both are recorded.  Reading the row after sampling is safe: llama.cpp's sampler
 copies the row into its own candidates array and never writes it, and the row stays valid until
 the next decode.
+
+Why on the decode thread: copying the row to compute later on the exporter thread was measured
+(base model, 32k vocabulary, right after a decode step): the copy alone, 73–84 µs, costs more than
+the compiled pass, 46–52 µs, and the exporter's work would come on top.
 """
 
 from __future__ import annotations
