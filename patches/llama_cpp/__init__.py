@@ -6,10 +6,11 @@ per hook area:
 
 * :mod:`.request` — the completion calls: a record per call, bound to the thread while the engine
   works on it (:mod:`.calls` holds that per-call state);
-* :mod:`.reuse` — ``Llama.generate`` / the first ``Llama.eval``: the prompt tokens llama.cpp kept
-  from the live KV cache, recomputed, or replayed;
+* :mod:`.reuse` — ``Llama.generate`` and the request's first ``Llama.eval`` (watched from
+  ``generate``; ``eval`` itself is not wrapped): the prompt tokens llama.cpp kept from the live KV
+  cache, recomputed, or replayed;
 * :mod:`.sampling` — ``Llama.sample``: chosen id, top-1, runner-up, margin and log-probability
-  from a read-only zero-copy view of the raw logits row;
+  from the raw logits row, in one pass (:mod:`.rowstats`, compiled where it was built);
 * :mod:`.prompt_cache` — ``Llama.load_state`` and the ``BaseLlamaCache`` classes: lookups,
   restores, stores and evictions, each with the origin of the state;
 * :mod:`.config` — what the ``Llama`` is configured with (fingerprint, weight format, numerics);
@@ -39,7 +40,6 @@ HOOKS = HookTable(ENGINE, [
     Hook(LLAMA_MODULE, "Llama.create_completion", request.completion_wrapper(sc.OPERATION_TEXT_COMPLETION)),
     Hook(LLAMA_MODULE, "Llama.create_chat_completion", request.completion_wrapper(sc.OPERATION_CHAT)),
     Hook(LLAMA_MODULE, "Llama.generate", reuse.generate_wrapper),
-    Hook(LLAMA_MODULE, "Llama.eval", reuse.eval_wrapper),
     Hook(LLAMA_MODULE, "Llama.sample", sampling.sample_wrapper),
     Hook(LLAMA_MODULE, "Llama.load_state", prompt_cache.load_state_wrapper),
     *(Hook(prompt_cache.CACHE_MODULE, f"{cls}.{method}", wrapper)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from kvtrace.recording.records import CacheEvent, RequestRecord
 from kvtrace.recording.recorder import Recorder
@@ -28,7 +28,8 @@ class CallState:
     """``n_tokens`` when ``generate`` was called: the live context llama.cpp could reuse."""
     live_prefix: int = 0
     """Longest common prefix of the live context and the prompt."""
-    prompt_evaluated: bool = False
+    unwatch_eval: Optional[Callable[[], None]] = None
+    """Removes the watcher that shadows ``llama.eval`` until the request's first eval (:mod:`.reuse`)."""
     pending_lookup: Optional[CacheEvent] = None
     """The prompt-cache lookup that found a state; a hit once ``load_state`` restores it."""
     restored: bool = False
@@ -49,15 +50,22 @@ class CallRegistry:
     def unbind(self, token: contextvars.Token) -> None:
         self._current.reset(token)
 
+    def binder(self) -> tuple[Callable[[CallState], contextvars.Token], Callable[[contextvars.Token], None]]:
+        """:meth:`bind` and :meth:`unbind` as the context variable's own methods, for a stream's every step."""
+        return self._current.set, self._current.reset
+
     def current(self) -> Optional[CallState]:
         """The unfinished call bound to this thread, if any."""
         state = self._current.get()
         return None if state is None or state.finished else state
 
     def of(self, llama: Any) -> Optional[CallState]:
-        """The unfinished call this thread records on ``llama`` (``None`` for any other ``Llama``)."""
-        state = self.current()
-        return state if state is not None and state.llama is llama else None
+        """The unfinished call this thread records on ``llama`` (``None`` for any other ``Llama``).
+
+        Runs on every sampled token: one context-variable read and two attribute checks.
+        """
+        state = self._current.get()
+        return state if state is not None and state.llama is llama and not state.finished else None
 
 
 CALLS = CallRegistry()

@@ -75,6 +75,8 @@ def end(state: CallState, result: Any = None, error: Optional[BaseException] = N
     state.finished = True
     record = state.record
     try:
+        if state.unwatch_eval is not None:  # the engine never evaluated the prompt
+            state.unwatch_eval()
         if error is not None:
             record.error = f"{type(error).__name__}: {error}"
         reason = finish_reason or _finish_reason(result)
@@ -88,32 +90,31 @@ def end(state: CallState, result: Any = None, error: Optional[BaseException] = N
 def traced_stream(state: CallState, chunks: Iterator) -> Iterator:
     """Yield the engine's chunks unchanged, binding the request while each one is produced.
 
-    The record is finished when the stream ends, fails, or is closed early
-    (``finish_reason`` ``cancelled`` unless the engine gave one).
+    The record is finished when the stream ends, fails, or is closed early (``finish_reason``
+    ``cancelled`` unless the engine gave one).  llama-cpp-python puts the finish reason on a
+    stream's last chunk, so only that chunk is read.  Per chunk this costs the bind and unbind
+    (the context variable's own methods: no Python frame).
     """
-    last_reason: Optional[str] = None
+    bind, unbind = CALLS.binder()
+    chunk: Any = None
     try:
         while True:
-            token = CALLS.bind(state)
+            token = bind(state)
             try:
                 chunk = next(chunks)
             except StopIteration:
                 break
             finally:
-                CALLS.unbind(token)
-            try:
-                last_reason = _finish_reason(chunk) or last_reason
-            except Exception:
-                pass
+                unbind(token)
             yield chunk
     except GeneratorExit:
         _close_quietly(chunks, state)
-        end(state, finish_reason=last_reason or sc.FINISH_CANCELLED)
+        end(state, finish_reason=_finish_reason(chunk) or sc.FINISH_CANCELLED)
         raise
     except BaseException as exc:
-        end(state, error=exc, finish_reason=last_reason)
+        end(state, error=exc, finish_reason=_finish_reason(chunk))
         raise
-    end(state, finish_reason=last_reason)
+    end(state, finish_reason=_finish_reason(chunk))
 
 
 def _close_quietly(chunks: Iterator, state: CallState) -> None:
@@ -130,8 +131,12 @@ def _close_quietly(chunks: Iterator, state: CallState) -> None:
 
 
 def _finish_reason(result: Any) -> Optional[str]:
-    if isinstance(result, dict):
-        choices = result.get("choices") or []
-        if choices and isinstance(choices[0], dict):
-            return choices[0].get("finish_reason")
+    """The finish reason of a completion or a stream's chunk; ``None`` where it has none (never raises)."""
+    try:
+        if isinstance(result, dict):
+            choices = result.get("choices") or []
+            if choices and isinstance(choices[0], dict):
+                return choices[0].get("finish_reason")
+    except Exception:
+        pass
     return None

@@ -6,6 +6,10 @@ evaluates its last token again to refresh the logits (cached, but recomputed: on
 token).  ``generate`` is wrapped to see the prompt, the live context and the sampling parameters
 before its body runs; the first ``eval`` of the request tells what llama.cpp actually did:
 ``n_tokens`` tokens kept, ``len(tokens)`` recomputed.
+
+``eval`` runs once per generated token, so it is not wrapped: ``generate``'s wrapper shadows it on
+that ``Llama`` instance with a watcher that removes itself at the first call (or when the request
+ends without one).  The tokens after the first pay nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ def generate_wrapper(wrapped, instance, args, kwargs):
             on_generate(state, instance, args, kwargs)
         except Exception:
             FAILURES.count("generate", state.recorder)
+        if state.prompt is not None:  # the prompt is known: what the first eval does can be told
+            try:
+                watch_first_eval(state, instance)
+            except Exception:
+                FAILURES.count("eval watch", state.recorder)
     return wrapped(*args, **kwargs)
 
 
@@ -75,20 +84,55 @@ def on_generate(state: CallState, llama: Any, args: tuple, kwargs: dict) -> None
     record.config[sc.GEN_AI_REQUEST_SEED] = seed
 
 
-def eval_wrapper(wrapped, instance, args, kwargs):
-    state = CALLS.of(instance)
-    if state is not None and not state.prompt_evaluated and state.prompt is not None:
+_NOT_SHADOWED = object()
+
+
+class FirstEvalWatch:
+    """Stands in for ``llama.eval`` (an instance attribute shadowing the class's) until the request's first eval.
+
+    At that call it reports the prompt evaluation, puts back whatever ``llama.eval`` was on the
+    instance before, and calls the engine's ``eval`` unchanged.  A call made outside the request
+    (another thread, or after it ended) only passes through.
+    """
+
+    def __init__(self, state: CallState, llama: Any):
+        self.state = state
+        self.llama = llama
+        self.previous = vars(llama).get("eval", _NOT_SHADOWED)
+        self.engine_eval = llama.eval
+
+    def __call__(self, *args, **kwargs):
+        state = self.state
         try:
-            tokens = args[0] if args else kwargs["tokens"]
-            on_prompt_eval(state, int(instance.n_tokens), len(tokens))
+            if CALLS.of(self.llama) is state:
+                self.remove()
+                tokens = args[0] if args else kwargs["tokens"]
+                on_prompt_eval(state, int(self.llama.n_tokens), len(tokens))
         except Exception:
             FAILURES.count("eval", state.recorder)
-    return wrapped(*args, **kwargs)
+        return self.engine_eval(*args, **kwargs)
+
+    def remove(self) -> None:
+        """Put back what ``llama.eval`` was on the instance (idempotent; leaves a later replacement alone)."""
+        attributes = vars(self.llama)
+        if attributes.get("eval") is self:
+            if self.previous is _NOT_SHADOWED:
+                del attributes["eval"]
+            else:
+                attributes["eval"] = self.previous
+        if self.state.unwatch_eval == self.remove:
+            self.state.unwatch_eval = None
+
+
+def watch_first_eval(state: CallState, llama: Any) -> None:
+    """Have the request's first ``llama.eval`` call :func:`on_prompt_eval`, at no cost to later calls."""
+    watch = FirstEvalWatch(state, llama)
+    vars(llama)["eval"] = watch
+    state.unwatch_eval = watch.remove
 
 
 def on_prompt_eval(state: CallState, kept: int, evaluated: int) -> None:
     """The first ``eval`` of a request: ``kept`` tokens stay in the KV cache, ``evaluated`` are computed."""
-    state.prompt_evaluated = True
     record = state.record
     prompt_len = len(state.prompt or ())
     record.reused_tokens = kept

@@ -150,6 +150,41 @@ def test_the_sampling_parameters_handed_to_the_sampler_are_recorded(spans):
     assert sampling["repeat_penalty"] == 1.0 and sampling["penalty_last_n"] == 64 and sampling["grammar"] is False
 
 
+def test_eval_is_watched_only_until_the_prompt_is_evaluated(spans):
+    """``eval`` runs once per token, so it is not wrapped: the first one is caught from ``generate``."""
+    llm = Llama()
+    evals = []
+    engine_eval = llm.eval
+
+    def counting_eval(tokens):  # the user's own instance-level eval, kept through the request
+        evals.append(list(tokens))
+        return engine_eval(tokens)
+
+    llm.eval = counting_eval
+    tokens = llm.create_completion(PROMPT, max_tokens=4)["choices"][0]["tokens"]
+    ((attrs, _),) = spans()
+    assert attrs[sc.CACHE_RECOMPUTED_TOKENS] == len(PROMPT) and attrs[sc.CACHE_REUSED_TOKENS] == 0
+    assert evals == [PROMPT] + [[t] for t in tokens[:-1]]  # every eval reached the user's, once
+    assert vars(llm)["eval"] is counting_eval and type(llm).eval is FakeLlama.eval  # nothing of kvtrace's left
+
+
+def test_a_request_that_ends_before_the_engine_evaluates_leaves_eval_as_it_was(memory_recorder):
+    from kvtrace.patches.llama_cpp import request, reuse
+    from kvtrace.patches.llama_cpp.calls import CALLS
+
+    llm = Llama()
+    state = request.begin(llm, sc.OPERATION_TEXT_COMPLETION, {})
+    token = CALLS.bind(state)
+    try:
+        llm.generate(PROMPT)  # a generator: its body, and so the first eval, has not run
+        assert isinstance(vars(llm)["eval"], reuse.FirstEvalWatch)
+    finally:
+        CALLS.unbind(token)
+    request.end(state, error=RuntimeError("cancelled before decoding"))
+    assert "eval" not in vars(llm) and state.unwatch_eval is None
+    assert errors(memory_recorder) == 0
+
+
 # --- sampling: top-two margins --------------------------------------------------------------
 
 
