@@ -61,7 +61,7 @@ def run(args) -> int:
     print_report(build_report(client, plan, outcome), sys.stdout)
 
     for fmt in plan.formats:
-        run_a, run_b = plan.run_id(fmt, "reuse", 0, "canonical"), plan.run_id(fmt, "off", 0, "canonical")
+        run_a, run_b = plan.run_id(plan.key(fmt, "reuse")), plan.run_id(plan.key(fmt, "off"))
         detokenize = gguf_detokenizer(models[fmt])
         diff = diff_runs(client, run_a, run_b, detokenize=detokenize)
         output_forks = [f for f in diff.forks if f.kind == "output"]
