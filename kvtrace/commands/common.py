@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import sys
 
+from kvtrace import progress
 from kvtrace.config import default_database_url, default_spool_dir
 from kvtrace.errors import SchemaMissing
+from kvtrace.progress import Progress
 
 
-def progress_printer(args):
-    """Progress lines on stderr (only to a terminal, never with --quiet)."""
-    if getattr(args, "quiet", False) or not sys.stderr.isatty():
-        return lambda message: None
-
-    def show(message: str) -> None:
-        sys.stderr.write("\r\033[K" + message[:150])
-        sys.stderr.flush()
-
-    return show
+def progress_printer(args) -> Progress:
+    """Progress on stderr: a bar on a terminal, a log line every few seconds otherwise, none with --quiet."""
+    return progress.for_stderr(quiet=getattr(args, "quiet", False))
 
 
 def open_database(args, ingest: bool = True):
