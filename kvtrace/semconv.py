@@ -241,10 +241,8 @@ IMPORT_SOURCE = "kvtrace.import.source"
 # and flip_rate_by_margin.
 
 INTERVAL_WILSON = "wilson"
-"""Every episode contributes one yes/no sample: Wilson score interval of k/n."""
-INTERVAL_WILSON_EPISODES = "wilson over episodes"
-"""Every episode shows the same rate (e.g. no flip in any): resampling episodes shows no spread, so the
-Wilson interval of the rate with n = episodes."""
+"""Wilson score interval of k/n over the samples: every episode is one yes/no sample, or every episode
+shows the same rate (e.g. no flip anywhere), so there is no spread between episodes to resample."""
 INTERVAL_CLUSTER_BOOTSTRAP = "cluster bootstrap"
 """Episodes contribute several samples (orders that differ, repeats that differ, token positions):
 episodes are resampled with replacement (percentile interval of 2000 resamples)."""

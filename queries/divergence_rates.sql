@@ -16,8 +16,8 @@
 --   ci_low / ci_high: 95 % interval over episodes (queries/shared/cluster_interval.sql): Wilson when
 --   each episode is one yes/no sample, else a cluster bootstrap over episodes; interval_method says
 --   which. median fork turn / position are over forked samples (NaN when none forked; position -1
---   when outputs could only be compared by hash or the fork was a prompt mismatch); mean_cached_tokens is the mean reused prompt
---   tokens per request over the configuration's runs.
+--   when outputs could only be compared by hash or the fork was a prompt mismatch); mean_cached_tokens
+--   is the mean reused prompt tokens per request over the configuration's runs.
 --   Optional scope (what alert rules use): only requests with since <= Timestamp < until and the
 --   given engine / model / weight format ('' = any).
 -- params: run_prefix String = '', baseline_arm String = '', since DateTime64(3) = '1970-01-01 00:00:00',
@@ -123,7 +123,7 @@ sample_forks AS (
            compared_with, episode_id, run_a, run_b,
            max(differs) AS forked,
            argMinIf(turn, turn, differs) AS fork_turn,
-           argMinIf(position, turn, differs) AS fork_position
+           argMinIf(position, turn, differs) AS first_fork_position
     FROM compared
     GROUP BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
              compared_with, episode_id, run_a, run_b
@@ -136,7 +136,7 @@ episodes AS (
            if({baseline_arm:String} = '', toFloat64(max(forked)), avg(forked)) AS forked_share,
            max(forked) AS any_forked,
            groupArrayIf(fork_turn, forked = 1) AS fork_turns,
-           groupArrayIf(fork_position, forked = 1) AS fork_positions
+           groupArrayIf(first_fork_position, forked = 1) AS fork_positions
     FROM sample_forks
     GROUP BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
              compared_with, episode_id

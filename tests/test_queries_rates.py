@@ -181,11 +181,11 @@ def test_flip_rate_counts_each_distinct_position_once(client):
     assert tie["interval_method"] == sc.INTERVAL_WILSON  # one position per episode in this bin
     assert (tie["ci_low"], tie["ci_high"]) == pytest.approx(wilson(4, 10))
     # Margins >= 1: position 0 of every hit, position 3 of the six that did not fork; none flipped,
-    # so no episode differs from another and the interval is Wilson over the 10 episodes.
+    # so no episode differs from another: nothing to resample, Wilson over the 16 positions.
     top = once[">=1"]
     assert (top["episodes"], top["positions"], top["flips"]) == (10, 16, 0)
-    assert top["interval_method"] == sc.INTERVAL_WILSON_EPISODES
-    assert (top["ci_low"], top["ci_high"]) == pytest.approx(wilson(0, 10))
+    assert top["interval_method"] == sc.INTERVAL_WILSON
+    assert (top["ci_low"], top["ci_high"]) == pytest.approx(wilson(0, 16))
     assert "[0.1,0.3)" not in once
 
 

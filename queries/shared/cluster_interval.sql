@@ -4,11 +4,10 @@
 -- by the cluster key, so the same data always gives the same interval): its numerator and
 -- denominator; the rate is sum(nums) / sum(dens). Needs shared_wilson_interval before it.
 --   rate_interval_method(nums, dens):
---     INTERVAL_WILSON when every cluster is one yes/no sample (den 1, num 0 or 1): the Wilson score
---       interval of k/n;
---     INTERVAL_WILSON_EPISODES when every cluster shows the same rate (e.g. no flip anywhere):
---       resampling cannot show any spread, so the Wilson interval of the rate with n = clusters
---       (as if each episode were one sample: the conservative end of the design effect);
+--     INTERVAL_WILSON when every cluster is one yes/no sample (den 1, num 0 or 1), or when every
+--       cluster shows the same rate (e.g. no flip anywhere: resampling clusters cannot show any
+--       spread, and nothing shows the samples to be correlated): the Wilson score interval of k/n
+--       over the samples (n = sum(dens));
 --     INTERVAL_CLUSTER_BOOTSTRAP otherwise: clusters drawn with replacement, 2000 resamples,
 --       percentile interval (2.5 % and 97.5 %); the draws are a hash of (resample, slot), so the
 --       interval is deterministic
@@ -18,12 +17,11 @@
     arrayMap(resample -> cluster_draw(length(nums), resample), range(2000)))) AS cluster_bootstrap_rates,
 (nums, dens) -> arrayAll(x -> x = 0 OR x = 1, nums) AND arrayAll(d -> d = 1, dens) AS one_sample_per_cluster,
 (nums, dens) -> arrayAll((x, d) -> x * dens[1] = nums[1] * d, nums, dens) AS same_rate_per_cluster,
-(nums, dens) -> multiIf(one_sample_per_cluster(nums, dens), '${INTERVAL_WILSON}',
-    same_rate_per_cluster(nums, dens), '${INTERVAL_WILSON_EPISODES}', '${INTERVAL_CLUSTER_BOOTSTRAP}')
-    AS rate_interval_method,
+(nums, dens) -> if(one_sample_per_cluster(nums, dens) OR same_rate_per_cluster(nums, dens), '${INTERVAL_WILSON}',
+    '${INTERVAL_CLUSTER_BOOTSTRAP}') AS rate_interval_method,
 (nums, dens) -> if(one_sample_per_cluster(nums, dens) OR same_rate_per_cluster(nums, dens),
-    wilson_low(arraySum(nums) / arraySum(dens), length(dens)), cluster_bootstrap_rates(nums, dens)[50])
+    wilson_low(arraySum(nums) / arraySum(dens), arraySum(dens)), cluster_bootstrap_rates(nums, dens)[50])
     AS rate_interval_low,
 (nums, dens) -> if(one_sample_per_cluster(nums, dens) OR same_rate_per_cluster(nums, dens),
-    wilson_high(arraySum(nums) / arraySum(dens), length(dens)), cluster_bootstrap_rates(nums, dens)[1951])
+    wilson_high(arraySum(nums) / arraySum(dens), arraySum(dens)), cluster_bootstrap_rates(nums, dens)[1951])
     AS rate_interval_high,
