@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Optional, TextIO
 
+from kvtrace.errors import ConfigError
+
 LOG_INTERVAL_ENV = "KVTRACE_PROGRESS_SECONDS"
 DEFAULT_LOG_INTERVAL = 30.0
 
@@ -123,13 +125,17 @@ def _duration(seconds: float) -> str:
 
 
 def log_interval() -> float:
-    """Seconds between log lines: ``KVTRACE_PROGRESS_SECONDS`` or 30."""
-    raw = os.environ.get(LOG_INTERVAL_ENV, "")
+    """Seconds between log lines: ``KVTRACE_PROGRESS_SECONDS`` (a number >= 0) or 30."""
+    raw = os.environ.get(LOG_INTERVAL_ENV, "").strip()
+    if not raw:
+        return DEFAULT_LOG_INTERVAL
     try:
         value = float(raw)
     except ValueError:
-        return DEFAULT_LOG_INTERVAL
-    return value if value >= 0 else DEFAULT_LOG_INTERVAL
+        value = -1.0
+    if not (0 <= value < float("inf")):
+        raise ConfigError(f"{LOG_INTERVAL_ENV}={raw!r}: give the seconds between progress lines, a number >= 0")
+    return value
 
 
 def for_stderr(quiet: bool = False) -> Progress:

@@ -7,8 +7,9 @@ are dimensions of the grid (n_ubatch 1 makes every cache arm agree with `off`, a
 bytes restores nothing); interleaved episodes make the prompt cache restore other episodes' states,
 which plain reuse never does; the restore control is reported as a control; a seed fixes the results.
 
-F16 is the format that forks here: with llama.cpp's weight repack off, quantized formats decode and
-prefill with the same kernels on the CPUs these tests run on.
+Q8_0 with flash attention is what forks here: with llama.cpp's weight repack off (how kvtrace loads
+models), quantized matrix products decode and prefill alike on the CPUs these tests run on, while
+flash attention takes a different path for one token than for a batch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 from kvtrace import queries  # noqa: E402
+from kvtrace import semconv as sc  # noqa: E402
 from kvtrace.analysis.forks import diff_runs  # noqa: E402
 from kvtrace.collectors.ingest import ingest_paths  # noqa: E402
 from kvtrace.experiment import Plan, run_experiment  # noqa: E402
@@ -28,13 +30,15 @@ from kvtrace.experiment.report import build_report  # noqa: E402
 from kvtrace.experiment.workload import episode_order, make_episodes  # noqa: E402
 
 CACHE_EVENTS = {"kvtrace.cache.reuse", "kvtrace.cache.restore", "kvtrace.cache.lookup"}
-SETTINGS = "b256.ub256.fa-off.kv-f16"
+SETTINGS = "b256.ub256.fa-on.kv-f16"
+UBATCH_1 = "b256.ub1.fa-on.kv-f16"
 
 
 @pytest.fixture
 def experiment(llama_patched, spool_recorder, spool_dir, db):
     def run(**overrides):
-        params = dict(formats=("F16",), arms=("off", "reuse"), episodes=12, turns=4, tokens=16, seed=3)
+        params = dict(formats=("Q8_0",), arms=("off", "reuse"), episodes=12, turns=4, tokens=16, seed=1,
+                      flash_attn=("on",))
         params.update(overrides)
         plan = Plan(**params)
         outcome = run_experiment(plan, generated_models("tiny", plan.formats))
@@ -78,7 +82,7 @@ def test_every_generated_token_stays_in_the_conversation(make_llama, llama_patch
         tokens.add_turn(prompt, output, f"\nObservation {turn}: ok\nAgent:")
         text.add_turn(text.prompt(), output, f"\nObservation {turn}: ok\nAgent:")
         (recorded, _, _) = finished_requests(memory_recorder)[-1]
-        generated = json.loads(recorded["kvtrace.output.token_ids"])
+        generated = list(recorded[sc.OUTPUT_TOKEN_IDS])
         assert len(generated) == 12
         # tokens: prompt + every generated id (the last one too) + the observation's tokens
         assert tokens.prompt()[:len(prompt) + 12] == prompt + generated
@@ -101,16 +105,16 @@ def test_off_repeats_are_identical_and_count_once(experiment):
 def test_reuse_forks_against_off_and_each_forked_episode_has_a_culprit_cache_event(experiment, db):
     plan, _, report = experiment()
     (cross,) = against(report, "reuse")
-    assert cross["n_forked"] > 0, "this seed forks with prefix reuse on the tiny F16 model"
+    assert cross["n_forked"] > 0, "this seed forks with prefix reuse on the tiny Q8_0 model"
     assert (cross["n_episodes"], cross["interval"]) == (12, "wilson")
     assert cross["ci95"][0] <= cross["rate"] <= cross["ci95"][1]
     assert cross["mean_cached_tokens"] > 0
-    diff = diff_runs(db, plan.run_id(plan.key("F16", "reuse")), plan.run_id(plan.key("F16", "off")))
+    diff = diff_runs(db, plan.run_id(plan.key("Q8_0", "reuse")), plan.run_id(plan.key("Q8_0", "off")))
     assert len(diff.forks) == cross["n_forked"]
     for fork in diff.forks:
         assert fork.attribution == "hit_vs_recompute"
         assert fork.culprit is not None and fork.culprit.event in CACHE_EVENTS
-    assert report["attribution"] == {f"F16/{SETTINGS}/reuse": {"forked_episodes": cross["n_forked"],
+    assert report["attribution"] == {f"Q8_0/{SETTINGS}/reuse": {"forked_episodes": cross["n_forked"],
                                                               "labels": {"hit_vs_recompute": cross["n_forked"]}}}
 
 
@@ -118,14 +122,14 @@ def test_engine_knobs_are_dimensions_of_the_grid(experiment, db):
     plan, _, report = experiment(arms=("off", "reuse", "prompt-cache"), n_ubatch=(256, 1), cache_ram=(0, 1 << 30),
                                  episodes=8, turns=3)
     runs = {r["run_id"] for r in report["runs"]}
-    assert f"{plan.prefix}/F16/b256.ub1.fa-off.kv-f16/prompt-cache-1GiB/r0/canonical" in runs
+    assert f"{plan.prefix}/Q8_0/{UBATCH_1}/prompt-cache-1GiB/r0/canonical" in runs
     assert len(runs) == 2 * (2 + 2)  # per n_ubatch: off, reuse and the prompt cache at two sizes
     rows = {(p["settings"], p["arm_a"]): p for p in report["pairs"]}
-    assert set(rows) == {(s, a) for s in (SETTINGS, "b256.ub1.fa-off.kv-f16")
+    assert set(rows) == {(s, a) for s in (SETTINGS, UBATCH_1)
                          for a in ("reuse", "prompt-cache-0", "prompt-cache-1GiB")}
     # A micro-batch of one token: prefill and decode use the same kernels, so caching changes nothing.
     for arm in ("reuse", "prompt-cache-0", "prompt-cache-1GiB"):
-        assert rows[("b256.ub1.fa-off.kv-f16", arm)]["n_forked"] == 0
+        assert rows[(UBATCH_1, arm)]["n_forked"] == 0
     # A prompt cache that holds nothing restores nothing: the arm recomputes like `off`.
     assert rows[(SETTINGS, "prompt-cache-0")]["mean_cached_tokens"] == 0
     assert rows[(SETTINGS, "prompt-cache-0")]["n_forked"] == 0
@@ -137,10 +141,10 @@ def test_engine_knobs_are_dimensions_of_the_grid(experiment, db):
 def test_interleaved_episodes_make_the_prompt_cache_restore_other_episodes_state(experiment, db):
     plan, _, report = experiment(arms=("off", "reuse", "prompt-cache"), schedule="interleaved", episodes=6, turns=3)
     rows = {p["arm_a"]: p for p in report["pairs"]}
-    # In-context reuse holds only the previous request, another episode's: little beyond the system
-    # prompt is reused. The prompt cache keeps every episode's last state and restores it.
-    assert rows["prompt-cache-1GiB"]["mean_cached_tokens"] > 2 * rows["reuse"]["mean_cached_tokens"]
-    cache_run, reuse_run = plan.run_id(plan.key("F16", "prompt-cache")), plan.run_id(plan.key("F16", "reuse"))
+    # In-context reuse holds only the previous request, another episode's: no more than the shared
+    # system prompt is reused. The prompt cache keeps every episode's last state and restores it.
+    assert rows["prompt-cache-1GiB"]["mean_cached_tokens"] > rows["reuse"]["mean_cached_tokens"]
+    cache_run, reuse_run = plan.run_id(plan.key("Q8_0", "prompt-cache")), plan.run_id(plan.key("Q8_0", "reuse"))
     sources = []
     for episode in make_episodes(plan.episodes, plan.seed):
         columns, found = queries.run(db, "episode_timeline", {"run_a": cache_run, "run_b": reuse_run,
@@ -174,7 +178,8 @@ def test_the_prompt_cache_counts_every_byte_of_the_states_it_holds(make_llama):
     from kvtrace.experiment.caches import BoundedRAMCache, state_bytes
 
     llm = make_llama()
-    one_state = state_bytes(llm.save_state())
+    llm.create_completion(llm.tokenize(b"episode 9 says"), max_tokens=4, temperature=0.0)
+    one_state = state_bytes(llm.save_state())  # what each request below stores
     cache = BoundedRAMCache(capacity_bytes=int(2.5 * one_state))
     llm.set_cache(cache)
     for i in range(5):

@@ -117,6 +117,8 @@ def run(args) -> int:
     from kvtrace.experiment.report import build_report, print_report
 
     require_llama()
+    if args.plot:
+        require_plot_extra()
     plan = plan_from_args(args)
     progress = progress_printer(args)
     models = prepare_models(args, plan, progress)
@@ -133,21 +135,22 @@ def run(args) -> int:
     else:
         print_report(report, sys.stdout)
     if args.plot:
-        write_plot_or_say_why(report, args.plot)
+        from kvtrace.experiment import plot
+
+        written = plot.write_plot(report, args.plot)
+        print(f"kvtrace: wrote {written}" if written else "kvtrace: no plot written: no compared pair has a rate",
+              file=sys.stderr)
     return 130 if outcome.interrupted else 0
 
 
-def write_plot_or_say_why(report: dict, path: Path) -> None:
-    """The plot is an extra: without matplotlib the command says how to get it and carries on."""
-    from kvtrace.experiment import plot
+def require_plot_extra() -> None:
+    """Checked before any pass runs: a plot asked for must not be found missing after an hour's run."""
+    from kvtrace.experiment.plot import INSTALL_HINT
 
     try:
-        written = plot.write_plot(report, path)
+        import matplotlib  # noqa: F401
     except ImportError:
-        print(f"kvtrace: no plot written: it needs matplotlib ({plot.INSTALL_HINT})", file=sys.stderr)
-        return
-    print(f"kvtrace: wrote {written}" if written else "kvtrace: no plot written: no compared pair has a rate",
-          file=sys.stderr)
+        raise ConfigError(f"--plot needs matplotlib ({INSTALL_HINT}), or leave --plot out") from None
 
 
 def require_llama() -> None:

@@ -69,27 +69,28 @@ def divergence_figure(report: dict):
     panel_width = max(3.0, 0.75 * most_bars + 1.2, 0.1 * longest_title + 0.8)  # titles and ticks never overlap
     fig = Figure(figsize=(columns * panel_width, rows * 3.3 + 0.8), layout="constrained")
     axes = list(fig.subplots(rows, columns, sharey=True, squeeze=False).flat)
-    for ax, ((arm_a, arm_b), pairs) in zip(axes, panels.items()):
+    # One scale for every panel, tall enough for the highest interval: small rates stay visible.
+    y_top = min(1.15, max(0.25, 1.3 * max((p["ci95"][1] or p["rate"]) for pairs in panels.values() for p in pairs)))
+    for i, (ax, ((arm_a, arm_b), pairs)) in enumerate(zip(axes, panels.items())):
         bars = sorted(pairs, key=order)
         rates = [p["rate"] for p in bars]
         low = [p["rate"] - (p["ci95"][0] if p["ci95"][0] is not None else p["rate"]) for p in bars]
         high = [(p["ci95"][1] if p["ci95"][1] is not None else p["rate"]) - p["rate"] for p in bars]
         ax.bar(range(len(bars)), rates, yerr=[low, high], capsize=4, color="tab:blue", error_kw={"elinewidth": 1})
-        for x, (p, top) in enumerate(zip(bars, high)):
-            ax.annotate(f"{p['n_forked']}/{p['n_episodes']}", (x, p["rate"] + top), xytext=(0, 3),
+        for x, (p, above) in enumerate(zip(bars, high)):
+            ax.annotate(f"{p['n_forked']}/{p['n_episodes']}", (x, p["rate"] + above), xytext=(0, 3),
                         textcoords="offset points", ha="center", fontsize=8)
         ax.set_xticks(range(len(bars)), [_bar_label(p, varying) for p in bars], fontsize=8)
         ax.set_title(f"{arm_a} vs {arm_b}", fontsize=10)
-        ax.set_ylim(0, 1.15)
-        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+        ax.set_ylim(0, y_top)
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
         ax.grid(axis="y", alpha=0.3)
+        if i % columns == 0:
+            ax.set_ylabel("episodes forked")
+        if i + columns >= len(panels):  # no panel below this one
+            ax.set_xlabel("weight format" + (" / engine setting" if varying else ""), fontsize=8, color="dimgray")
     for ax in axes[len(panels):]:
         ax.remove()  # grid cells left over when the panels don't fill the last row
-    for ax in fig.axes:
-        if ax.get_subplotspec().is_first_col():
-            ax.set_ylabel("episodes forked")
-        if ax.get_subplotspec().is_last_row():
-            ax.set_xlabel("weight format" + (" / engine setting" if varying else ""), fontsize=8, color="dimgray")
     fig.suptitle(f"{report['prefix']}: episodes that forked against off, {report['episodes']} episodes x "
                  f"{report['turns']} turns (95 % interval over episodes; label forked/episodes)", fontsize=10)
     return fig

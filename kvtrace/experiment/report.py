@@ -62,7 +62,17 @@ def _rate_row(r: dict) -> dict:
 def _rates(client, plan: Plan, baseline: str) -> list[dict]:
     columns, rows = queries.run(client, "divergence_rates", {"run_prefix": plan.prefix + "/", "baseline_arm": baseline})
     found = [_rate_row(dict(zip(columns, row))) for row in rows]
-    return [r for r in found if CONTROL_ARM not in (r["arm"], r["arm_b"])]
+    return sorted((r for r in found if CONTROL_ARM not in (r["arm"], r["arm_b"])), key=lambda r: _plan_order(plan, r))
+
+
+def _plan_order(plan: Plan, row: dict) -> tuple:
+    """Rows in the order the plan names formats, engine settings, arms and cache sizes."""
+    def index(values: list, value) -> int:
+        return values.index(value) if value in values else len(values)
+
+    return (index(list(plan.formats), row["format"]), index([s.label for s in plan.engine_settings()], row["settings"]),
+            index(list(plan.arms), row["arm"]), index([format_bytes(c) for c in plan.cache_ram], row["cache"]),
+            row["format"], row["settings"], row["arm_a"])
 
 
 def divergence(client, plan: Plan) -> list[dict]:
@@ -138,7 +148,9 @@ def build_report(client, plan: Plan, outcome: Outcome) -> dict:
 
 
 def _pct(value: Optional[float]) -> str:
-    return "n/a" if value is None else f"{value:.1%}" if 0 < value < 0.1 else f"{value:.0%}"
+    if value is None:
+        return "n/a"
+    return f"{value:.1%}" if 0.0005 <= value < 0.1 else f"{value:.0%}"
 
 
 def _interval(ci: list) -> str:
