@@ -93,7 +93,7 @@ def test_every_generated_token_stays_in_the_conversation(make_llama, llama_patch
 def test_off_repeats_are_identical_and_count_once(experiment):
     _, outcome, report = experiment(arms=("off", "reuse"), repeats=2, orders=("canonical", "shuffled"), episodes=6,
                                     turns=3)
-    (off,) = [r for r in report["repeats"] if r["arm"] == "off"]
+    (off,) = [r for r in report["repeat_agreement"] if r["arm"] == "off"]
     assert (off["runs"], off["n_episodes"], off["n_forked"]) == (4, 6, 0)
     (reuse,) = against(report, "reuse")
     assert (reuse["runs"], reuse["compared_runs"], reuse["n_episodes"]) == (4, 4, 6)
@@ -160,7 +160,7 @@ def test_the_restore_control_is_a_control_not_an_arm(experiment):
     _, outcome, report = experiment(arms=("off", "restore"), episodes=4, turns=3)
     assert report["control"] == {"arm": "restore-replay", "checked": 12, "reproduced": 12, "mismatches": []}
     assert {p["arm_a"] for p in report["pairs"]} == {"restore"}
-    assert all(r["arm"] != "restore-replay" for r in report["repeats"])
+    assert all(r["arm"] != "restore-replay" for r in report["repeat_agreement"])
 
 
 def test_same_seed_gives_the_same_results(experiment):

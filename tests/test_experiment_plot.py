@@ -6,6 +6,7 @@ any pass runs, and says how to get the plot."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -23,16 +24,20 @@ def experiment(formats: str, *options: str) -> list[str]:
             "--tokens", "8", *options]
 
 
-def test_the_plot_has_one_panel_per_compared_pair_with_the_reports_rates_and_intervals(capsys, tmp_path):
+def test_the_plot_has_one_panel_per_compared_pair_with_the_reports_rates_and_intervals(capsys, tmp_path,
+                                                                                       monkeypatch):
     pytest.importorskip("matplotlib")
     from matplotlib.container import ErrorbarContainer
 
+    monkeypatch.setenv("KVTRACE_PROGRESS_SECONDS", "0")  # a progress line for every message
     png = tmp_path / "rates.png"
     assert main(experiment("F32,F16", "--arms", "off,reuse,prompt-cache", "--n-ubatch", "256,1", "--format", "json",
                            "--plot", str(png))) == 0
     captured = capsys.readouterr()
     report = json.loads(captured.out)
     assert f"kvtrace: wrote {png}" in captured.err
+    # No terminal here: progress comes as log lines with the turns done, the share and an ETA.
+    assert re.search(r"^kvtrace: \S+ \d+/72 turns \(\d+%\), \d+s elapsed, ETA \d+s", captured.err, re.M)
     assert png.read_bytes()[:8] == PNG_SIGNATURE
 
     figure = divergence_figure(report)  # the figure the PNG was drawn from

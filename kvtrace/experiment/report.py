@@ -80,7 +80,7 @@ def divergence(client, plan: Plan) -> list[dict]:
     return _rates(client, plan, BASELINE_ARM) if BASELINE_ARM in plan.arms else []
 
 
-def repeats(client, plan: Plan) -> list[dict]:
+def repeat_agreement(client, plan: Plan) -> list[dict]:
     """Per configuration with several runs in one order: on how many episodes its repeats differ."""
     return _rates(client, plan, "")
 
@@ -140,7 +140,7 @@ def build_report(client, plan: Plan, outcome: Outcome) -> dict:
                     "reproduced": outcome.restore_checks - len(outcome.restore_mismatches),
                     "mismatches": outcome.restore_mismatches},
         "pairs": divergence(client, plan),
-        "repeats": repeats(client, plan),
+        "repeat_agreement": repeat_agreement(client, plan),
         "attribution": attribution_counts(client, outcome),
         "margin_shift": saved(client, "margin_shift", plan),
         "flip_rate_by_margin": flip_rates(client, plan),
@@ -177,9 +177,9 @@ def print_report(report: dict, out: TextIO) -> None:
     out.write("n counts distinct episodes: runs that repeat an episode bit for bit count once. wilson: one "
               "yes/no per episode; cluster bootstrap: an episode has several distinct samples (orders or "
               "repeats that differ), resampled by episode.\n")
-    if report["repeats"]:
+    if report["repeat_agreement"]:
         out.write("\nrepeats (same arm, same episode order):\n")
-        for p in report["repeats"]:
+        for p in report["repeat_agreement"]:
             what = (f"identical on all {p['n_episodes']} episodes" if not p["n_forked"] else
                     f"differ on {p['n_forked']}/{p['n_episodes']} episodes ({_interval(p['ci95'])}): "
                     f"nondeterminism outside the cache")
