@@ -30,7 +30,8 @@ def test_experiment_json_has_one_entry_per_compared_pair_and_one_per_repeated_ar
     captured = capsys.readouterr()
     report = json.loads(captured.out)
     (pair,) = report["pairs"]
-    assert (pair["arm_a"], pair["arm_b"], pair["format"], pair["n_episodes"], pair["runs"]) == ("reuse", "off", "Q8_0", 4, 2)
+    assert (pair["arm_a"], pair["arm_b"], pair["format"], pair["n_episodes"], pair["runs"]) == (
+        "reuse", "off", "Q8_0", 4, 2)
     assert {"settings", "n_forked", "rate", "ci95", "interval", "samples"} <= set(pair)
     repeats = {p["arm"]: p for p in report["repeat_agreement"]}
     assert set(repeats) == {"off", "reuse"}

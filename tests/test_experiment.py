@@ -15,6 +15,8 @@ flash attention takes a different path for one token than for a batch.
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -156,11 +158,15 @@ def test_interleaved_episodes_make_the_prompt_cache_restore_other_episodes_state
     assert any(source == episode for episode, source in sources)
 
 
-def test_the_restore_control_is_a_control_not_an_arm(experiment):
-    _, outcome, report = experiment(arms=("off", "restore"), episodes=4, turns=3)
+def test_the_restore_control_is_a_control_not_an_arm_and_the_disk_cache_an_arm(experiment):
+    scratch = set(Path(tempfile.gettempdir()).glob("kvtrace-disk-cache-*"))
+    _, outcome, report = experiment(arms=("off", "restore", "disk-cache"), episodes=4, turns=3)
     assert report["control"] == {"arm": "restore-replay", "checked": 12, "reproduced": 12, "mismatches": []}
-    assert {p["arm_a"] for p in report["pairs"]} == {"restore"}
+    assert {p["arm_a"] for p in report["pairs"]} == {"restore", "disk-cache-1GiB"}
     assert all(r["arm"] != "restore-replay" for r in report["repeat_agreement"])
+    # The disk cache restored stored states, and its directory went with its pass.
+    assert {p["arm_a"]: p for p in report["pairs"]}["disk-cache-1GiB"]["mean_cached_tokens"] > 0
+    assert set(Path(tempfile.gettempdir()).glob("kvtrace-disk-cache-*")) <= scratch
 
 
 def test_same_seed_gives_the_same_results(experiment):

@@ -148,7 +148,7 @@ def require_plot_extra() -> None:
     from kvtrace.experiment.plot import INSTALL_HINT
 
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401  (only whether it imports)
     except ImportError:
         raise ConfigError(f"--plot needs matplotlib ({INSTALL_HINT}), or leave --plot out") from None
 

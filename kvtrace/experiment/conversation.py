@@ -10,7 +10,7 @@ exactly (an idealized harness, and the only way to feed back an output that is n
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
@@ -44,7 +44,8 @@ class TokenConversation:
             + self.llm.tokenize(observation.encode(), add_bos=False)
 
 
-CONVERSATIONS = {"text": TextConversation, "tokens": TokenConversation}
+Conversation = Union[TextConversation, TokenConversation]
+CONVERSATIONS: dict[str, type] = {"text": TextConversation, "tokens": TokenConversation}
 
 
 def completion_token_ids(llm: Any, prompt: list[int], output: dict) -> list[int]:

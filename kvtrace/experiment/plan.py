@@ -186,5 +186,6 @@ class Plan:
                        repeat, order)
 
     def run_id(self, key: PassKey) -> str:
-        """``PREFIX/FORMAT/SETTINGS/ARM[-CACHE]/rREPEAT/ORDER``, e.g. ``exp/Q8_0/b256.ub256.fa-off.kv-f16/prompt-cache-1GiB/r0/canonical``."""
+        """``PREFIX/FORMAT/SETTINGS/ARM[-CACHE]/rREPEAT/ORDER``, e.g.
+        ``exp/Q8_0/b256.ub256.fa-off.kv-f16/prompt-cache-1GiB/r0/canonical``."""
         return f"{self.prefix}/{key.format}/{key.settings.label}/{key.arm_label}/r{key.repeat}/{key.order}"

@@ -97,7 +97,8 @@ def attribution_counts(client, outcome: Outcome) -> dict[str, dict[str, Any]]:
     known = set(row[0] for row in queries.run(client, "runs")[1])
     labels: dict[str, dict[str, set]] = collections.defaultdict(lambda: collections.defaultdict(set))
     for r in outcome.runs:
-        off = baseline.get((r["format"], r["settings"], r["repeat"], r["order"])) or baseline.get((r["format"], r["settings"]))
+        off = (baseline.get((r["format"], r["settings"], r["repeat"], r["order"]))
+               or baseline.get((r["format"], r["settings"])))
         if r["arm"] == BASELINE_ARM or not off or r["run_id"] not in known or off not in known:
             continue
         arm = r["arm"] if r["cache_ram"] is None else f"{r['arm']}-{format_bytes(r['cache_ram'])}"
@@ -202,8 +203,9 @@ def print_report(report: dict, out: TextIO) -> None:
     control = report["control"]
     if control["checked"]:
         bad = control["mismatches"]
+        verdict = ": differed " + ", ".join(bad[:5]) if bad else " (each cache path is deterministic)"
         out.write(f"\nrestore control: {control['reproduced']:,}/{control['checked']:,} requests reproduced from a "
-                  f"saved state{': differed ' + ', '.join(bad[:5]) if bad else ' (each cache path is deterministic)'}\n")
+                  f"saved state{verdict}\n")
     peak = report["peak_rss_bytes"]
     out.write(f"\n{report['requests']:,} requests in {report['seconds']:.0f} s"
               + (f"; peak resident memory of an engine pass {peak / 2**20:.0f} MiB" if peak else "") + "\n")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from kvtrace import correlate
-from kvtrace.experiment.conversation import CONVERSATIONS
+from kvtrace.experiment.conversation import CONVERSATIONS, Conversation
 from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT, PassDied, PassResult, PassSpec, run_isolated
 from kvtrace.experiment.plan import CACHE_ARMS, CONTROL_ARM, RESET_ARMS, PassKey, Plan, format_bytes
 from kvtrace.experiment.workload import Episode, episode_order, make_episodes
@@ -139,7 +139,7 @@ class _Agent:
     """One episode in flight: its environment and its conversation so far."""
 
     episode: Episode
-    conversation: object
+    conversation: Conversation
     done: bool = False
 
 

@@ -13,7 +13,8 @@
 --       interval is deterministic
 --   rate_interval_low(nums, dens), rate_interval_high(nums, dens): the interval's ends
 (n, resample) -> arrayMap(slot -> toUInt32(sipHash64(resample, slot) % n) + 1, range(n)) AS cluster_draw,
-(nums, dens) -> arraySort(arrayMap(draw -> arraySum(arrayMap(i -> nums[i], draw)) / arraySum(arrayMap(i -> dens[i], draw)),
+(nums, dens) -> arraySort(arrayMap(
+    draw -> arraySum(arrayMap(i -> nums[i], draw)) / arraySum(arrayMap(i -> dens[i], draw)),
     arrayMap(resample -> cluster_draw(length(nums), resample), range(2000)))) AS cluster_bootstrap_rates,
 (nums, dens) -> arrayAll(x -> x = 0 OR x = 1, nums) AND arrayAll(d -> d = 1, dens) AS one_sample_per_cluster,
 (nums, dens) -> arrayAll((x, d) -> x * dens[1] = nums[1] * d, nums, dens) AS same_rate_per_cluster,
