@@ -236,6 +236,17 @@ PROMPT_HASH_SOURCE_REQUEST_TEXT = "request_text"
 IMPORT_SOURCE = "kvtrace.import.source"
 """File name and line number an imported request came from (``log.jsonl:17``)."""
 
+# --- rate intervals (appended) ----------------------------------------------------------
+# Rendered into queries/shared/cluster_interval.sql: the interval_method column of divergence_rates
+# and flip_rate_by_margin.
+
+INTERVAL_WILSON = "wilson"
+"""Wilson score interval of k/n over the samples: every episode is one yes/no sample, or every episode
+shows the same rate (e.g. no flip anywhere), so there is no spread between episodes to resample."""
+INTERVAL_CLUSTER_BOOTSTRAP = "cluster bootstrap"
+"""Episodes contribute several samples (orders that differ, repeats that differ, token positions):
+episodes are resampled with replacement (percentile interval of 2000 resamples)."""
+
 
 def names() -> dict[str, str]:
     """Every name above by its constant, for rendering ``${NAME}`` into DDL and saved queries."""

@@ -14,7 +14,7 @@ from kvtrace.cli import main  # noqa: E402
 def test_demo_prints_the_table_a_fork_and_the_html_path(capsys, kvtrace_env, llama_patched, spool_recorder):
     assert main(["demo", "--episodes", "30", "--turns", "5", "--tokens", "24"]) == 0
     out = capsys.readouterr().out
-    assert "divergence (episodes that forked)" in out and "Q4_0" in out and "Q8_0" in out
+    assert "episodes that forked" in out and "Q4_0" in out and "Q8_0" in out
     assert "demo took" in out
     if "one fork explained" in out:
         path = out.split("HTML fork view: ")[1].splitlines()[0]
@@ -22,14 +22,17 @@ def test_demo_prints_the_table_a_fork_and_the_html_path(capsys, kvtrace_env, lla
         assert "culprit:" in out
 
 
-def test_experiment_json_has_one_entry_per_compared_pair(capsys, llama_patched, spool_recorder):
+def test_experiment_json_has_one_entry_per_compared_pair_and_one_per_repeated_arm(capsys, llama_patched,
+                                                                                   spool_recorder):
     argv = ["experiment", "--generate", "tiny", "--formats", "Q8_0", "--arms", "off,reuse", "--episodes", "4",
             "--turns", "2", "--tokens", "8", "--repeats", "2", "--prefix", "cli", "--format", "json"]
     assert main(argv) == 0
     captured = capsys.readouterr()
     report = json.loads(captured.out)
-    keyed = {(p["arm_a"], p["arm_b"]): p for p in report["pairs"]}
-    assert set(keyed) == {("reuse", "off"), ("off", "off"), ("reuse", "reuse")}
-    for p in keyed.values():
-        assert {"format", "n_episodes", "n_forked", "rate", "ci95"} <= set(p) and p["format"] == "Q8_0"
-    assert keyed[("off", "off")]["n_forked"] == 0
+    (pair,) = report["pairs"]
+    assert (pair["arm_a"], pair["arm_b"], pair["format"], pair["n_episodes"], pair["runs"]) == (
+        "reuse", "off", "Q8_0", 4, 2)
+    assert {"settings", "n_forked", "rate", "ci95", "interval", "samples"} <= set(pair)
+    repeats = {p["arm"]: p for p in report["repeat_agreement"]}
+    assert set(repeats) == {"off", "reuse"}
+    assert (repeats["off"]["runs"], repeats["off"]["n_episodes"], repeats["off"]["n_forked"]) == (2, 4, 0)

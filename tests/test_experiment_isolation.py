@@ -52,7 +52,8 @@ BREAKER = textwrap.dedent("""
 """)
 
 EPISODES, TURNS = 3, 2
-FIRST_PASS, SECOND_PASS = "story/F32/off/r0/canonical", "story/F32/reuse/r0/canonical"
+SETTINGS = "b256.ub256.fa-off.kv-f16"  # the engine settings' part of a run id, at their defaults
+FIRST_PASS, SECOND_PASS = f"story/F32/{SETTINGS}/off/r0/canonical", f"story/F32/{SETTINGS}/reuse/r0/canonical"
 
 
 @pytest.fixture

@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import sys
 
+from kvtrace import progress
 from kvtrace.config import default_database_url, default_spool_dir
 from kvtrace.errors import KvtraceError, SchemaMissing
+from kvtrace.progress import BarProgress, Progress
 
 
-def _silent(message: str) -> None:
-    pass
-
-
-def progress_printer(args):
-    """Progress lines on stderr (only to a terminal, never with --quiet)."""
-    if getattr(args, "quiet", False) or not sys.stderr.isatty():
-        return _silent
-
-    def show(message: str) -> None:
-        sys.stderr.write("\r\033[K" + message[:150])
-        sys.stderr.flush()
-
-    return show
+def progress_printer(args) -> Progress:
+    """Progress on stderr: a bar on a terminal, a log line every few seconds otherwise, none with --quiet."""
+    return progress.for_stderr(quiet=getattr(args, "quiet", False))
 
 
 def open_database(args, ingest: bool = True):
@@ -56,10 +47,11 @@ def _ingest_spool(args, client) -> None:
     from kvtrace.collectors.ingest import ingest_paths
 
     spool = default_spool_dir()
+    shown = progress_printer(args)
     try:
         if not spool.is_dir():
             return
-        report = ingest_paths(client, [spool], progress=progress_printer(args))
+        report = ingest_paths(client, [spool], progress=shown)
     except KvtraceError as exc:  # unreadable spool, or a database that stopped accepting spans
         report = getattr(exc, "report", None)
         messages = (report.messages if report else [])[:QUERY_SIDE_WARNINGS]
@@ -68,7 +60,7 @@ def _ingest_spool(args, client) -> None:
         messages = [f"spool {spool} not ingested: {exc.strerror or exc}; the query uses what is stored"]
     else:
         messages = report.messages
-    if messages and progress_printer(args) is not _silent:
+    if messages and isinstance(shown, BarProgress):
         sys.stderr.write("\r\033[K")  # clear the progress line
     for message in messages[:QUERY_SIDE_WARNINGS]:
         print(f"kvtrace: warning: {message}", file=sys.stderr)

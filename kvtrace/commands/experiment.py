@@ -3,12 +3,14 @@ weight formats, recorded through the real instrumentation and reported with the 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
 from kvtrace.commands.arguments import count, input_file, output_file, positive_number, seed
 from kvtrace.errors import ConfigError, EngineFailed
 from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT
+from kvtrace.experiment.plan import CONVERSATIONS, DEFAULT_CACHE_RAM, SCHEDULES, parse_bytes
 
 
 def add_pass_timeout_option(parser) -> None:
@@ -22,12 +24,29 @@ def _list(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
+def _count_list(text: str) -> tuple[int, ...]:
+    """``256`` or ``256,1``: one or more whole numbers >= 1."""
+    values = tuple(count(item) for item in _list(text))
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one whole number >= 1")
+    return values
+
+
+def _bytes_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(parse_bytes(item) for item in _list(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def register(sub) -> None:
     p = sub.add_parser("experiment", help="measure how often cache arms fork a multi-turn workload",
                        description="Run N episodes x T turns of a deterministic tool-using workload, serial and "
-                                   "greedy, under each cache arm and weight format; report divergence rates "
-                                   "(Wilson 95%% CI), fork turns, cached tokens, margin shift, flip rate by "
-                                   "margin and fork attribution. Run ids: PREFIX/FORMAT/ARM/rREPEAT/ORDER.")
+                                   "greedy, under each cache arm, weight format and engine setting (every "
+                                   "comma-separated value of a knob is a dimension of the grid); report "
+                                   "divergence rates over distinct episodes with 95%% intervals, fork turns, "
+                                   "cached tokens, margin shift, flip rate by margin and fork attribution. Run "
+                                   "ids: PREFIX/FORMAT/SETTINGS/ARM[-CACHE]/rREPEAT/ORDER.")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=input_file, metavar="PATH.gguf",
                         help="an unquantized (F32/F16/BF16) GGUF; quantized to each --formats entry")
@@ -35,7 +54,7 @@ def register(sub) -> None:
                         help="use a generated random-weight model of this size (tiny, small, base)")
     p.add_argument("--formats", type=_list, default=("Q4_0", "Q8_0"), metavar="F16,Q4_0,...")
     p.add_argument("--arms", type=_list, default=("off", "reuse", "prompt-cache"),
-                   metavar="off,reuse,prompt-cache,restore")
+                   metavar="off,reuse,prompt-cache,disk-cache,restore")
     p.add_argument("--episodes", type=count, default=16, metavar="N")
     p.add_argument("--turns", type=count, default=4, metavar="T")
     p.add_argument("--tokens", type=count, default=24, metavar="K", help="max tokens per turn")
@@ -45,6 +64,22 @@ def register(sub) -> None:
     p.add_argument("--prefix", default=None, help="run id prefix (default exp-<seed>-<time>)")
     p.add_argument("--n-ctx", type=count, default=1024, metavar="TOKENS")
     p.add_argument("--threads", type=count, default=1, metavar="N")
+    p.add_argument("--n-batch", type=_count_list, default=(256,), metavar="N[,N...]",
+                   help="llama.cpp logical batch size(s) (default 256)")
+    p.add_argument("--n-ubatch", type=_count_list, default=(256,), metavar="N[,N...]",
+                   help="llama.cpp micro-batch size(s); 1 makes prefill and decode use the same kernels (default 256)")
+    p.add_argument("--flash-attn", type=_list, default=("off",), metavar="off,on", help="flash attention (default off)")
+    p.add_argument("--kv-type", type=_list, default=("f16",), metavar="f16,q8_0,f32",
+                   help="KV cache type for K and V (q8_0 needs --flash-attn on; default f16)")
+    p.add_argument("--cache-ram", type=_bytes_list, default=(DEFAULT_CACHE_RAM,), metavar="BYTES[,BYTES...]",
+                   help="capacity of the prompt-cache / disk-cache arms, every byte of a stored state counted, "
+                        "e.g. 0,256MiB,1GiB (default 1GiB)")
+    p.add_argument("--conversation", choices=CONVERSATIONS, default="text",
+                   help="text: each turn re-tokenizes the conversation's text, as an agent calling a server does "
+                        "(default); tokens: prompts grow by the exact generated token ids")
+    p.add_argument("--schedule", choices=SCHEDULES, default="sequential",
+                   help="sequential: one episode after another; interleaved: turn by turn across all episodes, "
+                        "as one server serving many agents (default sequential)")
     add_pass_timeout_option(p)
     p.add_argument("--plot", type=output_file, metavar="FILE.png",
                    help="divergence rates as a PNG, one panel per compared pair (pip install 'kvtrace[plot]')")
@@ -61,7 +96,9 @@ def plan_from_args(args):
         return Plan(formats=args.formats, arms=args.arms, episodes=args.episodes, turns=args.turns,
                     tokens=args.tokens, repeats=args.repeats, orders=args.orders, seed=args.seed,
                     prefix=args.prefix or f"exp-{args.seed}-{time.strftime('%Y%m%dT%H%M%S')}",
-                    n_ctx=args.n_ctx, n_threads=args.threads)
+                    n_ctx=args.n_ctx, n_threads=args.threads, n_batch=args.n_batch, n_ubatch=args.n_ubatch,
+                    flash_attn=args.flash_attn, kv_type=args.kv_type, cache_ram=args.cache_ram,
+                    conversation=args.conversation, schedule=args.schedule)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -80,6 +117,8 @@ def run(args) -> int:
     from kvtrace.experiment.report import build_report, print_report
 
     require_llama()
+    if args.plot:
+        require_plot_extra()
     plan = plan_from_args(args)
     progress = progress_printer(args)
     models = prepare_models(args, plan, progress)
@@ -96,21 +135,22 @@ def run(args) -> int:
     else:
         print_report(report, sys.stdout)
     if args.plot:
-        write_plot_or_say_why(report, args.plot)
+        from kvtrace.experiment import plot
+
+        written = plot.write_plot(report, args.plot)
+        print(f"kvtrace: wrote {written}" if written else "kvtrace: no plot written: no compared pair has a rate",
+              file=sys.stderr)
     return 130 if outcome.interrupted else 0
 
 
-def write_plot_or_say_why(report: dict, path: Path) -> None:
-    """The plot is an extra: without matplotlib the command says how to get it and carries on."""
-    from kvtrace.experiment import plot
+def require_plot_extra() -> None:
+    """Checked before any pass runs: a plot asked for must not be found missing after an hour's run."""
+    from kvtrace.experiment.plot import INSTALL_HINT
 
     try:
-        written = plot.write_plot(report, path)
+        import matplotlib  # noqa: F401  (only whether it imports)
     except ImportError:
-        print(f"kvtrace: no plot written: it needs matplotlib ({plot.INSTALL_HINT})", file=sys.stderr)
-        return
-    print(f"kvtrace: wrote {written}" if written else "kvtrace: no plot written: no compared pair has a rate",
-          file=sys.stderr)
+        raise ConfigError(f"--plot needs matplotlib ({INSTALL_HINT}), or leave --plot out") from None
 
 
 def require_llama() -> None:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from kvtrace.experiment.plan import Plan
+from kvtrace.experiment.plan import EngineSettings, PassKey, Plan
 
 CHILD_MODULE = "kvtrace.experiment.pass_process"
 
@@ -42,19 +42,19 @@ class PassSpec:
 
     plan: Plan
     model: Path
+    key: PassKey
     run_id: str
-    arm: str
-    order: str
 
     def to_json(self) -> str:
-        return json.dumps({"plan": asdict(self.plan), "model": str(self.model), "run_id": self.run_id,
-                           "arm": self.arm, "order": self.order})
+        return json.dumps({"plan": asdict(self.plan), "model": str(self.model), "key": asdict(self.key),
+                           "run_id": self.run_id})
 
     @classmethod
     def from_json(cls, text: str) -> "PassSpec":
         data = json.loads(text)
         plan = {k: tuple(v) if isinstance(v, list) else v for k, v in data["plan"].items()}
-        return cls(Plan(**plan), Path(data["model"]), data["run_id"], data["arm"], data["order"])
+        key = dict(data["key"], settings=EngineSettings(**data["key"]["settings"]))
+        return cls(Plan(**plan), Path(data["model"]), PassKey(**key), data["run_id"])
 
 
 @dataclass
@@ -62,9 +62,13 @@ class PassResult:
     """What the harness saw during one pass (the spool holds the rest)."""
 
     requests: int = 0
+    turns: int = 0
+    """Turns done or skipped (an episode whose context is full skips the rest): the progress count."""
     restore_checks: int = 0
     restore_mismatches: list[str] = field(default_factory=list)
     interrupted: bool = False
+    peak_rss_bytes: int = 0
+    """The engine process's peak resident memory (``ru_maxrss``)."""
 
 
 class PassDied(Exception):
@@ -76,8 +80,8 @@ class PassDied(Exception):
         self.requests = requests
 
 
-def progress_message(text: str, requests: int) -> str:
-    return json.dumps({"progress": text, "requests": requests})
+def progress_message(text: str, result: PassResult) -> str:
+    return json.dumps({"progress": text, "requests": result.requests, "turns": result.turns})
 
 
 def result_message(result: PassResult) -> str:
@@ -85,8 +89,9 @@ def result_message(result: PassResult) -> str:
 
 
 def run_isolated(spec: PassSpec, timeout: float = DEFAULT_PASS_TIMEOUT,
-                 progress: Callable[[str], None] = lambda m: None) -> PassResult:
-    """Run ``spec`` in a child process and return its result; ``PassDied`` if it crashes or stalls."""
+                 progress: Callable[[str, int], None] = lambda text, turns: None) -> PassResult:
+    """Run ``spec`` in a child process and return its result; ``PassDied`` if it crashes or stalls.
+    ``progress`` gets each message of the child with the turns it has done so far."""
     read_fd, write_fd = os.pipe()
     try:
         # stdout goes to our stderr: the command's stdout carries the report (JSON with --format json)
@@ -102,7 +107,7 @@ def run_isolated(spec: PassSpec, timeout: float = DEFAULT_PASS_TIMEOUT,
 class _Watch:
     """Reads one child's messages, keeps the stall clock, and turns how it ended into a result."""
 
-    def __init__(self, child: subprocess.Popen, pipe, timeout: float, progress: Callable[[str], None]):
+    def __init__(self, child: subprocess.Popen, pipe, timeout: float, progress: Callable[[str, int], None]):
         self.child, self.pipe, self.timeout, self.progress = child, pipe, timeout, progress
         self.requests = 0
         self.pending = b""
@@ -152,7 +157,7 @@ class _Watch:
             self.requests = self.result.requests
         else:
             self.requests = message["requests"]
-            self.progress(message["progress"])
+            self.progress(message["progress"], message["turns"])
 
     def _wait_for_exit(self) -> None:
         # Its end of the pipe closes only as it exits, but a native hang in a destructor can still

@@ -9,6 +9,7 @@ complete. Ctrl-C (forwarded by the parent) stops between requests, as an in-proc
 from __future__ import annotations
 
 import os
+import resource
 import sys
 from typing import Optional
 
@@ -27,10 +28,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = PassResult()
 
     def progress(text: str) -> None:
-        report.write(progress_message(text, result.requests) + "\n")
+        report.write(progress_message(text, result) + "\n")
 
     try:
-        run_pass(spec.plan, spec.model, spec.run_id, spec.arm, spec.order, result, progress)
+        run_pass(spec.plan, spec.model, spec.key, spec.run_id, result, progress)
     except KeyboardInterrupt:
         result.interrupted = True
     except BrokenPipeError:
@@ -38,6 +39,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         if recorder is not None:
             recorder.shutdown()
+    result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     report.write(result_message(result) + "\n")
     report.close()
     return 0

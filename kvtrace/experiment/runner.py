@@ -9,18 +9,22 @@ requests; what was recorded stays usable (the spool is durable) and is reported.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from kvtrace import correlate
+from kvtrace.experiment.conversation import CONVERSATIONS, Conversation
 from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT, PassDied, PassResult, PassSpec, run_isolated
-from kvtrace.experiment.plan import Plan
-from kvtrace.experiment.workload import episode_order, make_episodes
+from kvtrace.experiment.plan import CACHE_ARMS, CONTROL_ARM, RESET_ARMS, PassKey, Plan, format_bytes
+from kvtrace.experiment.workload import Episode, episode_order, make_episodes
 from kvtrace.patches.llama_cpp.repack import amx_hint
+from kvtrace.progress import Progress
 
-RAM_CACHE_BYTES = 1 << 30
+_GGML_KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
+"""``--kv-type`` → ggml type id (``GGML_TYPE_F32``, ``GGML_TYPE_F16``, ``GGML_TYPE_Q8_0``)."""
 
 
 def engine_crash_hint() -> str:
@@ -32,10 +36,7 @@ def engine_crash_hint() -> str:
 class PassFailure:
     """A pass whose engine process died or hung; the passes before it finished and are recorded."""
 
-    format: str
-    arm: str
-    repeat: int
-    order: str
+    key: PassKey
     run_id: str
     cause: str
     requests: int
@@ -43,12 +44,15 @@ class PassFailure:
 
     def describe(self) -> str:
         """One line: which pass, what happened, what is kept, what to try next."""
+        k, s = self.key, self.key.settings
         kept = (f"the {self.passes_kept} pass(es) before it are kept (kvtrace runs)" if self.passes_kept
                 else "no pass had finished before it")
-        return (f"the engine {self.cause} in pass {self.run_id} (format {self.format}, arm {self.arm}, repeat "
-                f"{self.repeat}, order {self.order}) after {self.requests} finished request(s); {kept}; to "
-                f"reproduce, run that pass alone (kvtrace experiment ... --formats {self.format} --arms "
-                f"{self.arm}); {engine_crash_hint()}")
+        cache = f" --cache-ram {format_bytes(k.cache_ram)}" if k.cache_ram is not None else ""
+        return (f"the engine {self.cause} in pass {self.run_id} (format {k.format}, arm {k.arm}, repeat "
+                f"{k.repeat}, order {k.order}) after {self.requests} finished request(s); {kept}; to "
+                f"reproduce, run that pass alone (kvtrace experiment ... --formats {k.format} --arms {k.arm} "
+                f"--n-batch {s.n_batch} --n-ubatch {s.n_ubatch} --flash-attn {s.flash_attn} --kv-type "
+                f"{s.kv_type}{cache}); {engine_crash_hint()}")
 
 
 @dataclass
@@ -62,41 +66,50 @@ class Outcome:
     interrupted: bool = False
     failure: Optional[PassFailure] = None
     seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    """The largest peak resident memory of any pass's engine process."""
 
     def add(self, result: PassResult) -> None:
         self.requests += result.requests
         self.restore_checks += result.restore_checks
         self.restore_mismatches += result.restore_mismatches
         self.interrupted = self.interrupted or result.interrupted
+        self.peak_rss_bytes = max(self.peak_rss_bytes, result.peak_rss_bytes)
 
 
 def open_llama(model: Path, plan: Plan):
     from kvtrace.patches.llama_cpp.repack import load_llama
 
+    settings = plan.engine  # a pass's plan holds one engine setting (Plan.for_pass)
+    kv_type = _GGML_KV_TYPES[settings.kv_type]
     # Threads pinned explicitly: the machine is shared, and steadier timing keeps runs comparable.
     # load_llama: the weight repack off on every CPU (same kernels everywhere; no AMX crash).
-    return load_llama(model, n_ctx=plan.n_ctx, n_batch=256, n_ubatch=256, n_threads=plan.n_threads,
+    return load_llama(model, n_ctx=plan.n_ctx, n_batch=settings.n_batch, n_ubatch=settings.n_ubatch,
+                      flash_attn=settings.flash_attn == "on", type_k=kv_type, type_v=kv_type, n_threads=plan.n_threads,
                       n_threads_batch=plan.n_threads, seed=plan.seed, verbose=False)
 
 
-def run_experiment(plan: Plan, models: dict[str, Path], progress: Callable[[str], None] = lambda m: None,
+def run_experiment(plan: Plan, models: dict[str, Path], progress: Progress = Progress(),
                    pass_timeout: float = DEFAULT_PASS_TIMEOUT) -> Outcome:
     """Run every pass of ``plan``, each in its own process; stop at the first that dies or hangs
-    (``Outcome.failure``) or at Ctrl-C (``Outcome.interrupted``)."""
+    (``Outcome.failure``) or at Ctrl-C (``Outcome.interrupted``). ``progress`` counts turns."""
     outcome = Outcome()
     started = time.monotonic()
-    total = sum(1 for _ in plan.passes())
+    keys = list(plan.passes())
+    per_pass = plan.episodes * plan.turns
+    progress.start(len(keys) * per_pass, "turns")
     try:
-        for i, (fmt, arm, repeat, order) in enumerate(plan.passes(), 1):
-            run_id = plan.run_id(fmt, arm, repeat, order)
-            progress(f"[{i}/{total}] {run_id}")
+        for i, key in enumerate(keys, 1):
+            run_id = plan.run_id(key)
+            counted = _TurnCounter(progress, f"[{i}/{len(keys)}] ")
             try:
-                result = run_isolated(PassSpec(plan, models[fmt], run_id, arm, order), pass_timeout, progress)
+                result = run_isolated(PassSpec(plan, models[key.format], key, run_id), pass_timeout, counted)
             except PassDied as died:
-                outcome.failure = PassFailure(fmt, arm, repeat, order, run_id, died.cause, died.requests,
-                                              passes_kept=len(outcome.runs))
+                outcome.failure = PassFailure(key, run_id, died.cause, died.requests, passes_kept=len(outcome.runs))
                 break
-            outcome.runs.append({"run_id": run_id, "format": fmt, "arm": arm, "repeat": repeat, "order": order})
+            progress.advance(per_pass - counted.turns)  # turns an episode skipped with a full context
+            outcome.runs.append({"run_id": run_id, "format": key.format, "settings": key.settings.label,
+                                 "arm": key.arm, "cache_ram": key.cache_ram, "repeat": key.repeat, "order": key.order})
             outcome.add(result)
             if outcome.interrupted:
                 break
@@ -104,54 +117,96 @@ def run_experiment(plan: Plan, models: dict[str, Path], progress: Callable[[str]
         outcome.interrupted = True
     finally:
         outcome.seconds = time.monotonic() - started
+        progress.close()
     return outcome
 
 
-def run_pass(plan: Plan, model: Path, run_id: str, arm: str, order: str, result: PassResult,
+class _TurnCounter:
+    """Turns a pass's "about to run turn N" messages into progress counts."""
+
+    def __init__(self, progress: Progress, label: str):
+        self.progress, self.label = progress, label
+        self.turns = 0
+
+    def __call__(self, text: str, turns_done: int) -> None:
+        self.progress.advance(turns_done - self.turns)
+        self.turns = turns_done
+        self.progress(self.label + text)
+
+
+@dataclass
+class _Agent:
+    """One episode in flight: its environment and its conversation so far."""
+
+    episode: Episode
+    conversation: Conversation
+    done: bool = False
+
+
+def run_pass(plan: Plan, model: Path, key: PassKey, run_id: str, result: PassResult,
              progress: Callable[[str], None]) -> None:
-    """One pass in this process (the child of ``run_isolated``); a message before every request
-    tells the parent it is alive."""
-    import llama_cpp
+    """One pass in this process (the child of ``run_isolated``); a message before every turn tells
+    the parent it is alive. ``result.turns`` counts the turns done or skipped (context full)."""
+    from kvtrace.experiment.caches import open_cache  # imports llama-cpp-python: engine processes only
 
-    llm = open_llama(model, plan)  # fresh history per pass: nothing cached from another run
-    try:
-        if arm == "prompt-cache":
-            llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=RAM_CACHE_BYTES))
-        episodes = make_episodes(plan.episodes, plan.seed)
-        for n, index in enumerate(episode_order(plan.episodes, order, plan.seed), 1):
-            episode = episodes[index]
-            prompt = llm.tokenize(episode.opening().encode())
-            for turn in range(plan.turns):
-                if len(prompt) + plan.tokens > plan.n_ctx:
-                    break  # context full: the episode ends here (the same way in every run that got here)
-                if arm in ("off", "prompt-cache"):
-                    llm.reset()  # nothing reused in context: full recompute, or a prompt-cache restore
-                progress(f"{run_id} episode {n}/{plan.episodes} turn {turn + 1}/{plan.turns}")
-                snapshot = llm.save_state() if arm == "restore" else None
-                text = complete(llm, prompt, plan.tokens, run_id, arm, episode.episode_id, turn)
-                result.requests += 1
-                after = llm.input_ids[: llm.n_tokens].tolist()
-                if snapshot is not None:
-                    check_restore(llm, snapshot, prompt, plan.tokens, run_id, episode.episode_id, turn, text, result)
-                observation = llm.tokenize(episode.observe(text, turn).encode(), add_bos=False)
-                prompt = after + observation
-    finally:
-        llm.close()
+    llm = open_llama(model, plan.for_pass(key))  # fresh history per pass: nothing cached from another run
+    with tempfile.TemporaryDirectory(prefix="kvtrace-disk-cache-") as cache_dir:
+        try:
+            if key.arm in CACHE_ARMS:
+                llm.set_cache(open_cache(key.arm, key.cache_ram, Path(cache_dir)))
+            conversation = CONVERSATIONS[plan.conversation]
+            episodes = make_episodes(plan.episodes, plan.seed)
+            agents = [_Agent(episodes[i], conversation(llm, episodes[i].opening()))
+                      for i in episode_order(plan.episodes, key.order, plan.seed)]
+            for agent, turn in _schedule(agents, plan.turns, plan.schedule):
+                progress(f"{run_id} episode {agent.episode.episode_id} turn {turn + 1}/{plan.turns}")
+                if not agent.done:
+                    _turn(llm, plan, key, run_id, agent, turn, result)
+                result.turns += 1
+        finally:
+            cache = getattr(llm, "cache", None)
+            if hasattr(cache, "cache"):  # the disk cache's sqlite handle, before its directory goes
+                cache.cache.close()
+            llm.close()
 
 
-def complete(llm, prompt: list[int], tokens: int, run_id: str, arm: str, episode_id: str, turn: int) -> str:
+def _schedule(agents: list[_Agent], turns: int, schedule: str) -> Iterator[tuple[_Agent, int]]:
+    """(agent, turn) in the order the server sees the requests."""
+    if schedule == "interleaved":
+        return ((agent, turn) for turn in range(turns) for agent in agents)
+    return ((agent, turn) for agent in agents for turn in range(turns))
+
+
+def _turn(llm, plan: Plan, key: PassKey, run_id: str, agent: _Agent, turn: int, result: PassResult) -> None:
+    episode = agent.episode
+    prompt = agent.conversation.prompt()
+    if len(prompt) + plan.tokens > plan.n_ctx:
+        agent.done = True  # context full: the episode ends here (the same way in every run that got here)
+        return
+    if key.arm in RESET_ARMS:
+        llm.reset()  # nothing reused in context: full recompute, or a prompt-cache restore
+    snapshot = llm.save_state() if key.arm == "restore" else None
+    output = complete(llm, prompt, plan.tokens, run_id, key.arm, episode.episode_id, turn)
+    result.requests += 1
+    text = output["choices"][0]["text"]
+    agent.conversation.add_turn(prompt, output, episode.observe(text, turn))
+    if snapshot is not None:
+        check_restore(llm, snapshot, prompt, plan.tokens, run_id, episode.episode_id, turn, text, result)
+
+
+def complete(llm, prompt: list[int], tokens: int, run_id: str, arm: str, episode_id: str, turn: int) -> dict:
     with correlate(run_id=run_id, episode_id=episode_id, turn=turn, arm=arm):
-        out = llm.create_completion(prompt, max_tokens=tokens, temperature=0.0)
-    return out["choices"][0]["text"]
+        return llm.create_completion(prompt, max_tokens=tokens, temperature=0.0)
 
 
 def check_restore(llm, snapshot, prompt, tokens, run_id, episode_id, turn, text, result: PassResult) -> None:
     """The control: restore the state saved before the request and rerun it; it must reproduce exactly.
 
-    The rerun is recorded as run ``<run_id>-replay`` so the database can confirm it too.
+    The rerun is recorded as run ``<run_id>-replay`` (arm ``restore-replay``) so the database can
+    confirm it too; the report shows it as a control, not as an arm.
     """
     llm.load_state(snapshot)
-    again = complete(llm, prompt, tokens, run_id + "-replay", "restore-replay", episode_id, turn)
+    again = complete(llm, prompt, tokens, run_id + "-replay", CONTROL_ARM, episode_id, turn)
     result.restore_checks += 1
-    if again != text:
+    if again["choices"][0]["text"] != text:
         result.restore_mismatches.append(f"{run_id} {episode_id} turn {turn}")

@@ -5,6 +5,8 @@
 -- margin. Shared by margin_shift and flip_rate_by_margin, which must compare the same positions.
 -- Needs shared_requests_once, shared_output_divergence and shared_recompute_reference before it, and param run_prefix.
 --   format, hit_time, engine, model: the cache-hit request's (for grouping and scope filters)
+--   kv_cache_type, numerics_settings, episode_id, turn, prompt_hash: the cache-hit request's (to count
+--     each distinct position once, and to cluster positions by episode)
 --   matched_positions: how many positions are matched (from the first)
 --   hit_margins, recompute_margins: both margins per matched position (raw logits)
 --   hit_top_ids, recompute_top_ids: raw-logit arg-max per matched position (chosen ids when absent)
@@ -14,6 +16,11 @@ matched AS (
         h.Timestamp AS hit_time,
         h.engine AS engine,
         h.model AS model,
+        h.kv_cache_type AS kv_cache_type,
+        h.numerics_settings AS numerics_settings,
+        h.episode_id AS episode_id,
+        h.turn AS turn,
+        h.prompt_hash AS prompt_hash,
         first_mismatch_index(h.token_ids, r.token_ids) AS first_mismatch,
         least(if(first_mismatch > 0, first_mismatch, least(length(h.token_ids), length(r.token_ids))),
               length(h.margins), length(r.margins)) AS matched_positions,
