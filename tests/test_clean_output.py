@@ -33,7 +33,7 @@ def test_demo_prints_only_its_own_story(kvtrace_env):
     result = kvtrace("demo", "--episodes", "3", "--turns", "2", "--tokens", "6", env_dir=kvtrace_env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("kvtrace demo: ")
-    assert "divergence (episodes that forked)" in result.stdout and "demo took" in result.stdout
+    assert "divergence against `off`: episodes that forked" in result.stdout and "demo took" in result.stdout
     assert llama_cpp_lines(result) == []
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-import select
+import selectors
 import signal
 import subprocess
 import sys
@@ -135,7 +135,10 @@ class _Watch:
     def _read_some(self) -> bool:
         """Handle what the child sent next; False once its end is closed (or an interrupted child
         used up its grace period)."""
-        ready, _, _ = select.select([self.pipe], [], [], max(0.0, self.deadline - time.monotonic()))
+        # selectors (poll/epoll), not select.select: a host process may hold more than 1024 descriptors.
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.pipe, selectors.EVENT_READ)
+            ready = selector.select(max(0.0, self.deadline - time.monotonic()))
         if not ready:
             if self.interrupted:
                 return False  # killed on the way out
