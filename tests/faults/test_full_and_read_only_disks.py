@@ -46,8 +46,8 @@ def test_a_spool_that_fills_up_keeps_whole_records_and_counts_what_did_not_fit(t
     assert counters["spans_failed_export"] > 0  # the disk really filled up
     # Once each time failures start: a small batch can still fit after a failure, and writing then
     # "works again" until the next failure starts a new spell, which is logged once more.
-    spells = len(host.warnings("works again")) + 1
-    assert len(host.warnings("No space left on device")) == spells, host.stderr
+    failures, recoveries = len(host.warnings("No space left on device")), len(host.warnings("works again"))
+    assert failures >= 1 and recoveries in (failures - 1, failures), host.stderr
 
 
 def test_a_disk_full_from_the_start_still_publishes_counters_where_db_status_finds_them(tmp_path, db):
