@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,10 +125,20 @@ def llama_server_profile(props: dict[str, Any]) -> UpstreamProfile:
         default_n_probs=int(params.get("n_probs") or 0),
         default_post_sampling_probs=bool(params.get("post_sampling_probs")),
         version=str(props.get("build_info") or ""),
-        weight_format=str(props.get("model_ftype") or ""),
+        weight_format=weight_format_name(str(props.get("model_ftype") or "")),
         total_slots=slots if isinstance(slots, int) else None,
         settings={k: v for k, v in settings.items() if v is not None},
     )
+
+
+_SIZES = {"Small": "S", "Medium": "M", "Large": "L"}
+
+
+def weight_format_name(ftype: str) -> str:
+    """llama.cpp's file-type name (``all F32``, ``Q4_K - Medium``) as kvtrace names formats (F32, Q4_K_M)."""
+    name = ftype.removesuffix(" (guessed)").removeprefix("all ").strip()
+    name, _, detail = name.partition(" - ")
+    return f"{name}_{_SIZES[detail]}" if detail in _SIZES else name
 
 
 class ProxyApp:
@@ -561,5 +572,9 @@ def serve(upstream: str, host: str, port: int, llama_server_log: Optional[Path] 
     app = ProxyApp(upstream, llama_server_log=llama_server_log)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             server_header=False, date_header=False, lifespan="on")
-    server = uvicorn.Server(config)
-    server.run()
+    # SIGTERM / Ctrl-C are how a proxy is stopped: uvicorn shuts down gracefully (the lifespan flushes
+    # the spans) and then raises the signal again; these handlers take it, so the process ends
+    # normally and the recorder's exit handler runs.
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, lambda number, frame: None)
+    uvicorn.Server(config).run()
