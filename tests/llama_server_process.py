@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Iterator, Optional
@@ -68,35 +67,14 @@ def running_llama_server(model: Path, *extra: str, log_path: Path, slots: int = 
             process.wait()
 
 
-@contextlib.contextmanager
-def running_proxy(upstream: str, recorder=None, llama_server_log: Optional[Path] = None) -> Iterator[str]:
-    """kvtrace's proxy app in this process (uvicorn in a thread); yields its base URL.
+def running_proxy(upstream: str, recorder=None, llama_server_log: Optional[Path] = None):
+    """kvtrace's proxy in this process (its own event loop in a thread); a context giving its base URL.
 
     ``recorder``: the recorder to use (default: the process recorder, as `kvtrace proxy` does).
     """
-    import uvicorn
+    from kvtrace.outside.proxy import proxy_in_thread
 
-    from kvtrace.outside.proxy import ProxyApp
-    from kvtrace.recording.recorder import get_recorder
-
-    app = ProxyApp(upstream, recorder=(lambda: recorder) if recorder is not None else get_recorder,
-                   llama_server_log=llama_server_log)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False, server_header=False, date_header=False,
-                                           lifespan="on"))
-    thread = threading.Thread(target=server.run, name="kvtrace-proxy", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            pytest.fail("the proxy did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    return proxy_in_thread(upstream, recorder, llama_server_log)
 
 
 def sse_payloads(raw: bytes) -> list[Optional[dict]]:

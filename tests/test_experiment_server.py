@@ -16,7 +16,7 @@ import pytest
 from kvtrace.cli import main
 from llama_server_process import llama_server_binary
 
-pytest.importorskip("uvicorn")
+pytest.importorskip("h11")
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 from kvtrace import semconv as sc
 from llama_server_process import free_port, llama_server_binary, running_llama_server, running_proxy, sse_payloads
 
-pytest.importorskip("uvicorn")
+pytest.importorskip("h11")
 
 CHAT = {"messages": [{"role": "user", "content": "Describe the kitchen in detail"}], "max_tokens": 12,
         "temperature": 0}
@@ -267,3 +267,39 @@ def test_a_prompt_restored_from_llama_servers_cache_names_the_request_that_store
     # The harbour turn found nothing of its own in the cache: a miss, and the prompt recomputed.
     assert not [e for e in harbour_0[1] if e[0] == sc.EVENT_CACHE_RESTORE]
     assert harbour_0[0][sc.CACHE_LAYER] != sc.LAYER_PROMPT_CACHE
+
+
+def test_a_client_that_leaves_mid_stream_is_recorded_as_cancelled(llama_server, memory_recorder, finished_requests):
+    with running_proxy(llama_server, memory_recorder) as proxy:
+        with httpx.stream("POST", proxy + "/completion", json={**NATIVE, "n_predict": 400, "stream": True},
+                          timeout=120) as answer:
+            for _, _ in zip(range(3), answer.iter_lines()):
+                pass
+        deadline = time.monotonic() + 60
+        while not memory_recorder.pipeline.exporter.get_finished_spans() and time.monotonic() < deadline:
+            memory_recorder.pipeline.force_flush()
+            time.sleep(0.1)
+    (attributes, _, _), = finished_requests(memory_recorder)
+    assert attributes[sc.OUTPUT_FINISH_REASON] == sc.FINISH_CANCELLED
+    assert 0 < len(attributes[sc.OUTPUT_MARGINS]) < 400  # the tokens that were generated before it left
+
+
+class BrokenRecorder:
+    """kvtrace's own recording failing (not the engine): the request must go through regardless."""
+
+    def __init__(self):
+        self.pipeline = type("Pipeline", (), {"counters": {"instrumentation_errors": 0}})()
+
+    def start_request(self, *args, **kwargs):
+        raise RuntimeError("the recorder is broken")
+
+
+def test_a_tracing_failure_never_fails_the_request(llama_server):
+    broken = BrokenRecorder()
+    body = {**CHAT, "cache_prompt": False}
+    with running_proxy(llama_server, broken) as proxy:
+        proxied = httpx.post(proxy + "/v1/chat/completions", json=body, timeout=120)
+    direct = httpx.post(llama_server + "/v1/chat/completions", json=body, timeout=120)
+    assert proxied.status_code == 200
+    assert same_bytes(proxied.content) == same_bytes(direct.content)
+    assert broken.pipeline.counters["instrumentation_errors"] == 1

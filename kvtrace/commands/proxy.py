@@ -34,13 +34,20 @@ def run(args) -> int:
         os.environ["KVTRACE_RUN_ID"] = args.run_id
     settings = check_settings()  # a recorder that could not record is refused now (exit 2), not found later
     try:
-        # Deferred: uvicorn and httpx come with the optional `proxy` extra.
+        # Deferred: h11 comes with the optional `proxy` extra.
         from kvtrace.outside.proxy import serve
     except ImportError as exc:
         raise ConfigError(f"kvtrace proxy needs {exc.name or 'its extra'}: pip install 'kvtrace[proxy]'") from None
 
     host, port = args.listen
     where = "nowhere (recording is disabled)" if settings.disabled else f"the {settings.exporter} exporter"
-    print(f"kvtrace: proxy on http://{host}:{port} for {args.upstream}; spans go to {where}", file=sys.stderr)
-    serve(args.upstream, host, port, llama_server_log=args.llama_server_log)
+
+    def listening(bound: int) -> None:
+        print(f"kvtrace: proxy on http://{host}:{bound} for {args.upstream}; spans go to {where}", file=sys.stderr,
+              flush=True)
+
+    try:
+        serve(args.upstream, host, port, llama_server_log=args.llama_server_log, on_listening=listening)
+    except OSError as exc:  # the address is taken or not this machine's
+        raise ConfigError(f"--listen {host}:{port}: {exc.strerror or exc}") from None
     return 0

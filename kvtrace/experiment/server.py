@@ -27,7 +27,6 @@ import shlex
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -41,6 +40,7 @@ from kvtrace.experiment.isolation import PassResult
 from kvtrace.experiment.plan import Plan
 from kvtrace.experiment.runner import Outcome
 from kvtrace.experiment.workload import episode_order, make_episodes
+from kvtrace.outside.proxy import proxy_in_thread
 
 SERVER_ARMS = ("off", "reuse", "prompt-cache")
 START_TIMEOUT_S = 180.0
@@ -103,31 +103,6 @@ def started_server(command: list[str], arm: str, n_ctx: int, workdir: Path) -> I
             process.wait()
 
 
-@contextlib.contextmanager
-def proxy_in_front(upstream: str, log_path: Optional[Path]) -> Iterator[str]:
-    """kvtrace's proxy (this process's recorder) in front of ``upstream``; yields its base URL."""
-    import uvicorn
-
-    from kvtrace.outside.proxy import ProxyApp
-
-    port = _free_port()
-    app = ProxyApp(upstream, llama_server_log=log_path)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                                           server_header=False, date_header=False, lifespan="on"))
-    thread = threading.Thread(target=server.run, name="kvtrace-proxy", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise EngineFailed("kvtrace's proxy did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
 def server_weight_format(base: str) -> str:
     """The model's weight format as kvtrace names it, from llama-server's ``/props``."""
     from kvtrace.outside.proxy import llama_server_profile
@@ -153,10 +128,10 @@ def run_server_experiment(plan: Plan, command: Optional[list[str]], url: Optiona
                 result = PassResult()
                 if command is not None:
                     with started_server(command, arm, plan.n_ctx, Path(scratch)) as (base, log_path):
-                        with proxy_in_front(base, log_path) as proxy:
+                        with proxy_in_thread(base, llama_server_log=log_path) as proxy:
                             run_server_pass(plan, base, proxy, run_id, arm, order, result, progress)
                 else:
-                    with proxy_in_front(url, None) as proxy:
+                    with proxy_in_thread(url) as proxy:
                         run_server_pass(plan, url, proxy, run_id, arm, order, result, progress)
                 outcome.runs.append({"run_id": run_id, "format": fmt, "arm": arm, "repeat": repeat, "order": order})
                 outcome.add(result)

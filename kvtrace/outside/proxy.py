@@ -20,27 +20,31 @@ Per traced request:
   never fails a request: if reading the request, planning or recording goes wrong, the request is
   forwarded as the client sent it and the failure is counted (``instrumentation_errors``).
 
-The app is plain ASGI (served by uvicorn); the upstream is reached through one pooled
-``httpx.AsyncClient``.
+HTTP/1.1 on both sides is :mod:`http1` (asyncio and h11): a request goes upstream in one write, an
+answer back in one, over upstream connections kept alive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import queue
 import signal
+import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
-import httpx
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
 from kvtrace import semconv as sc
 from kvtrace.outside import answers
+from kvtrace.outside.http1 import (Headers, Request, Responder, Upstream, UpstreamBrokeOff, UpstreamResponse,
+                                   UpstreamUnreachable, start_server)
 from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
 from kvtrace.outside.margin_request import (ENDPOINTS, NATIVE, OPENAI_COMPATIBLE, MarginPlan, UpstreamProfile, cut,
                                             plan_request)
@@ -50,12 +54,13 @@ from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
 
 log = logging.getLogger("kvtrace.proxy")
 
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                        "transfer-encoding", "upgrade", "host", "content-length"})
-"""Headers that belong to one connection, not to the request (RFC 9110 §7.6.1), plus the two the
-proxy recomputes."""
-RESPONSE_DROPPED = HOP_BY_HOP | {"content-encoding"}
-"""The proxy asks the upstream for identity encoding, so a content-encoding never applies."""
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                        b"trailer", b"transfer-encoding", b"upgrade"})
+"""Headers that belong to one connection, not to the message (RFC 9110 §7.6.1)."""
+FORWARD_DROPPED = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"accept-encoding"}
+"""Not forwarded upstream: the proxy frames the request itself and asks for identity encoding."""
+RESPONSE_DROPPED = HOP_BY_HOP | {b"content-length", b"content-encoding"}
+"""Not copied into the client's answer: the proxy frames it itself (the upstream was asked for identity)."""
 
 
 def _last_event_end(buffer: bytes) -> int:
@@ -81,8 +86,8 @@ class Traced:
 class UpstreamProfiles:
     """What kind of server the upstream is (asked once: ``/props`` answers only on llama-server)."""
 
-    def __init__(self, client: httpx.AsyncClient):
-        self._client = client
+    def __init__(self, upstream: Upstream):
+        self._upstream = upstream
         self._known: Optional[UpstreamProfile] = None
         self._lock = asyncio.Lock()
 
@@ -94,19 +99,23 @@ class UpstreamProfiles:
                 self._known = await self._detect()
         return self._known or OPENAI_COMPATIBLE
 
+    async def _get_json(self, path: str) -> Any:
+        answer = await asyncio.wait_for(self._upstream.request("GET", path, [], b""), 10.0)
+        body = await asyncio.wait_for(answer.read(), 10.0)
+        return json.loads(body) if answer.status == 200 else None
+
     async def _detect(self) -> Optional[UpstreamProfile]:
         try:
-            props = await self._client.get("/props", timeout=10.0)
-            if props.status_code == 200:
-                document = props.json()
-                if isinstance(document, dict) and "default_generation_settings" in document:
-                    return llama_server_profile(document)
-            models = await self._client.get("/v1/models", timeout=10.0)
-            if models.status_code == 200:
-                data = (models.json().get("data") or [{}])[0]
+            props = await self._get_json("/props")
+            if isinstance(props, dict) and "default_generation_settings" in props:
+                return llama_server_profile(props)
+            models = await self._get_json("/v1/models")
+            if isinstance(models, dict):
+                data = (models.get("data") or [{}])[0]
                 owner = str(data.get("owned_by", "")).lower()
                 return UpstreamProfile(engine="vllm" if owner == "vllm" else OPENAI_COMPATIBLE.engine)
-        except (httpx.HTTPError, ValueError, AttributeError, IndexError, TypeError):
+        except (UpstreamUnreachable, UpstreamBrokeOff, asyncio.TimeoutError, ValueError, AttributeError,
+                IndexError, TypeError):
             log.debug("kvtrace proxy: the upstream's kind could not be told yet", exc_info=True)
             return None  # asked again with the next request
         return OPENAI_COMPATIBLE
@@ -142,78 +151,67 @@ def weight_format_name(ftype: str) -> str:
 
 
 class ProxyApp:
-    """The ASGI application."""
+    """The proxy: :meth:`handle` answers one client request (served by :func:`http1.start_server`)."""
 
     def __init__(self, upstream: str, recorder: Callable[[], Optional[Recorder]] = get_recorder,
-                 client: Optional[httpx.AsyncClient] = None, llama_server_log: Optional[Path] = None):
-        self.upstream = upstream.rstrip("/")
+                 llama_server_log: Optional[Path] = None):
+        self.upstream_url = upstream.rstrip("/")
+        self.upstream = Upstream(self.upstream_url)
         self.provenance = TaskProvenance(LogFollower(llama_server_log)) if llama_server_log else None
         self._recorder = recorder
-        # No read time-out: a generation takes as long as it takes, as it would without the proxy.
-        self.client = client or httpx.AsyncClient(
-            base_url=self.upstream, timeout=httpx.Timeout(connect=30.0, read=None, write=None, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-        self.profiles = UpstreamProfiles(self.client)
+        self.profiles = UpstreamProfiles(self.upstream)
         self._hasher: Optional[TextHasher] = None
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
-        body = await _read_body(receive)
-        endpoint = ENDPOINTS.get(scope["path"]) if scope["method"] == "POST" else None
-        traced = await self._begin(scope, endpoint, body) if endpoint else None
-        upstream_body = body
+    async def handle(self, request: Request, responder: Responder) -> None:
+        endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
+        traced = await self._begin(request, endpoint) if endpoint else None
+        upstream_body = request.body
         if traced is not None and traced.plan.injected:
             upstream_body = json.dumps(traced.plan.upstream_request, ensure_ascii=False).encode("utf-8")
-        request = self.client.build_request(scope["method"], _target(scope), headers=_forwarded_headers(scope),
-                                            content=upstream_body)
         if traced is not None and self.provenance is not None:
             self.provenance.sent(traced)
         try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            message = f"kvtrace proxy: the upstream {self.upstream} could not be reached: {exc}"
-            await _send_whole(send, 502, [(b"content-type", b"application/json")],
-                              json.dumps({"error": {"code": 502, "message": message, "type": "upstream_unreachable"}})
-                              .encode())
+            response = await self.upstream.request(request.method, request.target,
+                                                   _forwarded_headers(request.headers), upstream_body)
+        except UpstreamUnreachable as exc:
+            message = f"kvtrace proxy: the upstream {self.upstream_url} could not be reached: {exc}"
+            await _send_error(responder, 502, "upstream_unreachable", message)
             if traced is not None:
                 self._finish_error(traced, 502, message)
             return
         try:
-            if traced is None or response.status_code >= 400:
-                await self._pass_through(response, send, traced)
-            elif response.headers.get("content-type", "").startswith("text/event-stream"):
-                await self._stream(response, send, receive, traced)
+            if traced is None or response.status >= 400:
+                await self._pass_through(response, responder, traced)
+            elif response.header(b"content-type").startswith("text/event-stream"):
+                await self._stream(response, responder, traced)
             else:
-                await self._whole(response, send, traced)
+                await self._whole(response, responder, traced)
         finally:
-            await response.aclose()
+            response.close()
 
     # --- the three ways an answer goes back ----------------------------------------------
 
-    async def _pass_through(self, response: httpx.Response, send: Callable, traced: Optional[Traced]) -> None:
-        await send({"type": "http.response.start", "status": response.status_code,
-                    "headers": _response_headers(response)})
+    async def _pass_through(self, response: UpstreamResponse, responder: Responder,
+                            traced: Optional[Traced]) -> None:
+        responder.start(response.status, _response_headers(response, keep_length=True))
         kept = bytearray()
-        async for piece in response.aiter_bytes():
-            await send({"type": "http.response.body", "body": piece, "more_body": True})
-            if traced is not None and len(kept) < 4096:
-                kept += piece
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        if traced is not None:
-            self._finish_error(traced, response.status_code, _error_message(bytes(kept)))
-
-    async def _whole(self, response: httpx.Response, send: Callable, traced: Traced) -> None:
         try:
-            body = await response.aread()
-        except httpx.HTTPError as exc:
-            message = f"kvtrace proxy: the upstream {self.upstream} broke off its answer: {exc}"
-            await _send_whole(send, 502, [(b"content-type", b"application/json")],
-                              json.dumps({"error": {"code": 502, "message": message, "type": "upstream_broke_off"}})
-                              .encode())
+            async for piece in response.chunks():
+                await responder.send(piece)
+                if traced is not None and len(kept) < 4096:
+                    kept += piece
+            await responder.end()
+        except (UpstreamBrokeOff, ConnectionError):
+            pass  # the client's answer ends where the upstream's did, or the client left
+        if traced is not None:
+            self._finish_error(traced, response.status, _error_message(bytes(kept)))
+
+    async def _whole(self, response: UpstreamResponse, responder: Responder, traced: Traced) -> None:
+        try:
+            body = await response.read()
+        except UpstreamBrokeOff as exc:
+            message = f"kvtrace proxy: the upstream {self.upstream_url} broke off its answer: {exc}"
+            await _send_error(responder, 502, "upstream_broke_off", message)
             self._finish_error(traced, 502, message)
             return
         out = body
@@ -223,29 +221,31 @@ class ProxyApp:
             except Exception:
                 # The answer could not be read as JSON: it goes back as the upstream sent it.
                 self._count_failure("cutting the added logprobs from an answer")
-        await _send_whole(send, response.status_code, _response_headers(response), out)
-        await self._find_task(traced)
-        self._finish(traced, response.status_code,
-                     lambda: answers.whole_answer(traced.plan.endpoint, body.decode("utf-8")))
-
-    async def _stream(self, response: httpx.Response, send: Callable, receive: Callable, traced: Traced) -> None:
-        await send({"type": "http.response.start", "status": response.status_code,
-                    "headers": _response_headers(response)})
-        gone = asyncio.Event()
-        watcher = asyncio.ensure_future(_wait_for_disconnect(receive, gone))
-        kept = bytearray()
+        responder.start(response.status, _response_headers(response) + [(b"content-length", str(len(out)).encode())])
         try:
-            broken = await self._relay(response, send, traced.plan, kept, gone)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            watcher.cancel()
+            await responder.end(out)
+        except ConnectionError:
+            pass  # the client left; the request still happened and is recorded
+        await self._find_task(traced)
+        self._finish(traced, response.status, lambda: answers.whole_answer(traced.plan.endpoint, body.decode("utf-8")))
+
+    async def _stream(self, response: UpstreamResponse, responder: Responder, traced: Traced) -> None:
+        responder.start(response.status, _response_headers(response))
+        kept = bytearray()
+        broken = await self._relay(response, responder, traced.plan, kept)
+        gone = responder.client_gone
+        if not gone:
+            try:
+                await responder.end()
+            except ConnectionError:
+                gone = True
         raw = bytes(kept)
         await self._find_task(traced)
-        self._finish(traced, response.status_code, lambda: answers.streamed_answer(traced.plan.endpoint, raw),
-                     cancelled=gone.is_set(), broken=broken)
+        self._finish(traced, response.status, lambda: answers.streamed_answer(traced.plan.endpoint, raw),
+                     cancelled=gone, broken=broken)
 
-    async def _relay(self, response: httpx.Response, send: Callable, plan: MarginPlan, kept: bytearray,
-                     gone: asyncio.Event) -> Optional[str]:
+    async def _relay(self, response: UpstreamResponse, responder: Responder, plan: MarginPlan,
+                     kept: bytearray) -> Optional[str]:
         """Forward a stream chunk by chunk, keeping what the upstream sent; why it broke off, if it did.
 
         Without added logprobs every chunk goes on as it arrived. With them, an event must be whole
@@ -253,26 +253,26 @@ class ProxyApp:
         """
         pending = b""
         try:
-            async for piece in response.aiter_bytes():
-                if gone.is_set():
-                    return None  # the client left; closing the upstream stream stops the generation
+            async for piece in response.chunks():
+                if responder.client_gone:
+                    return None  # the client left; closing the upstream connection stops the generation
                 kept += piece
                 if not plan.injected:
-                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+                    await responder.send(piece)
                     continue
                 pending += piece
                 end = _last_event_end(pending)
                 if end:
                     events, pending = pending[:end], pending[end:]
-                    await send({"type": "http.response.body", "body": self._cut_events(plan, events),
-                                "more_body": True})
-        except httpx.HTTPError as exc:
+                    await responder.send(self._cut_events(plan, events))
+        except UpstreamBrokeOff as exc:
             # The client's stream ends where the upstream's did, as it would without the proxy.
             return f"the upstream broke off the stream: {exc}"
+        except ConnectionError:
+            return None  # the client left while a chunk was being written
         finally:
-            if pending and not gone.is_set():
-                await send({"type": "http.response.body", "body": self._cut_events(plan, pending),
-                            "more_body": True})
+            if pending and not responder.client_gone:
+                await responder.send(self._cut_events(plan, pending))
         return None
 
     def _cut_events(self, plan: MarginPlan, events: bytes) -> bytes:
@@ -298,22 +298,22 @@ class ProxyApp:
         except Exception:
             self._count_failure("reading llama-server's log")
 
-    async def _begin(self, scope: dict, endpoint: str, body: bytes) -> Optional[Traced]:
+    async def _begin(self, request: Request, endpoint: str) -> Optional[Traced]:
         try:
             recorder = self._recorder()
             if recorder is None:
                 return None
-            request = json.loads(body)
-            if not isinstance(request, dict):
+            body = json.loads(request.body)
+            if not isinstance(body, dict):
                 return None  # the upstream will say what is wrong with it
             profile = await self.profiles.get()
-            plan = plan_request(endpoint, request, profile)
-            token = otel_context.attach(propagate.extract(_header_carrier(scope)))
+            plan = plan_request(endpoint, body, profile)
+            token = otel_context.attach(propagate.extract(_header_carrier(request.headers)))
             try:
-                record = recorder.start_request(profile.engine, model=str(request.get("model") or ""))
+                record = recorder.start_request(profile.engine, model=str(body.get("model") or ""))
             finally:
                 otel_context.detach(token)
-            return Traced(record, request, plan, profile)
+            return Traced(record, body, plan, profile)
         except ValueError:
             return None  # not JSON: forwarded as it is, the upstream answers it
         except Exception:
@@ -380,7 +380,7 @@ class ProxyApp:
 
     def _configure(self, traced: Traced, status: int) -> None:
         record, profile, request = traced.record, traced.profile, traced.request
-        record.config[sc.PROXY_UPSTREAM] = self.upstream
+        record.config[sc.PROXY_UPSTREAM] = self.upstream_url
         record.config[sc.HTTP_RESPONSE_STATUS_CODE] = status
         record.config[sc.MARGIN_SOURCE] = traced.plan.source
         if profile.version:
@@ -406,18 +406,11 @@ class ProxyApp:
         except Exception:
             pass
 
-    async def _lifespan(self, receive: Callable, send: Callable) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.client.aclose()
-                recorder = self._recorder()
-                if recorder is not None:
-                    recorder.pipeline.force_flush()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+    def close(self) -> None:
+        self.upstream.close()
+        recorder = self._recorder()
+        if recorder is not None:
+            recorder.pipeline.force_flush()
 
 
 class TaskProvenance:
@@ -500,56 +493,34 @@ class TaskProvenance:
 # --- HTTP plumbing ---------------------------------------------------------------------------
 
 
-async def _read_body(receive: Callable) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            break
-    return b"".join(chunks)
-
-
-async def _wait_for_disconnect(receive: Callable, gone: asyncio.Event) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            gone.set()
-            return
-
-
-def _target(scope: dict) -> str:
-    query = scope.get("query_string") or b""
-    path = scope.get("raw_path") or scope["path"].encode()
-    return (path + (b"?" + query if query else b"")).decode("latin-1")
-
-
-def _header_carrier(scope: dict) -> dict[str, str]:
+def _header_carrier(headers: Headers) -> dict[str, str]:
     carrier: dict[str, str] = {}
-    for name, value in scope.get("headers") or ():
+    for name, value in headers:
         key, text = name.decode("latin-1").lower(), value.decode("latin-1")
         carrier[key] = f"{carrier[key]},{text}" if key in carrier else text
     return carrier
 
 
-def _forwarded_headers(scope: dict) -> list[tuple[bytes, bytes]]:
-    headers = [(name, value) for name, value in scope.get("headers") or ()
-               if name.decode("latin-1").lower() not in HOP_BY_HOP and name.lower() != b"accept-encoding"]
-    headers.append((b"accept-encoding", b"identity"))
-    return headers
+def _forwarded_headers(headers: Headers) -> Headers:
+    # The proxy asks for identity encoding: it reads (and may cut) what the upstream sends.
+    return [(name, value) for name, value in headers if name.lower() not in FORWARD_DROPPED] + [
+        (b"accept-encoding", b"identity")]
 
 
-def _response_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
-    return [(name, value) for name, value in response.headers.raw if name.decode("latin-1").lower()
-            not in RESPONSE_DROPPED]
+def _response_headers(response: UpstreamResponse, keep_length: bool = False) -> Headers:
+    dropped = RESPONSE_DROPPED - {b"content-length"} if keep_length else RESPONSE_DROPPED
+    return [(name, value) for name, value in response.headers if name not in dropped]
 
 
-async def _send_whole(send: Callable, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": headers + [(b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+async def _send_error(responder: Responder, status: int, kind: str, message: str) -> None:
+    body = json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
+    if responder.started or responder.client_gone:
+        return
+    responder.start(status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())])
+    try:
+        await responder.end(body)
+    except ConnectionError:
+        pass
 
 
 def _error_message(body: bytes) -> str:
@@ -565,16 +536,64 @@ def _error_message(body: bytes) -> str:
     return body[:300].decode("utf-8", "replace")
 
 
-def serve(upstream: str, host: str, port: int, llama_server_log: Optional[Path] = None) -> None:
-    """Run the proxy until interrupted (uvicorn, one process, no access log)."""
-    import uvicorn
+async def run_proxy(app: ProxyApp, host: str, port: int, stop: asyncio.Event,
+                    started: Optional[Callable[[int], None]] = None) -> None:
+    """Serve ``app`` until ``stop`` is set; ``started`` gets the port it listens on."""
+    server = await start_server(app.handle, host, port)
+    try:
+        if started is not None:
+            started(server.sockets[0].getsockname()[1])
+        await stop.wait()
+    finally:
+        server.close()
+        app.close()
 
+
+@contextlib.contextmanager
+def proxy_in_thread(upstream: str, recorder: Optional[Recorder] = None,
+                    llama_server_log: Optional[Path] = None) -> Iterator[str]:
+    """The proxy on a free local port, on an event loop of its own in a thread; yields its base URL.
+
+    ``recorder``: the recorder to use (default: the process recorder, as ``kvtrace proxy`` does).
+    Used by ``kvtrace experiment --server``, the tests and the benchmark.
+    """
+    app = ProxyApp(upstream, recorder=(lambda: recorder) if recorder is not None else get_recorder,
+                   llama_server_log=llama_server_log)
+    ready: "queue.Queue[object]" = queue.Queue()
+    control: dict[str, Any] = {}
+
+    async def main() -> None:
+        control["loop"], control["stop"] = asyncio.get_running_loop(), asyncio.Event()
+        await run_proxy(app, "127.0.0.1", 0, control["stop"], ready.put)
+
+    def run() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # reported to the caller, which is waiting for the port
+            ready.put(exc)
+
+    thread = threading.Thread(target=run, name="kvtrace-proxy", daemon=True)
+    thread.start()
+    port = ready.get(timeout=30)
+    if isinstance(port, BaseException):
+        raise port
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        control["loop"].call_soon_threadsafe(control["stop"].set)
+        thread.join(30)
+
+
+def serve(upstream: str, host: str, port: int, llama_server_log: Optional[Path] = None,
+          on_listening: Optional[Callable[[int], None]] = None) -> None:
+    """Run the proxy until SIGINT or SIGTERM (both a normal stop: the spans are flushed, exit 0)."""
     app = ProxyApp(upstream, llama_server_log=llama_server_log)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            server_header=False, date_header=False, lifespan="on")
-    # SIGTERM / Ctrl-C are how a proxy is stopped: uvicorn shuts down gracefully (the lifespan flushes
-    # the spans) and then raises the signal again; these handlers take it, so the process ends
-    # normally and the recorder's exit handler runs.
-    for stop in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(stop, lambda number, frame: None)
-    uvicorn.Server(config).run()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for number in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(number, stop.set)
+        await run_proxy(app, host, port, stop, on_listening)
+
+    asyncio.run(main())
