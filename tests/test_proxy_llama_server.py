@@ -308,19 +308,21 @@ def test_a_tracing_failure_never_fails_the_request(llama_server):
 def test_requests_in_flight_together_are_not_given_the_logs_cache_decisions(tiny_gguf, tmp_path, memory_recorder,
                                                                             finished_requests):
     """The log does not say which request a task was; alone in flight it is certain, together it is not."""
-    import concurrent.futures
-
     log_path = tmp_path / "server.log"
     with running_llama_server(tiny_gguf, "-lv", "4", log_path=log_path) as server:
         with running_proxy(server, memory_recorder, llama_server_log=log_path) as proxy:
-            def ask(prompt):
-                return httpx.post(proxy + "/completion", json={"prompt": prompt, "n_predict": 48}, timeout=120)
-
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                answers = list(pool.map(ask, ["The kitchen has a long oak table and", "Zulu harbour boats rocked"]))
-            assert all(a.status_code == 200 for a in answers)
-            ask("A third request, alone")
-    spans = [attributes for attributes, _, _ in finished_requests(memory_recorder)]
-    assert [a[sc.SERVER_TASK_MATCH] for a in spans] == [sc.TASK_MATCH_AMBIGUOUS, sc.TASK_MATCH_AMBIGUOUS,
-                                                        sc.TASK_MATCH_LOG]
-    assert sc.SERVER_TASK_ID not in spans[0] and sc.SERVER_TASK_ID in spans[2]
+            long = {"prompt": "The kitchen has a long oak table and", "n_predict": 900, "ignore_eos": True,
+                    "temperature": 0, "stream": True}
+            with httpx.stream("POST", proxy + "/completion", json=long, timeout=120) as first:
+                lines = first.iter_lines()
+                next(lines)  # the first request is being answered (900 tokens take a while) ...
+                second = httpx.post(proxy + "/completion", json={"prompt": "Zulu harbour boats rocked",
+                                                                 "n_predict": 8, "temperature": 0}, timeout=120)
+                assert second.status_code == 200  # ... while the second one is sent
+                for _ in lines:
+                    pass
+            httpx.post(proxy + "/completion", json={"prompt": "A third request, alone", "n_predict": 8}, timeout=120)
+    first, second, third = (attributes for attributes, _, _ in finished_requests(memory_recorder))  # by start
+    assert [a[sc.SERVER_TASK_MATCH] for a in (first, second, third)] == [sc.TASK_MATCH_AMBIGUOUS] * 2 + [
+        sc.TASK_MATCH_LOG]
+    assert sc.SERVER_TASK_ID not in first and sc.SERVER_TASK_ID not in second and sc.SERVER_TASK_ID in third
