@@ -1,23 +1,27 @@
 """The divergence protocol against llama-server, through the same request path as `kvtrace proxy`.
 
-``kvtrace experiment --server CMD`` takes llama-server's command line and, for every pass, starts
-a fresh server with the arm's configuration, puts kvtrace's proxy in front of it (in this process,
-recording to the spool like any engine) and runs the seeded workload through the proxy, serial and
-greedy, on llama-server's native ``/completion`` with text prompts. ``--server URL`` uses a server
-that is already running instead (the arms it can offer then depend on how it was started).
+``kvtrace experiment --server CMD`` takes llama-server's command line and, for every pass of the
+plan, starts a fresh server with the pass's settings, puts kvtrace's proxy in front of it (in this
+process, recording to the spool like any engine) and runs the seeded workload through the proxy,
+serial and greedy, on llama-server's native ``/completion``: the conversation is kept as text, as an
+agent talking to a server does. ``--server URL`` uses a server that is already running instead
+(its settings and arms are then whatever it was started with).
 
 The arms are what the server offers:
 
 * ``off`` — every request sends ``cache_prompt: false``: the prompt is recomputed;
 * ``reuse`` — ``cache_prompt: true`` with the host prompt cache off (``--cache-ram 0``): the one
-  slot keeps its state, and each turn reuses the prefix it shares with the turn before;
-* ``prompt-cache`` — ``cache_prompt: true`` with the prompt cache on (the server's default size),
-  the episodes interleaved turn by turn, so the slot always holds another episode's state and each
-  turn is served from the state the server restores from its prompt cache. The server's log
-  (``-lv 4``) names, through the proxy, the earlier request whose state came back.
+  slot keeps its state, and each turn reuses the prefix it shares with what the slot holds;
+* ``prompt-cache`` — ``cache_prompt: true`` with the prompt cache holding ``--cache-ram`` bytes
+  (whole MiB, llama-server's unit), the episodes always interleaved turn by turn, so the slot holds
+  another episode's state and each turn is served from the state the server restores from its
+  prompt cache. The server's log (``-lv 4``) names, through the proxy, the request that stored it.
 
-Each pass gets a fresh server, so nothing is cached from another run. The report, forks and
-attribution are the in-process experiment's (``report.py``), since the spans are the same.
+The engine settings of the plan become the server's flags (``-b``, ``-ub``, ``-fa``, ``-ctk``/``-ctv``,
+``-t``/``-tb``, ``-c``), appended after the given command line so that they win; the proxy records
+them from the server's log, so the report groups the runs as it does in-process. Each pass gets a
+fresh server: nothing is cached from another run. The report, forks and attribution are the
+in-process experiment's (``report.py``), since the spans are the same.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
 import httpx
@@ -37,26 +41,51 @@ import httpx
 from kvtrace import semconv as sc
 from kvtrace.errors import ConfigError, EngineFailed
 from kvtrace.experiment.isolation import PassResult
-from kvtrace.experiment.plan import Plan
+from kvtrace.experiment.plan import PassKey, Plan
 from kvtrace.experiment.runner import Outcome
 from kvtrace.experiment.workload import episode_order, make_episodes
-from kvtrace.outside.proxy import proxy_in_thread
+from kvtrace.outside.proxy import llama_server_profile, proxy_in_thread
+from kvtrace.progress import Progress
 
 SERVER_ARMS = ("off", "reuse", "prompt-cache")
 START_TIMEOUT_S = 180.0
+MIB = 1 << 20
 
 
 def parse_target(text: str) -> tuple[Optional[list[str]], Optional[str]]:
     """``--server``: a running server's URL, or the llama-server command line to start per pass."""
     if text.startswith(("http://", "https://")):
-        parts = urlsplit(text)
-        if not parts.hostname:
+        if not urlsplit(text).hostname:
             raise ConfigError(f"--server {text!r}: not an http(s)://host:port URL")
         return None, text.rstrip("/")
     command = shlex.split(text)
     if not command:
         raise ConfigError("--server: give llama-server's command line (or a running server's URL)")
     return command, None
+
+
+def check_plan(plan: Plan, url: Optional[str]) -> None:
+    """What a server can run: its three arms, text conversations, cache sizes in whole MiB."""
+    unknown = [arm for arm in plan.arms if arm not in SERVER_ARMS]
+    if unknown:
+        raise ConfigError(f"--server runs the arms {', '.join(SERVER_ARMS)}; not {', '.join(unknown)}")
+    if plan.conversation != "text":
+        raise ConfigError("--server keeps the conversation as text (--conversation text), as a server's client does")
+    if any(size % MIB for size in plan.cache_ram):
+        raise ConfigError("--server: llama-server's --cache-ram is in MiB; give whole MiB, e.g. 256MiB or 1GiB")
+    if url is not None and "prompt-cache" in plan.arms and "reuse" in plan.arms:
+        raise ConfigError("a running server (--server URL) has one prompt-cache setting: give --arms off,reuse or "
+                          "off,prompt-cache, or give llama-server's command line to run both configurations")
+
+
+def server_arguments(plan: Plan, key: PassKey, port: int, log_path: Path) -> list[str]:
+    """The pass's settings as llama-server flags (appended last, so they win over the command line's)."""
+    s = key.settings
+    cache_mib = (key.cache_ram or 0) // MIB if key.arm == "prompt-cache" else 0
+    return ["--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", str(plan.n_ctx),
+            "-t", str(plan.n_threads), "-tb", str(plan.n_threads), "-b", str(s.n_batch), "-ub", str(s.n_ubatch),
+            "-fa", s.flash_attn, "-ctk", s.kv_type, "-ctv", s.kv_type, "--cache-ram", str(cache_mib),
+            "-lv", "4", "--log-file", str(log_path)]
 
 
 def _free_port() -> int:
@@ -66,17 +95,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def started_server(command: list[str], arm: str, n_ctx: int, workdir: Path) -> Iterator[tuple[str, Path]]:
-    """llama-server with the arm's configuration on a free port; yields (base URL, its log file)."""
-    port = _free_port()
-    log_path = workdir / f"llama-server-{port}.log"
-    # Appended last, so they win over the same options in the user's command line.
-    arguments = [*command, "--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", str(n_ctx), "-lv", "4"]
-    if arm != "prompt-cache":
-        arguments += ["--cache-ram", "0"]
-    with open(log_path, "wb") as log:
+def started_server(command: list[str], arguments: list[str], log_path: Path) -> Iterator[str]:
+    """llama-server started with ``command + arguments`` (which name its port); yields its base URL."""
+    port = arguments[arguments.index("--port") + 1]
+    output = log_path.with_suffix(".out")
+    with open(output, "wb") as out:
         try:
-            process = subprocess.Popen(arguments, stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen([*command, *arguments], stdout=out, stderr=subprocess.STDOUT)
         except OSError as exc:
             raise ConfigError(f"--server: cannot start {command[0]}: {exc.strerror or exc}") from None
     base = f"http://127.0.0.1:{port}"
@@ -89,11 +114,12 @@ def started_server(command: list[str], arm: str, n_ctx: int, workdir: Path) -> I
             except httpx.HTTPError:
                 pass
             if process.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-                raise EngineFailed(f"llama-server did not start ({' / '.join(tail) or 'no output'}); "
+                said = output.read_text(errors="replace").strip().splitlines()
+                said += log_path.read_text(errors="replace").strip().splitlines() if log_path.exists() else []
+                raise EngineFailed(f"llama-server did not start ({' / '.join(said[-3:]) or 'no output'}); "
                                    f"its log: {log_path}")
             time.sleep(0.2)
-        yield base, log_path
+        yield base
     finally:
         process.terminate()
         try:
@@ -105,8 +131,6 @@ def started_server(command: list[str], arm: str, n_ctx: int, workdir: Path) -> I
 
 def server_weight_format(base: str) -> str:
     """The model's weight format as kvtrace names it, from llama-server's ``/props``."""
-    from kvtrace.outside.proxy import llama_server_profile
-
     try:
         props = httpx.get(f"{base}/props", timeout=30).json()
     except (httpx.HTTPError, ValueError):
@@ -114,26 +138,41 @@ def server_weight_format(base: str) -> str:
     return llama_server_profile(props).weight_format or "unknown"
 
 
+def detect_format(command: Optional[list[str]], url: Optional[str], plan: Plan) -> str:
+    """The weight format of the server's model (a command line is started once to ask)."""
+    if url is not None:
+        return server_weight_format(url)
+    with tempfile.TemporaryDirectory(prefix="kvtrace-server-probe-") as scratch:
+        log_path = Path(scratch) / "llama-server.log"
+        key = next(plan.passes())
+        with started_server(command, server_arguments(plan, key, _free_port(), log_path), log_path) as base:
+            return server_weight_format(base)
+
+
 def run_server_experiment(plan: Plan, command: Optional[list[str]], url: Optional[str],
-                          progress: Callable[[str], None] = lambda m: None) -> Outcome:
-    """Every pass of ``plan`` (its ``formats`` hold the one format the server's model has)."""
+                          progress: Progress = Progress()) -> Outcome:
+    """Every pass of ``plan`` (whose ``formats`` hold the one format the server's model has)."""
     outcome = Outcome()
     started = time.monotonic()
-    total = sum(1 for _ in plan.passes())
+    keys = list(plan.passes())
+    progress.start(len(keys) * plan.episodes * plan.turns, "turns")
     with tempfile.TemporaryDirectory(prefix="kvtrace-server-experiment-") as scratch:
         try:
-            for i, (fmt, arm, repeat, order) in enumerate(plan.passes(), 1):
-                run_id = plan.run_id(fmt, arm, repeat, order)
-                progress(f"[{i}/{total}] {run_id}")
+            for i, key in enumerate(keys, 1):
+                run_id = plan.run_id(key)
                 result = PassResult()
                 if command is not None:
-                    with started_server(command, arm, plan.n_ctx, Path(scratch)) as (base, log_path):
+                    log_path = Path(scratch) / f"pass-{i}.log"
+                    arguments = server_arguments(plan, key, _free_port(), log_path)
+                    with started_server(command, arguments, log_path) as base:
                         with proxy_in_thread(base, llama_server_log=log_path) as proxy:
-                            run_server_pass(plan, base, proxy, run_id, arm, order, result, progress)
+                            run_server_pass(plan, base, proxy, key, run_id, result, progress, f"[{i}/{len(keys)}] ")
                 else:
                     with proxy_in_thread(url) as proxy:
-                        run_server_pass(plan, url, proxy, run_id, arm, order, result, progress)
-                outcome.runs.append({"run_id": run_id, "format": fmt, "arm": arm, "repeat": repeat, "order": order})
+                        run_server_pass(plan, url, proxy, key, run_id, result, progress, f"[{i}/{len(keys)}] ")
+                outcome.runs.append({"run_id": run_id, "format": key.format, "settings": key.settings.label,
+                                     "arm": key.arm, "cache_ram": key.cache_ram, "repeat": key.repeat,
+                                     "order": key.order})
                 outcome.add(result)
         except KeyboardInterrupt:
             outcome.interrupted = True
@@ -144,55 +183,40 @@ def run_server_experiment(plan: Plan, command: Optional[list[str]], url: Optiona
             if recorder is not None:
                 recorder.pipeline.force_flush()
             outcome.seconds = time.monotonic() - started
+            progress.close()
     return outcome
 
 
-def run_server_pass(plan: Plan, server: str, proxy: str, run_id: str, arm: str, order: str, result: PassResult,
-                    progress: Callable[[str], None]) -> None:
+def run_server_pass(plan: Plan, server: str, proxy: str, key: PassKey, run_id: str, result: PassResult,
+                    progress: Progress, label: str) -> None:
     """One pass: every episode's turns through the proxy; interleaved turn by turn for ``prompt-cache``."""
     episodes = make_episodes(plan.episodes, plan.seed)
-    indices = episode_order(plan.episodes, order, plan.seed)
-    prompts = {i: episodes[i].opening() for i in indices}
-    if arm == "prompt-cache":
+    indices = episode_order(plan.episodes, key.order, plan.seed)
+    transcripts = {i: episodes[i].opening() for i in indices}
+    if key.arm == "prompt-cache" or plan.schedule == "interleaved":
         schedule = [(turn, i) for turn in range(plan.turns) for i in indices]
     else:
         schedule = [(turn, i) for i in indices for turn in range(plan.turns)]
     ended: set[int] = set()
     with httpx.Client(timeout=None) as client:
-        for n, (turn, index) in enumerate(schedule, 1):
+        for turn, index in schedule:
+            progress.advance()
             if index in ended:
                 continue
             episode = episodes[index]
-            prompt = prompts[index]
+            prompt = transcripts[index]
             tokens = client.post(f"{server}/tokenize", json={"content": prompt, "add_special": True}).json()["tokens"]
             if len(tokens) + plan.tokens > plan.n_ctx:
                 ended.add(index)  # context full: the episode ends here, the same way in every run
                 continue
-            progress(f"{run_id} request {n}/{len(schedule)}")
+            progress(f"{label}{run_id} episode {episode.episode_id} turn {turn + 1}/{plan.turns}")
             baggage = (f"{sc.RUN_ID}={run_id},{sc.EPISODE_ID}={episode.episode_id},{sc.TURN}={turn},"
-                       f"{sc.ARM}={arm}")
+                       f"{sc.ARM}={key.arm}")
             answer = client.post(f"{proxy}/completion", headers={"baggage": baggage}, json={
                 "prompt": prompt, "n_predict": plan.tokens, "temperature": 0.0, "seed": plan.seed,
-                "cache_prompt": arm != "off"})
+                "cache_prompt": key.arm != "off"})
             if answer.status_code != 200:
                 raise EngineFailed(f"{run_id}: llama-server answered HTTP {answer.status_code}: {answer.text[:200]}")
             text = answer.json()["content"]
             result.requests += 1
-            prompts[index] = prompt + text + episode.observe(text, turn)
-
-
-def check_arms(plan: Plan, url: Optional[str]) -> None:
-    unknown = [arm for arm in plan.arms if arm not in SERVER_ARMS]
-    if unknown:
-        raise ConfigError(f"--server runs the arms {', '.join(SERVER_ARMS)}; not {', '.join(unknown)}")
-    if url is not None and "prompt-cache" in plan.arms and "reuse" in plan.arms:
-        raise ConfigError("a running server (--server URL) has one prompt-cache setting: give --arms off,reuse or "
-                          "off,prompt-cache, or give llama-server's command line to run both configurations")
-
-
-def detect_format(command: Optional[list[str]], url: Optional[str], n_ctx: int) -> str:
-    if url is not None:
-        return server_weight_format(url)
-    with tempfile.TemporaryDirectory(prefix="kvtrace-server-probe-") as scratch:
-        with started_server(command, "off", n_ctx, Path(scratch)) as (base, _):
-            return server_weight_format(base)
+            transcripts[index] = prompt + text + episode.observe(text, turn)

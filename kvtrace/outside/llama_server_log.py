@@ -31,6 +31,14 @@ _SELECTED = re.compile(_SLOT + r"selected slot by (?P<how>LCP similarity|LRU|id)
 _PROCESSING = re.compile(_SLOT + r"processing task")
 _NEW_PROMPT = re.compile(_SLOT + r"new prompt, .*task\.n_tokens = (?P<n>\d+)")
 _RELEASED = re.compile(_SLOT + r"stop processing: n_tokens = (?P<n>\d+)")
+_CONTEXT = re.compile(r"llama_context: (?P<name>n_ctx|n_batch|n_ubatch)\s+= (?P<value>\d+)")
+_FLASH_SET = re.compile(r"llama_context: flash_attn\s+= (?P<value>enabled|disabled)")
+_FLASH_RESOLVED = re.compile(r"Flash Attention (?P<value>enabled|disabled)")
+_KV_TYPES = re.compile(r"llama_kv_cache: size = .* K \((?P<k>\w+)\).* V \((?P<v>\w+)\)")
+_THREADS = re.compile(r"system_info: n_threads = (?P<n>\d+) \(n_threads_batch = (?P<batch>\d+)\) / \d+ \| "
+                      r"(?P<info>.*)")
+_REPACKED = re.compile(r"load_tensors: +\S*(REPACK|AMX)\S* model buffer size")
+_TENSORS = re.compile(r"load_tensors: ")
 _CACHE_ON = re.compile(r"prompt cache is enabled, size limit: (?:(?P<mib>\d+) MiB|no limit)")
 _CACHE_OFF = re.compile(r"prompt cache is disabled")
 _IDLE_SAVE = re.compile(_SLOT + r"saving idle slot to prompt cache")
@@ -110,6 +118,8 @@ class LogParser:
         self.decisions: dict[int, TaskDecision] = {}
         self.settings: dict[str, object] = {}
         """Server settings the log states at start-up (``cache_ram_mib``: the prompt cache's limit, -1 none)."""
+        self.numerics: dict[str, object] = {}
+        """What changes numerics, as the in-process patch records it (``n_batch``, ``flash_attn``, ``type_k`` ...)."""
 
     def feed(self, line: str) -> Optional[TaskDecision]:
         line = _ANSI.sub("", line)
@@ -142,6 +152,18 @@ class LogParser:
             decision = self.decisions.get(int(m["task"]))
             if decision is not None:
                 decision.prompt_tokens = int(m["n"])
+        elif (m := _CONTEXT.search(line)) is not None:
+            self.numerics[m["name"]] = int(m["value"])
+        elif (m := _FLASH_SET.search(line) or _FLASH_RESOLVED.search(line)) is not None:
+            self.numerics["flash_attn"] = m["value"]
+        elif (m := _KV_TYPES.search(line)) is not None:
+            self.numerics["type_k"], self.numerics["type_v"] = m["k"], m["v"]
+        elif (m := _THREADS.search(line)) is not None:
+            self.numerics.update(n_threads=int(m["n"]), n_threads_batch=int(m["batch"]),
+                                 system_info=m["info"].strip()[:500])
+        elif _TENSORS.search(line):
+            # Repacked weights (AMX and other extra buffer types) run other kernels, hence other numerics.
+            self.numerics["weight_repack"] = bool(_REPACKED.search(line)) or bool(self.numerics.get("weight_repack"))
         elif (m := _CACHE_ON.search(line)) is not None:
             self.settings["cache_ram_mib"] = int(m["mib"]) if m["mib"] else -1
         elif _CACHE_OFF.search(line):

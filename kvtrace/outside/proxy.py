@@ -389,7 +389,17 @@ class ProxyApp:
             record.config[sc.MODEL_WEIGHT_FORMAT] = profile.weight_format
         cache = dict(profile.settings)
         if self.provenance is not None:
-            cache.update(self.provenance.follower.parser.settings)
+            parser = self.provenance.follower.parser
+            cache.update(parser.settings)
+            cache_mib = parser.settings.get("cache_ram_mib")
+            if isinstance(cache_mib, int) and cache_mib > 0:
+                cache.update(prompt_cache="llama-server", capacity_bytes=cache_mib << 20)
+            numerics = dict(parser.numerics)
+            if numerics:
+                record.config[sc.NUMERICS_SETTINGS] = numerics
+            if "type_k" in numerics:
+                kv = (numerics["type_k"], numerics.get("type_v", numerics["type_k"]))
+                record.config[sc.KV_CACHE_TYPE] = kv[0] if kv[0] == kv[1] else f"{kv[0]}/{kv[1]}"
         if "cache_prompt" in request:
             cache["cache_prompt"] = request["cache_prompt"]
         for name in ("cache_salt", "id_slot"):
