@@ -7,7 +7,9 @@ of the in-process patches; every other path is forwarded untouched.
 Per traced request:
 
 * **Correlation** comes from the request's W3C ``traceparent`` / ``baggage`` (run, episode, turn,
-  arm; the span's parent), which are forwarded to the upstream as received.
+  arm; the span's parent). The upstream gets the client's baggage and the proxy's span as its
+  parent, so a server kvtrace traces too records its span as the proxy span's child, in the
+  client's trace, and the saved queries count the request once (``requests_once``).
 * **Margins**: :mod:`margin_request` asks the upstream for the top two alternatives when the
   client did not ask for logprobs and cuts them out of the answer; otherwise the client's own
   logprobs are used and its answer passes untouched.
@@ -49,6 +51,7 @@ from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
 from kvtrace.outside.margin_request import (ENDPOINTS, NATIVE, OPENAI_COMPATIBLE, MarginPlan, UpstreamProfile, cut,
                                             plan_request)
 from kvtrace.outside.openai_exchange import TextHasher, fill_record, parse_exchange
+from kvtrace.outside.recorder import trace_headers
 from kvtrace.recording.recorder import Recorder, get_recorder
 from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
 
@@ -170,9 +173,11 @@ class ProxyApp:
             upstream_body = json.dumps(traced.plan.upstream_request, ensure_ascii=False).encode("utf-8")
         if traced is not None and self.provenance is not None:
             self.provenance.sent(traced)
+        headers = _forwarded_headers(request.headers)
+        if traced is not None:
+            headers = _with_trace_context(headers, traced.record)
         try:
-            response = await self.upstream.request(request.method, request.target,
-                                                   _forwarded_headers(request.headers), upstream_body)
+            response = await self.upstream.request(request.method, request.target, headers, upstream_body)
         except UpstreamUnreachable as exc:
             message = f"kvtrace proxy: the upstream {self.upstream_url} could not be reached: {exc}"
             await _send_error(responder, 502, "upstream_unreachable", message)
@@ -515,6 +520,23 @@ def _forwarded_headers(headers: Headers) -> Headers:
     # The proxy asks for identity encoding: it reads (and may cut) what the upstream sends.
     return [(name, value) for name, value in headers if name.lower() not in FORWARD_DROPPED] + [
         (b"accept-encoding", b"identity")]
+
+
+def _with_trace_context(headers: Headers, record: RequestRecord) -> Headers:
+    """The request as the upstream gets it: the proxy's record as the ``traceparent`` (a traced engine
+    behind the proxy records its span as this record's child, in the client's trace, and the saved
+    queries count the request once), the client's ``baggage`` as it came, or the record's correlation
+    when the client sent none."""
+    try:
+        context = trace_headers(record)
+    except Exception:
+        return headers
+    has_baggage = any(name.lower() == b"baggage" for name, _ in headers)
+    out = [(name, value) for name, value in headers if name.lower() != b"traceparent"]
+    out.append((b"traceparent", context["traceparent"].encode("latin-1")))
+    if not has_baggage and context.get("baggage"):
+        out.append((b"baggage", context["baggage"].encode("latin-1")))
+    return out
 
 
 def _response_headers(response: UpstreamResponse, keep_length: bool = False) -> Headers:
