@@ -22,19 +22,18 @@ Per traced request:
   never fails a request: if reading the request, planning or recording goes wrong, the request is
   forwarded as the client sent it and the failure is counted (``instrumentation_errors``).
 
-HTTP/1.1 on both sides is :mod:`http1` (asyncio and h11): a request goes upstream in one write, an
-answer back in one, over upstream connections kept alive.
+HTTP/1.1 on both sides is :mod:`http1` (blocking sockets, a thread per client connection, h11): a
+request goes upstream in one write, an answer back in one, over upstream connections kept alive.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
-import queue
 import signal
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +44,8 @@ from opentelemetry import propagate
 
 from kvtrace import semconv as sc
 from kvtrace.outside import answers
-from kvtrace.outside.http1 import (Headers, Request, Responder, Upstream, UpstreamBrokeOff, UpstreamResponse,
-                                   UpstreamUnreachable, start_server)
+from kvtrace.outside.http1 import (ClientGone, Headers, Request, Responder, Server, Upstream, UpstreamBrokeOff,
+                                   UpstreamResponse, UpstreamUnreachable)
 from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
 from kvtrace.outside.margin_request import (ENDPOINTS, NATIVE, OPENAI_COMPATIBLE, MarginPlan, UpstreamProfile, cut,
                                             plan_request)
@@ -92,32 +91,32 @@ class UpstreamProfiles:
     def __init__(self, upstream: Upstream):
         self._upstream = upstream
         self._known: Optional[UpstreamProfile] = None
-        self._lock = asyncio.Lock()
+        self._lock = threading.Lock()
 
-    async def get(self) -> UpstreamProfile:
+    def get(self) -> UpstreamProfile:
         if self._known is not None:
             return self._known
-        async with self._lock:
+        with self._lock:
             if self._known is None:
-                self._known = await self._detect()
+                self._known = self._detect()
         return self._known or OPENAI_COMPATIBLE
 
-    async def _get_json(self, path: str) -> Any:
-        answer = await asyncio.wait_for(self._upstream.request("GET", path, [], b""), 10.0)
-        body = await asyncio.wait_for(answer.read(), 10.0)
+    def _get_json(self, path: str) -> Any:
+        answer = self._upstream.request("GET", path, [], b"", timeout=10.0)
+        body = answer.read()
         return json.loads(body) if answer.status == 200 else None
 
-    async def _detect(self) -> Optional[UpstreamProfile]:
+    def _detect(self) -> Optional[UpstreamProfile]:
         try:
-            props = await self._get_json("/props")
+            props = self._get_json("/props")
             if isinstance(props, dict) and "default_generation_settings" in props:
                 return llama_server_profile(props)
-            models = await self._get_json("/v1/models")
+            models = self._get_json("/v1/models")
             if isinstance(models, dict):
                 data = (models.get("data") or [{}])[0]
                 owner = str(data.get("owned_by", "")).lower()
                 return UpstreamProfile(engine="vllm" if owner == "vllm" else OPENAI_COMPATIBLE.engine)
-        except (UpstreamUnreachable, UpstreamBrokeOff, asyncio.TimeoutError, ValueError, AttributeError,
+        except (UpstreamUnreachable, UpstreamBrokeOff, ValueError, AttributeError,
                 IndexError, TypeError):
             log.debug("kvtrace proxy: the upstream's kind could not be told yet", exc_info=True)
             return None  # asked again with the next request
@@ -165,9 +164,9 @@ class ProxyApp:
         self.profiles = UpstreamProfiles(self.upstream)
         self._hasher: Optional[TextHasher] = None
 
-    async def handle(self, request: Request, responder: Responder) -> None:
+    def handle(self, request: Request, responder: Responder) -> None:
         endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
-        traced = await self._begin(request, endpoint) if endpoint else None
+        traced = self._begin(request, endpoint) if endpoint else None
         upstream_body = request.body
         if traced is not None and traced.plan.injected:
             upstream_body = json.dumps(traced.plan.upstream_request, ensure_ascii=False).encode("utf-8")
@@ -177,46 +176,45 @@ class ProxyApp:
         if traced is not None:
             headers = _with_trace_context(headers, traced.record)
         try:
-            response = await self.upstream.request(request.method, request.target, headers, upstream_body)
+            response = self.upstream.request(request.method, request.target, headers, upstream_body)
         except UpstreamUnreachable as exc:
             message = f"kvtrace proxy: the upstream {self.upstream_url} could not be reached: {exc}"
-            await _send_error(responder, 502, "upstream_unreachable", message)
+            _send_error(responder, 502, "upstream_unreachable", message)
             if traced is not None:
                 self._finish_error(traced, 502, message)
             return
         try:
             if traced is None or response.status >= 400:
-                await self._pass_through(response, responder, traced)
+                self._pass_through(response, responder, traced)
             elif response.header(b"content-type").startswith("text/event-stream"):
-                await self._stream(response, responder, traced)
+                self._stream(response, responder, traced)
             else:
-                await self._whole(response, responder, traced)
+                self._whole(response, responder, traced)
         finally:
             response.close()
 
     # --- the three ways an answer goes back ----------------------------------------------
 
-    async def _pass_through(self, response: UpstreamResponse, responder: Responder,
-                            traced: Optional[Traced]) -> None:
+    def _pass_through(self, response: UpstreamResponse, responder: Responder, traced: Optional[Traced]) -> None:
         responder.start(response.status, _response_headers(response, keep_length=True))
         kept = bytearray()
         try:
-            async for piece in response.chunks():
-                await responder.send(piece)
+            for piece in response.chunks():
+                responder.send(piece)
                 if traced is not None and len(kept) < 4096:
                     kept += piece
-            await responder.end()
-        except (UpstreamBrokeOff, ConnectionError):
+            responder.end()
+        except (UpstreamBrokeOff, ClientGone):
             pass  # the client's answer ends where the upstream's did, or the client left
         if traced is not None:
             self._finish_error(traced, response.status, _error_message(bytes(kept)))
 
-    async def _whole(self, response: UpstreamResponse, responder: Responder, traced: Traced) -> None:
+    def _whole(self, response: UpstreamResponse, responder: Responder, traced: Traced) -> None:
         try:
-            body = await response.read()
+            body = response.read()
         except UpstreamBrokeOff as exc:
             message = f"kvtrace proxy: the upstream {self.upstream_url} broke off its answer: {exc}"
-            await _send_error(responder, 502, "upstream_broke_off", message)
+            _send_error(responder, 502, "upstream_broke_off", message)
             self._finish_error(traced, 502, message)
             return
         out = body
@@ -228,29 +226,29 @@ class ProxyApp:
                 self._count_failure("cutting the added logprobs from an answer")
         responder.start(response.status, _response_headers(response) + [(b"content-length", str(len(out)).encode())])
         try:
-            await responder.end(out)
-        except ConnectionError:
+            responder.end(out)
+        except ClientGone:
             pass  # the client left; the request still happened and is recorded
-        await self._find_task(traced)
+        self._find_task(traced)
         self._finish(traced, response.status, lambda: answers.whole_answer(traced.plan.endpoint, body.decode("utf-8")))
 
-    async def _stream(self, response: UpstreamResponse, responder: Responder, traced: Traced) -> None:
+    def _stream(self, response: UpstreamResponse, responder: Responder, traced: Traced) -> None:
         responder.start(response.status, _response_headers(response))
         kept = bytearray()
-        broken = await self._relay(response, responder, traced.plan, kept)
+        broken = self._relay(response, responder, traced.plan, kept)
         gone = responder.client_gone
         if not gone:
             try:
-                await responder.end()
-            except ConnectionError:
+                responder.end()
+            except ClientGone:
                 gone = True
         raw = bytes(kept)
-        await self._find_task(traced)
+        self._find_task(traced)
         self._finish(traced, response.status, lambda: answers.streamed_answer(traced.plan.endpoint, raw),
                      cancelled=gone, broken=broken)
 
-    async def _relay(self, response: UpstreamResponse, responder: Responder, plan: MarginPlan,
-                     kept: bytearray) -> Optional[str]:
+    def _relay(self, response: UpstreamResponse, responder: Responder, plan: MarginPlan,
+               kept: bytearray) -> Optional[str]:
         """Forward a stream chunk by chunk, keeping what the upstream sent; why it broke off, if it did.
 
         Without added logprobs every chunk goes on as it arrived. With them, an event must be whole
@@ -258,26 +256,28 @@ class ProxyApp:
         """
         pending = b""
         try:
-            async for piece in response.chunks():
-                if responder.client_gone:
-                    return None  # the client left; closing the upstream connection stops the generation
+            for piece in response.chunks():
+                # A client that left is noticed when a write to it fails (the second after it left):
+                # then closing the upstream connection stops the generation.
                 kept += piece
                 if not plan.injected:
-                    await responder.send(piece)
+                    responder.send(piece)
                     continue
                 pending += piece
                 end = _last_event_end(pending)
                 if end:
                     events, pending = pending[:end], pending[end:]
-                    await responder.send(self._cut_events(plan, events))
+                    responder.send(self._cut_events(plan, events))
         except UpstreamBrokeOff as exc:
             # The client's stream ends where the upstream's did, as it would without the proxy.
             return f"the upstream broke off the stream: {exc}"
-        except ConnectionError:
+        except ClientGone:
             return None  # the client left while a chunk was being written
-        finally:
-            if pending and not responder.client_gone:
-                await responder.send(self._cut_events(plan, pending))
+        if pending:
+            try:
+                responder.send(self._cut_events(plan, pending))
+            except ClientGone:
+                pass
         return None
 
     def _cut_events(self, plan: MarginPlan, events: bytes) -> bytes:
@@ -295,15 +295,15 @@ class ProxyApp:
 
     # --- tracing: never fails the request ---------------------------------------------------
 
-    async def _find_task(self, traced: Traced) -> None:
+    def _find_task(self, traced: Traced) -> None:
         if self.provenance is None:
             return
         try:
-            await self.provenance.find(traced)
+            self.provenance.find(traced)
         except Exception:
             self._count_failure("reading llama-server's log")
 
-    async def _begin(self, request: Request, endpoint: str) -> Optional[Traced]:
+    def _begin(self, request: Request, endpoint: str) -> Optional[Traced]:
         try:
             recorder = self._recorder()
             if recorder is None:
@@ -311,7 +311,7 @@ class ProxyApp:
             body = json.loads(request.body)
             if not isinstance(body, dict):
                 return None  # the upstream will say what is wrong with it
-            profile = await self.profiles.get()
+            profile = self.profiles.get()
             plan = plan_request(endpoint, body, profile)
             token = otel_context.attach(propagate.extract(_header_carrier(request.headers)))
             try:
@@ -394,12 +394,11 @@ class ProxyApp:
             record.config[sc.MODEL_WEIGHT_FORMAT] = profile.weight_format
         cache = dict(profile.settings)
         if self.provenance is not None:
-            parser = self.provenance.follower.parser
-            cache.update(parser.settings)
-            cache_mib = parser.settings.get("cache_ram_mib")
+            settings, numerics = self.provenance.server_settings()
+            cache.update(settings)
+            cache_mib = settings.get("cache_ram_mib")
             if isinstance(cache_mib, int) and cache_mib > 0:
                 cache.update(prompt_cache="llama-server", capacity_bytes=cache_mib << 20)
-            numerics = dict(parser.numerics)
             if numerics:
                 record.config[sc.NUMERICS_SETTINGS] = numerics
             if "type_k" in numerics:
@@ -423,9 +422,12 @@ class ProxyApp:
 
     def close(self) -> None:
         self.upstream.close()
-        recorder = self._recorder()
-        if recorder is not None:
-            recorder.pipeline.force_flush()
+        try:
+            recorder = self._recorder()
+            if recorder is not None:
+                recorder.pipeline.force_flush()
+        except Exception:
+            log.warning("kvtrace proxy: the spans could not be flushed at shutdown", exc_info=True)
 
 
 class TaskProvenance:
@@ -446,28 +448,43 @@ class TaskProvenance:
         self._waiting: deque[Traced] = deque()
         self._started: deque[TaskDecision] = deque()
         self._origins: OrderedDict[int, StateOrigin] = OrderedDict()
+        self._lock = threading.Lock()  # requests are served by threads of their own
 
     def sent(self, traced: Traced) -> None:
-        if self._waiting:
-            traced.overlapped = True
-            for other in self._waiting:
-                other.overlapped = True
-        self._waiting.append(traced)
+        with self._lock:
+            if self._waiting:
+                traced.overlapped = True
+                for other in self._waiting:
+                    other.overlapped = True
+            self._waiting.append(traced)
+
+    def server_settings(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(cache settings, numerics) the server's log stated, as copies."""
+        with self._lock:
+            parser = self.follower.parser
+            return dict(parser.settings), dict(parser.numerics)
 
     def abandon(self, traced: Traced) -> None:
         """A request that failed before a task started (the upstream refused it)."""
-        if traced in self._waiting:
-            self._waiting.remove(traced)
+        with self._lock:
+            self._drop(traced)
 
-    async def find(self, traced: Traced) -> None:
+    def _drop(self, traced: Traced) -> None:
+        for i, waiting in enumerate(self._waiting):
+            if waiting is traced:
+                del self._waiting[i]
+                return
+
+    def find(self, traced: Traced) -> None:
         for pause in (0.0, *self.WAIT_S):
             if pause:
-                await asyncio.sleep(pause)
-            self._started.extend(self.follower.poll())
-            while self._started and self._waiting:
-                self._waiting.popleft().task = self._started.popleft()
-            if traced not in self._waiting:
-                return
+                time.sleep(pause)
+            with self._lock:
+                self._started.extend(self.follower.poll())
+                while self._started and self._waiting:
+                    self._waiting.popleft().task = self._started.popleft()
+                if not any(waiting is traced for waiting in self._waiting):
+                    return
         self.abandon(traced)  # its task never showed: it gets none
 
     def describe(self, traced: Traced, record: RequestRecord) -> None:
@@ -487,7 +504,8 @@ class TaskProvenance:
         record.config[sc.SERVER_TASK_ID] = decision.task
         restore = decision.restore
         if restore is not None:
-            origin = self._origins.get(restore.source_task) if restore.source_task is not None else None
+            with self._lock:
+                origin = self._origins.get(restore.source_task) if restore.source_task is not None else None
             record.events.append(CacheEvent(
                 sc.EVENT_CACHE_RESTORE, sc.LAYER_PROMPT_CACHE, outcome=sc.OUTCOME_HIT, tokens=restore.length,
                 prefix_tokens=restore.common_prefix, source=origin,
@@ -500,9 +518,10 @@ class TaskProvenance:
 
     def finished(self, traced: Traced, record: RequestRecord) -> None:
         if traced.task is not None and not traced.overlapped:
-            self._origins[traced.task.task] = record.origin()
-            while len(self._origins) > 4096:
-                self._origins.popitem(last=False)
+            with self._lock:
+                self._origins[traced.task.task] = record.origin()
+                while len(self._origins) > 4096:
+                    self._origins.popitem(last=False)
 
 
 # --- HTTP plumbing ---------------------------------------------------------------------------
@@ -544,14 +563,14 @@ def _response_headers(response: UpstreamResponse, keep_length: bool = False) -> 
     return [(name, value) for name, value in response.headers if name not in dropped]
 
 
-async def _send_error(responder: Responder, status: int, kind: str, message: str) -> None:
+def _send_error(responder: Responder, status: int, kind: str, message: str) -> None:
     body = json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
     if responder.started or responder.client_gone:
         return
     responder.start(status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())])
     try:
-        await responder.end(body)
-    except ConnectionError:
+        responder.end(body)
+    except ClientGone:
         pass
 
 
@@ -568,64 +587,38 @@ def _error_message(body: bytes) -> str:
     return body[:300].decode("utf-8", "replace")
 
 
-async def run_proxy(app: ProxyApp, host: str, port: int, stop: asyncio.Event,
-                    started: Optional[Callable[[int], None]] = None) -> None:
-    """Serve ``app`` until ``stop`` is set; ``started`` gets the port it listens on."""
-    server = await start_server(app.handle, host, port)
-    try:
-        if started is not None:
-            started(server.sockets[0].getsockname()[1])
-        await stop.wait()
-    finally:
-        server.close()
-        app.close()
-
-
 @contextlib.contextmanager
 def proxy_in_thread(upstream: str, recorder: Optional[Recorder] = None,
                     llama_server_log: Optional[Path] = None) -> Iterator[str]:
-    """The proxy on a free local port, on an event loop of its own in a thread; yields its base URL.
+    """The proxy on a free local port, served by threads of this process; yields its base URL.
 
     ``recorder``: the recorder to use (default: the process recorder, as ``kvtrace proxy`` does).
     Used by ``kvtrace experiment --server``, the tests and the benchmark.
     """
     app = ProxyApp(upstream, recorder=(lambda: recorder) if recorder is not None else get_recorder,
                    llama_server_log=llama_server_log)
-    ready: "queue.Queue[object]" = queue.Queue()
-    control: dict[str, Any] = {}
-
-    async def main() -> None:
-        control["loop"], control["stop"] = asyncio.get_running_loop(), asyncio.Event()
-        await run_proxy(app, "127.0.0.1", 0, control["stop"], ready.put)
-
-    def run() -> None:
-        try:
-            asyncio.run(main())
-        except BaseException as exc:  # reported to the caller, which is waiting for the port
-            ready.put(exc)
-
-    thread = threading.Thread(target=run, name="kvtrace-proxy", daemon=True)
-    thread.start()
-    port = ready.get(timeout=30)
-    if isinstance(port, BaseException):
-        raise port
+    server = Server(app.handle, "127.0.0.1", 0).start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{server.port}"
     finally:
-        control["loop"].call_soon_threadsafe(control["stop"].set)
-        thread.join(30)
+        server.stop()
+        app.close()
 
 
 def serve(upstream: str, host: str, port: int, llama_server_log: Optional[Path] = None,
           on_listening: Optional[Callable[[int], None]] = None) -> None:
     """Run the proxy until SIGINT or SIGTERM (both a normal stop: the spans are flushed, exit 0)."""
     app = ProxyApp(upstream, llama_server_log=llama_server_log)
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for number in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(number, stop.set)
-        await run_proxy(app, host, port, stop, on_listening)
-
-    asyncio.run(main())
+    server = Server(app.handle, host, port)
+    stop = threading.Event()
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, lambda signum, frame: stop.set())
+    server.start()
+    if on_listening is not None:
+        on_listening(server.port)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.stop()
+        app.close()
