@@ -17,6 +17,7 @@ alive and reused.
 
 from __future__ import annotations
 
+import logging
 import socket
 import ssl
 import threading
@@ -26,6 +27,8 @@ from typing import Callable, Iterator, Optional
 from urllib.parse import urlsplit
 
 import h11
+
+log = logging.getLogger("kvtrace.proxy")
 
 READ_SIZE = 65536
 CONNECT_TIMEOUT_S = 30.0
@@ -180,6 +183,9 @@ class Server:
             _serve_connection(self._handler, client, lambda: self._stopping)
         except (OSError, ClientGone):
             pass
+        except Exception:
+            # Not one request's failure to pass on: the connection is closed, the proxy goes on.
+            log.exception("kvtrace proxy: a client connection failed")
         finally:
             client.busy = False
             with self._lock:
