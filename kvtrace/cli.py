@@ -35,6 +35,7 @@ COMMAND_MODULES = [
     "kvtrace.commands.alert",
     "kvtrace.commands.probe",
     "kvtrace.commands.import_logs",
+    "kvtrace.commands.proxy",
 ]
 
 

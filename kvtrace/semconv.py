@@ -251,3 +251,37 @@ episodes are resampled with replacement (percentile interval of 2000 resamples).
 def names() -> dict[str, str]:
     """Every name above by its constant, for rendering ``${NAME}`` into DDL and saved queries."""
     return {k: v for k, v in globals().items() if k.isupper() and isinstance(v, str)}
+
+# --- records made by `kvtrace proxy` (appended) ------------------------------------------------
+
+PROXY_UPSTREAM = "kvtrace.proxy.upstream"
+"""Base URL of the server the proxy forwarded the request to."""
+HTTP_RESPONSE_STATUS_CODE = "http.response.status_code"
+"""The upstream's HTTP status (OpenTelemetry's HTTP name); an error status also sets the span's status."""
+SERVER_SLOT_ID = "kvtrace.server.slot_id"
+"""The llama-server slot that served the request, where known (its native answer, or a server with one slot)."""
+
+MARGIN_SOURCE = "kvtrace.output.margin_source"
+"""Where the margins came from: ``injected`` (the proxy asked the upstream for the top two and took them
+out of the client's answer), ``client`` (the client asked for logprobs itself), ``unavailable`` (neither:
+tokens and margins are not recorded)."""
+MARGIN_SOURCE_INJECTED = "injected"
+MARGIN_SOURCE_CLIENT = "client"
+MARGIN_SOURCE_UNAVAILABLE = "unavailable"
+
+MARGIN_UNIT = "kvtrace.output.margin_unit"
+"""``raw_logit`` (top-1 − top-2 of the raw logits; equal to the log-softmax difference) or
+``post_sampling_logprob`` (the difference of log probabilities a server computed after its sampling chain)."""
+MARGIN_UNIT_RAW_LOGIT = "raw_logit"
+MARGIN_UNIT_POST_SAMPLING_LOGPROB = "post_sampling_logprob"
+SERVER_TASK_ID = "kvtrace.server.task_id"
+"""llama-server's task id for the request, from its log (``kvtrace proxy --llama-server-log``)."""
+SERVER_TASK_MATCH = "kvtrace.server.task_match"
+"""How the request was matched to a task of the server's log: ``log`` (alone in flight: certain),
+``ambiguous`` (it overlapped other requests; no cache decision is attributed) or ``none``."""
+TASK_MATCH_LOG = "log"
+TASK_MATCH_AMBIGUOUS = "ambiguous"
+TASK_MATCH_NONE = "none"
+REASON_SOURCE_UNKNOWN = "source_unknown"
+"""restore (prompt cache seen from a server's log): the restored state's origin cannot be named
+unambiguously (two candidates alike, or stored by a request the proxy did not trace)."""

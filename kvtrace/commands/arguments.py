@@ -98,6 +98,33 @@ def output_file(text: str) -> Path:
     return path
 
 
+def http_url(text: str) -> str:
+    """An http:// or https:// URL with a host (a server to talk to), without a trailing slash."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        parts.port  # a port that is not a number raises here
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a URL") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s)://host[:port] URL")
+    return text.rstrip("/")
+
+
+def listen_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (or ``:PORT`` / ``PORT`` for 127.0.0.1) to listen on; port 0 picks a free one."""
+    host, _, port_text = text.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT") from None
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r}: the port must be from 0 to 65535")
+    return host, port
+
+
 def _whole(text: str) -> int:
     try:
         return int(text)

@@ -52,6 +52,10 @@ def register(sub) -> None:
                         help="an unquantized (F32/F16/BF16) GGUF; quantized to each --formats entry")
     source.add_argument("--generate", metavar="SIZE", choices=("tiny", "small", "base"),
                         help="use a generated random-weight model of this size (tiny, small, base)")
+    source.add_argument("--server", metavar="COMMAND|URL",
+                        help="run against llama-server instead, through kvtrace's proxy: its command line "
+                             "(started fresh for every pass, arms off, reuse, prompt-cache) or a running "
+                             "server's URL (see kvtrace/experiment/server.py)")
     p.add_argument("--formats", type=_list, default=("Q4_0", "Q8_0"), metavar="F16,Q4_0,...")
     p.add_argument("--arms", type=_list, default=("off", "reuse", "prompt-cache"),
                    metavar="off,reuse,prompt-cache,disk-cache,restore")
@@ -116,6 +120,10 @@ def run(args) -> int:
     from kvtrace.experiment import run_experiment
     from kvtrace.experiment.report import build_report, print_report
 
+    if args.server:
+        from kvtrace.commands.experiment_server import run_against_server
+
+        return run_against_server(args)
     require_llama()
     if args.plot:
         require_plot_extra()

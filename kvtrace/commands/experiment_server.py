@@ -1,0 +1,51 @@
+"""``kvtrace experiment --server COMMAND|URL``: the experiment against llama-server (kept apart from
+``experiment.py``, which runs it in-process; both print the same report)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from kvtrace.errors import ConfigError, EngineFailed
+from kvtrace.testmodels.llama_gguf import QUANTS
+
+
+def run_against_server(args) -> int:
+    from kvtrace.commands.common import open_database, progress_printer
+    from kvtrace.commands.experiment import plan_from_args, require_plot_extra
+    from kvtrace.experiment import server
+    from kvtrace.experiment.report import build_report, print_report
+
+    command, url = server.parse_target(args.server)
+    if args.plot:
+        require_plot_extra()
+    if url is not None and args.arms == ("off", "reuse", "prompt-cache"):
+        args.arms = ("off", "reuse")  # the default arms a running server can offer
+    plan = plan_from_args(args)  # checked before the server is asked anything
+    server.check_plan(plan, url)
+    progress = progress_printer(args)
+    progress("asking the server for its model's weight format")
+    detected = server.detect_format(command, url, plan)
+    if detected not in QUANTS:
+        raise ConfigError(f"the server's model is {detected}; the experiment compares the formats {', '.join(QUANTS)}")
+    args.formats = (detected,)
+    plan = plan_from_args(args)
+    outcome = server.run_server_experiment(plan, command, url, progress)
+    progress("ingesting")
+    client = open_database(args)
+    progress("")
+    if outcome.failure is not None:
+        raise EngineFailed(outcome.failure.describe())
+    report = build_report(client, plan, outcome)
+    if args.format == "json":
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print_report(report, sys.stdout)
+    if args.plot:
+        from kvtrace.experiment import plot
+
+        written = plot.write_plot(report, args.plot)
+        print(f"kvtrace: wrote {written}" if written else "kvtrace: no plot written: no compared pair has a rate",
+              file=sys.stderr)
+    return 130 if outcome.interrupted else 0

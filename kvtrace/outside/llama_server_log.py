@@ -1,0 +1,266 @@
+"""llama-server's own log → what it decided about each task's prompt before processing it.
+
+llama-server logs, per task, which slot it chose and why (``selected slot by LCP similarity`` /
+``by LRU`` / ``by id``), and, with its host-memory prompt cache on (``--cache-ram``, the default),
+which cached prompt it restored into the slot: ``saving prompt with length L`` (the slot's previous
+state goes into the cache), ``looking for better prompt`` with one line per cached prompt
+(``length, lcp, f_keep, f_sim``) and ``found better prompt with f_keep, f_sim`` (the one restored).
+The cache lines are at trace level: start llama-server with ``-lv 4`` (or ``--verbose``) and
+``--log-file FILE`` (or its standard error in a file).
+
+:class:`LogFollower` reads those lines in order and keeps a model of the cache — which task's state
+each cached prompt is — so that a restore names the earlier *task* whose state came back. Where
+the log leaves a doubt (two cached prompts of the same length and similarity, a cache entry the
+model did not see stored), the decision says so (``source_task`` ``None`` and ``doubt``) instead of
+guessing. Matching tasks to HTTP requests is the proxy's business (:mod:`proxy`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_SLOT = r"id\s+(?P<slot>\d+) \| task (?P<task>-?\d+) \| "
+_SELECTED = re.compile(_SLOT + r"selected slot by (?P<how>LCP similarity|LRU|id)"
+                       r"(?:, f_sim_best = (?P<sim>[\d.]+))?")
+_PROCESSING = re.compile(_SLOT + r"processing task")
+_NEW_PROMPT = re.compile(_SLOT + r"new prompt, .*task\.n_tokens = (?P<n>\d+)")
+_RELEASED = re.compile(_SLOT + r"stop processing: n_tokens = (?P<n>\d+)")
+_CONTEXT = re.compile(r"llama_context: (?P<name>n_ctx|n_batch|n_ubatch)\s+= (?P<value>\d+)")
+_FLASH_SET = re.compile(r"llama_context: flash_attn\s+= (?P<value>enabled|disabled)")
+_FLASH_RESOLVED = re.compile(r"Flash Attention (?P<value>enabled|disabled)")
+_KV_TYPES = re.compile(r"llama_kv_cache: size = .* K \((?P<k>\w+)\).* V \((?P<v>\w+)\)")
+_THREADS = re.compile(r"system_info: n_threads = (?P<n>\d+) \(n_threads_batch = (?P<batch>\d+)\) / \d+ \| "
+                      r"(?P<info>.*)")
+_REPACKED = re.compile(r"load_tensors: +\S*(REPACK|AMX)\S* model buffer size")
+_TENSORS = re.compile(r"load_tensors: ")
+_CACHE_ON = re.compile(r"prompt cache is enabled, size limit: (?:(?P<mib>\d+) MiB|no limit)")
+_CACHE_OFF = re.compile(r"prompt cache is disabled")
+_IDLE_SAVE = re.compile(_SLOT + r"saving idle slot to prompt cache")
+_SAVING = re.compile(r"- saving prompt with length (?P<n>\d+)")
+_ALREADY = re.compile(r"- prompt is already in the cache, skipping")
+_TOO_BIG = re.compile(r"- prompt state size .* exceeds cache size limit")
+_OBSOLETE = re.compile(r"- removing obsolete cached prompt with length (?P<n>\d+)")
+_OLDEST = re.compile(r"removing oldest entry")
+_LOOKING = re.compile(r"- looking for better prompt")
+_CANDIDATE = re.compile(r"- prompt with length\s+(?P<n>\d+), lcp =\s+(?P<lcp>\d+), "
+                        r"f_keep = (?P<keep>[\d.]+), f_sim = (?P<sim>[\d.]+)")
+_FOUND = re.compile(r"- found better prompt with f_keep = (?P<keep>[\d.]+), f_sim = (?P<sim>[\d.]+)")
+
+SELECTED_BY = {"LCP similarity": "lcp_similarity", "LRU": "lru", "id": "id"}
+
+
+@dataclass
+class Restore:
+    """A cached prompt llama-server restored into the slot before the task (its prompt cache)."""
+
+    length: int
+    """Tokens of the restored state."""
+    common_prefix: int
+    """Tokens it shares with the task's prompt (``lcp``)."""
+    similarity: float
+    """``f_sim``: the shared prefix over the task's prompt length."""
+    kept: float
+    """``f_keep``: the shared prefix over the restored state's length."""
+    source_task: Optional[int] = None
+    """The earlier task whose state this was; ``None`` when the log cannot say (see ``doubt``)."""
+    doubt: Optional[str] = None
+
+
+@dataclass
+class TaskDecision:
+    """What the server decided for one task before processing it."""
+
+    task: int
+    slot: int
+    selected_by: Optional[str] = None
+    slot_similarity: Optional[float] = None
+    restore: Optional[Restore] = None
+    looked_up: bool = False
+    """The server looked in its prompt cache for this task (``restore`` says what it found)."""
+    prompt_tokens: Optional[int] = None
+    """``task.n_tokens`` (filled when the server logs the new prompt, after the decision)."""
+
+
+@dataclass
+class _CachedPrompt:
+    length: int
+    source_task: Optional[int]
+
+
+@dataclass
+class _Pending:
+    """Lines seen since the last task started: they belong to the next one."""
+
+    slot: Optional[int] = None
+    selected_by: Optional[str] = None
+    similarity: Optional[float] = None
+    candidates: list[tuple[int, int, str, str]] = field(default_factory=list)
+    looked_up: bool = False
+    restore: Optional[Restore] = None
+
+
+class LogParser:
+    """Feed it llama-server's log lines in order; it returns a :class:`TaskDecision` per started task."""
+
+    def __init__(self) -> None:
+        self._pending = _Pending()
+        self._cache: list[_CachedPrompt] = []  # oldest first, as llama-server keeps it
+        self._last_task_of_slot: dict[int, int] = {}
+        self._state_length_of_slot: dict[int, int] = {}
+        self._storing: Optional[_CachedPrompt] = None
+        self._idle_slot: Optional[int] = None  # an idle slot being saved (--cache-idle-slots)
+        self.decisions: dict[int, TaskDecision] = {}
+        self.settings: dict[str, object] = {}
+        """Server settings the log states at start-up (``cache_ram_mib``: the prompt cache's limit, -1 none)."""
+        self.numerics: dict[str, object] = {}
+        """What changes numerics, as the in-process patch records it (``n_batch``, ``flash_attn``, ``type_k`` ...)."""
+
+    def feed(self, line: str) -> Optional[TaskDecision]:
+        line = _ANSI.sub("", line)
+        pending = self._pending
+        if (m := _SELECTED.search(line)) is not None:
+            pending.slot, pending.selected_by = int(m["slot"]), SELECTED_BY[m["how"]]
+            pending.similarity = float(m["sim"]) if m["sim"] else None
+        elif (m := _SAVING.search(line)) is not None:
+            self._saving(int(m["n"]))
+        elif _ALREADY.search(line) or _TOO_BIG.search(line):
+            if self._storing is not None and self._storing in self._cache:
+                self._cache.remove(self._storing)  # `_saving` assumed it would be stored; it was not
+            self._storing = None
+        elif (m := _OBSOLETE.search(line)) is not None:
+            self._drop_length(int(m["n"]))
+        elif _OLDEST.search(line):
+            if self._cache:
+                self._cache.pop(0)  # never the one being stored: llama-server makes room before adding it
+        elif _LOOKING.search(line):
+            pending.candidates, pending.looked_up, self._storing = [], True, None
+        elif (m := _IDLE_SAVE.search(line)) is not None:
+            self._idle_slot = int(m["slot"])
+        elif (m := _CANDIDATE.search(line)) is not None:
+            pending.candidates.append((int(m["n"]), int(m["lcp"]), m["keep"], m["sim"]))
+        elif (m := _FOUND.search(line)) is not None:
+            pending.restore = self._restored(m["keep"], m["sim"])
+        elif (m := _PROCESSING.search(line)) is not None:
+            return self._started(int(m["slot"]), int(m["task"]))
+        elif (m := _NEW_PROMPT.search(line)) is not None:
+            decision = self.decisions.get(int(m["task"]))
+            if decision is not None:
+                decision.prompt_tokens = int(m["n"])
+        elif (m := _CONTEXT.search(line)) is not None:
+            self.numerics[m["name"]] = int(m["value"])
+        elif (m := _FLASH_SET.search(line) or _FLASH_RESOLVED.search(line)) is not None:
+            self.numerics["flash_attn"] = m["value"]
+        elif (m := _KV_TYPES.search(line)) is not None:
+            self.numerics["type_k"], self.numerics["type_v"] = m["k"], m["v"]
+        elif (m := _THREADS.search(line)) is not None:
+            self.numerics.update(n_threads=int(m["n"]), n_threads_batch=int(m["batch"]),
+                                 system_info=m["info"].strip()[:500])
+        elif _TENSORS.search(line):
+            # Repacked weights (AMX and other extra buffer types) run other kernels, hence other numerics.
+            self.numerics["weight_repack"] = bool(_REPACKED.search(line)) or bool(self.numerics.get("weight_repack"))
+        elif (m := _CACHE_ON.search(line)) is not None:
+            self.settings["cache_ram_mib"] = int(m["mib"]) if m["mib"] else -1
+        elif _CACHE_OFF.search(line):
+            self.settings["cache_ram_mib"] = 0
+        elif (m := _RELEASED.search(line)) is not None:
+            slot = int(m["slot"])
+            self._last_task_of_slot[slot] = int(m["task"])
+            self._state_length_of_slot[slot] = int(m["n"])
+        return None
+
+    def _saving(self, length: int) -> None:
+        # The slot's state goes into the cache: that of the last task the slot finished, if its length
+        # is the one the slot had then (otherwise the slot's state is one the log did not follow).
+        slot = self._idle_slot if self._idle_slot is not None else self._pending.slot
+        self._idle_slot = None
+        source = self._last_task_of_slot.get(slot) if slot is not None else None
+        if slot is None or self._state_length_of_slot.get(slot) != length:
+            source = None
+        # Appended now, removed again if llama-server says it did not store it. The obsolete and
+        # oldest entries it drops before storing are logged after this line and are older ones.
+        self._storing = _CachedPrompt(length, source)
+        self._cache.append(self._storing)
+
+    def _drop_length(self, length: int) -> None:
+        for i, entry in enumerate(self._cache):
+            if entry.length == length and entry is not self._storing:
+                del self._cache[i]
+                return
+
+    def _restored(self, keep: str, sim: str) -> Restore:
+        chosen = [c for c in self._pending.candidates if (c[2], c[3]) == (keep, sim)]
+        if not chosen:
+            return Restore(0, 0, float(sim), float(keep), doubt="the restored prompt is not among the logged ones")
+        length, common_prefix = chosen[-1][0], chosen[-1][1]
+        restore = Restore(length, common_prefix, float(sim), float(keep))
+        if len(chosen) > 1:
+            restore.doubt = f"{len(chosen)} cached prompts have the same length and similarity"
+            return restore
+        index = self._pending.candidates.index(chosen[-1])
+        if len(self._pending.candidates) != len(self._cache) or self._cache[index].length != length:
+            restore.doubt = "the cache held prompts the log did not show being stored"
+            matching = [e for e in self._cache if e.length == length]
+            if len(matching) == 1:
+                restore.source_task, restore.doubt = matching[0].source_task, None
+                self._cache.remove(matching[0])
+            return restore
+        entry = self._cache.pop(index)
+        restore.source_task = entry.source_task
+        if entry.source_task is None:
+            restore.doubt = "the cached prompt was stored from a state the log did not follow"
+        return restore
+
+    def _started(self, slot: int, task: int) -> TaskDecision:
+        pending = self._pending
+        decision = TaskDecision(task, slot)
+        if pending.slot == slot:
+            decision.selected_by, decision.slot_similarity = pending.selected_by, pending.similarity
+            decision.restore, decision.looked_up = pending.restore, pending.looked_up
+            if decision.restore is not None:
+                # The restored state is now the slot's: a later save of this slot stores it again.
+                self._state_length_of_slot[slot] = decision.restore.length
+        self._pending = _Pending()
+        self.decisions[task] = decision
+        while len(self.decisions) > 4096:
+            self.decisions.pop(next(iter(self.decisions)))
+        return decision
+
+
+class LogFollower:
+    """Reads a growing log file from where it last stopped (``tail -f`` without the waiting)."""
+
+    def __init__(self, path: Path, parser: Optional[LogParser] = None):
+        self.path = Path(path)
+        self.parser = parser or LogParser()
+        self._offset = 0
+        self._partial = b""
+        self._inode: Optional[int] = None
+        self.started: deque[TaskDecision] = deque(maxlen=4096)
+
+    def poll(self) -> list[TaskDecision]:
+        """Parse the lines written since the last call; returns the tasks that started in them."""
+        try:
+            with open(self.path, "rb") as log:
+                stat = os.fstat(log.fileno())
+                if self._inode != stat.st_ino or stat.st_size < self._offset:
+                    self._inode, self._offset, self._partial = stat.st_ino, 0, b""  # a new or truncated file
+                log.seek(self._offset)
+                data = log.read()
+        except OSError:
+            return []
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        started = []
+        for raw in lines:
+            decision = self.parser.feed(raw.decode("utf-8", "replace"))
+            if decision is not None:
+                started.append(decision)
+                self.started.append(decision)
+        return started

@@ -1,0 +1,211 @@
+"""Asking an upstream server for the top two alternatives per token, and taking them back out.
+
+A client that asked for no logprobs must receive what the server would have sent it. The proxy
+therefore adds the smallest request for the top two alternatives the server understands and
+cuts exactly what that request added out of every answer document (a whole JSON body, or one
+server-sent event of a stream) before the client sees it. Only the added members are cut; every
+other byte of the server's answer is passed on as the server wrote it.
+
+What each server adds, and therefore what is cut (``UpstreamProfile``):
+
+* **llama-server** (llama.cpp's own server). Every endpoint takes ``n_probs`` (its OpenAI
+  endpoints copy unknown fields into the native parameters), which, unlike ``logprobs``, is also
+  accepted with ``tools`` in a stream. Probabilities are asked before sampling
+  (``post_sampling_probs: false``): the log of a softmax over the raw logits, so top-1 − top-2
+  equals the raw-logit margin. Cut: chat ``choices[].logprobs`` (absent when not asked),
+  completions ``choices[].logprobs`` back to ``null``, native ``completion_probabilities``,
+  and the echoed ``n_probs`` / ``post_sampling_probs`` in ``generation_settings`` back to the
+  values the request would have had.
+* **any other OpenAI-compatible server.** ``logprobs: true, top_logprobs: 2`` (chat) or
+  ``logprobs: 2`` (completions); the answer's ``logprobs`` back to ``null``, as OpenAI's API
+  writes it when not asked.
+
+When the client asked for logprobs itself, nothing is added or cut: its answer passes untouched
+and its logprobs give the margins (none when it asked for fewer than two alternatives).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from kvtrace import semconv as sc
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+NATIVE = "native"
+
+ENDPOINTS = {
+    "/v1/chat/completions": CHAT,
+    "/chat/completions": CHAT,
+    "/v1/completions": COMPLETIONS,
+    "/completions": COMPLETIONS,
+    "/completion": NATIVE,
+}
+"""Paths the proxy traces (llama-server serves the OpenAI ones with and without ``/v1``)."""
+
+TOP_ALTERNATIVES = 2
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class UpstreamProfile:
+    """What kind of server is upstream, as far as asking for and cutting logprobs goes."""
+
+    engine: str
+    """Recorded as the engine name."""
+    llama_server: bool = False
+    default_n_probs: int = 0
+    """llama-server's own ``n_probs`` default (``--n-probs``): a request without one gets this many."""
+    default_post_sampling_probs: bool = False
+    version: str = ""
+    weight_format: str = ""
+    total_slots: Optional[int] = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Server-wide settings worth recording (context size, slots, model)."""
+
+
+OPENAI_COMPATIBLE = UpstreamProfile(engine="openai-compatible")
+
+
+@dataclass(frozen=True)
+class MarginPlan:
+    """How one request's margins are obtained, and what to cut from its answers."""
+
+    endpoint: str
+    source: str
+    """``injected`` (the proxy asked), ``client`` (the client asked) or ``unavailable``."""
+    upstream_request: Optional[dict[str, Any]] = None
+    """The request to send instead of the client's; ``None``: send the client's bytes unchanged."""
+    cuts: tuple[tuple[str, Any], ...] = ()
+    """(member name, replacement) per member the request added; replacement ``_REMOVE`` drops it."""
+
+    @property
+    def injected(self) -> bool:
+        return self.upstream_request is not None
+
+
+class _Remove:
+    def __repr__(self) -> str:
+        return "REMOVE"
+
+
+_REMOVE = _Remove()
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float)):
+        return int(value)
+    return 0
+
+
+def plan_request(endpoint: str, request: dict[str, Any], profile: UpstreamProfile) -> MarginPlan:
+    """The plan for one parsed client request (``endpoint`` is a value of :data:`ENDPOINTS`)."""
+    if profile.llama_server:
+        return _plan_llama_server(endpoint, request, profile)
+    return _plan_openai(endpoint, request)
+
+
+def _plan_llama_server(endpoint: str, request: dict[str, Any], profile: UpstreamProfile) -> MarginPlan:
+    alternatives = _llama_server_n_probs(endpoint, request, profile)
+    if alternatives > 0:
+        return MarginPlan(endpoint, _client_source(alternatives))
+    if request.get("backend_sampling"):
+        # Probabilities before sampling turn backend sampling off, which could change the numerics.
+        return MarginPlan(endpoint, sc.MARGIN_SOURCE_UNAVAILABLE)
+    if endpoint == NATIVE and request.get("response_fields"):
+        # The client chose which fields it gets; the probabilities would not be among them.
+        return MarginPlan(endpoint, sc.MARGIN_SOURCE_UNAVAILABLE)
+    upstream = {**request, "n_probs": TOP_ALTERNATIVES, "post_sampling_probs": False}
+    # The answer's echo of the settings goes back to what the client's request set.
+    echoed = (("n_probs", 0),
+              ("post_sampling_probs", bool(request.get("post_sampling_probs", profile.default_post_sampling_probs))))
+    if endpoint == CHAT:
+        cuts = (("logprobs", _REMOVE),) + echoed
+    elif endpoint == COMPLETIONS:
+        cuts = (("logprobs", None),) + echoed
+    else:
+        cuts = (("completion_probabilities", _REMOVE),) + echoed
+    return MarginPlan(endpoint, sc.MARGIN_SOURCE_INJECTED, upstream, cuts)
+
+
+def _llama_server_n_probs(endpoint: str, request: dict[str, Any], profile: UpstreamProfile) -> int:
+    """How many alternatives per token llama-server returns for this request as the client sent it."""
+    if endpoint == CHAT and request.get("logprobs"):
+        return _count(request.get("top_logprobs", 20))  # its chat endpoint's default
+    if "n_probs" in request:
+        return _count(request["n_probs"])
+    if "logprobs" in request:  # an alias of n_probs (the chat endpoint copies it through)
+        return _count(request["logprobs"])
+    return profile.default_n_probs
+
+
+def _plan_openai(endpoint: str, request: dict[str, Any]) -> MarginPlan:
+    if endpoint == NATIVE:
+        return MarginPlan(endpoint, sc.MARGIN_SOURCE_UNAVAILABLE)
+    if endpoint == CHAT:
+        if request.get("logprobs"):
+            return MarginPlan(endpoint, _client_source(_count(request.get("top_logprobs", 0))))
+        upstream = {**request, "logprobs": True, "top_logprobs": TOP_ALTERNATIVES}
+    else:
+        if request.get("logprobs") not in (None, False):
+            return MarginPlan(endpoint, _client_source(_count(request.get("logprobs"))))
+        upstream = {**request, "logprobs": TOP_ALTERNATIVES}
+    return MarginPlan(endpoint, sc.MARGIN_SOURCE_INJECTED, upstream, (("logprobs", None),))
+
+
+def _client_source(alternatives: int) -> str:
+    return sc.MARGIN_SOURCE_CLIENT if alternatives >= TOP_ALTERNATIVES else sc.MARGIN_SOURCE_UNAVAILABLE
+
+
+def cut(plan: MarginPlan, text: str) -> str:
+    """One answer document (a JSON body or one event's data) with what the plan added taken out."""
+    for name, replacement in plan.cuts:
+        text = _edit_member(text, name, replacement)
+    return text
+
+
+def _edit_member(text: str, name: str, replacement: Any) -> str:
+    """Drop or replace every member ``"name": value`` of any object in the JSON ``text``.
+
+    A ``"name":`` preceded by ``{`` or ``,`` is a member name, never string content: inside a
+    JSON string every ``"`` is escaped, so ``,"`` cannot occur there. The value's extent comes
+    from the JSON decoder itself.
+    """
+    marker = f'"{name}":'
+    pieces = []
+    position = 0
+    start = text.find(marker)
+    while start != -1:
+        before = start - 1
+        while before >= 0 and text[before] in " \t\r\n":
+            before -= 1
+        if before < 0 or text[before] not in ",{":
+            start = text.find(marker, start + 1)
+            continue
+        value_start = start + len(marker)
+        while value_start < len(text) and text[value_start] in " \t\r\n":
+            value_start += 1
+        _, value_end = _DECODER.raw_decode(text, value_start)
+        if replacement is _REMOVE:
+            if text[before] == ",":
+                pieces.append(text[position:before])
+            else:  # first member: keep the brace, drop the comma after the value
+                pieces.append(text[position:start])
+                after = value_end
+                while after < len(text) and text[after] in " \t\r\n":
+                    after += 1
+                if after < len(text) and text[after] == ",":
+                    value_end = after + 1
+        else:
+            pieces.append(text[position:value_start])
+            pieces.append(json.dumps(replacement))
+        position = value_end
+        start = text.find(marker, position)
+    if not pieces:
+        return text
+    pieces.append(text[position:])
+    return "".join(pieces)

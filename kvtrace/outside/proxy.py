@@ -1,0 +1,624 @@
+"""``kvtrace proxy``: a reverse proxy that traces the requests of servers kvtrace cannot patch.
+
+Clients point at the proxy instead of the server and change nothing else. The completion
+endpoints (:data:`margin_request.ENDPOINTS`) become ``kvtrace.request`` spans in the vocabulary
+of the in-process patches; every other path is forwarded untouched.
+
+Per traced request:
+
+* **Correlation** comes from the request's W3C ``traceparent`` / ``baggage`` (run, episode, turn,
+  arm; the span's parent). The upstream gets the client's baggage and the proxy's span as its
+  parent, so a server kvtrace traces too records its span as the proxy span's child, in the
+  client's trace, and the saved queries count the request once (``requests_once``).
+* **Margins**: :mod:`margin_request` asks the upstream for the top two alternatives when the
+  client did not ask for logprobs and cuts them out of the answer; otherwise the client's own
+  logprobs are used and its answer passes untouched.
+* **The answer is read after the client has it** (:mod:`answers`): the proxy keeps the upstream's
+  documents and parses them once the last byte went out, so the only work between a chunk's
+  arrival and its forwarding is cutting the added members out of it (nothing at all when none
+  were added).
+* **Failures**: an upstream error status passes through unchanged (status, headers, body) and is
+  recorded on the span; an unreachable upstream gets a 502 from the proxy, recorded too. Tracing
+  never fails a request: if reading the request, planning or recording goes wrong, the request is
+  forwarded as the client sent it and the failure is counted (``instrumentation_errors``).
+
+HTTP/1.1 on both sides is :mod:`http1` (blocking sockets, a thread per client connection, h11): a
+request goes upstream in one write, an answer back in one, over upstream connections kept alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
+
+from kvtrace import semconv as sc
+from kvtrace.outside import answers
+from kvtrace.outside.http1 import (ClientGone, Headers, Request, Responder, Server, Upstream, UpstreamBrokeOff,
+                                   UpstreamResponse, UpstreamUnreachable)
+from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
+from kvtrace.outside.margin_request import (ENDPOINTS, NATIVE, OPENAI_COMPATIBLE, MarginPlan, UpstreamProfile, cut,
+                                            plan_request)
+from kvtrace.outside.openai_exchange import TextHasher, fill_record, parse_exchange
+from kvtrace.outside.recorder import trace_headers
+from kvtrace.recording.recorder import Recorder, get_recorder
+from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
+
+log = logging.getLogger("kvtrace.proxy")
+
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                        b"trailer", b"transfer-encoding", b"upgrade"})
+"""Headers that belong to one connection, not to the message (RFC 9110 §7.6.1)."""
+FORWARD_DROPPED = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"accept-encoding"}
+"""Not forwarded upstream: the proxy frames the request itself and asks for identity encoding."""
+RESPONSE_DROPPED = HOP_BY_HOP | {b"content-length", b"content-encoding"}
+"""Not copied into the client's answer: the proxy frames it itself (the upstream was asked for identity)."""
+
+
+def _last_event_end(buffer: bytes) -> int:
+    """Where the last complete server-sent event in ``buffer`` ends (0: none yet); LF or CRLF lines."""
+    lf, crlf = buffer.rfind(b"\n\n"), buffer.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf != -1 else 0, crlf + 4 if crlf != -1 else 0)
+
+
+@dataclass
+class Traced:
+    """One traced request on its way: the record, the client's request and the margin plan."""
+
+    record: RequestRecord
+    request: dict[str, Any]
+    plan: MarginPlan
+    profile: UpstreamProfile
+    task: Optional[TaskDecision] = None
+    """llama-server's task for this request, from its log (``--llama-server-log``)."""
+    overlapped: bool = False
+    """Another request was in flight with this one: its task cannot be told from the log alone."""
+
+
+class UpstreamProfiles:
+    """What kind of server the upstream is (asked once: ``/props`` answers only on llama-server)."""
+
+    def __init__(self, upstream: Upstream):
+        self._upstream = upstream
+        self._known: Optional[UpstreamProfile] = None
+        self._lock = threading.Lock()
+
+    def get(self) -> UpstreamProfile:
+        if self._known is not None:
+            return self._known
+        with self._lock:
+            if self._known is None:
+                self._known = self._detect()
+        return self._known or OPENAI_COMPATIBLE
+
+    def _get_json(self, path: str) -> Any:
+        answer = self._upstream.request("GET", path, [], b"", timeout=10.0)
+        body = answer.read()
+        return json.loads(body) if answer.status == 200 else None
+
+    def _detect(self) -> Optional[UpstreamProfile]:
+        try:
+            props = self._get_json("/props")
+            if isinstance(props, dict) and "default_generation_settings" in props:
+                return llama_server_profile(props)
+            models = self._get_json("/v1/models")
+            if isinstance(models, dict):
+                data = (models.get("data") or [{}])[0]
+                owner = str(data.get("owned_by", "")).lower()
+                return UpstreamProfile(engine="vllm" if owner == "vllm" else OPENAI_COMPATIBLE.engine)
+        except (UpstreamUnreachable, UpstreamBrokeOff, ValueError, AttributeError,
+                IndexError, TypeError):
+            log.debug("kvtrace proxy: the upstream's kind could not be told yet", exc_info=True)
+            return None  # asked again with the next request
+        return OPENAI_COMPATIBLE
+
+
+def llama_server_profile(props: dict[str, Any]) -> UpstreamProfile:
+    """llama-server's ``GET /props``: its version, slot count and defaults."""
+    defaults = props.get("default_generation_settings") or {}
+    params = defaults.get("params") if isinstance(defaults.get("params"), dict) else {}
+    slots = props.get("total_slots")
+    settings = {"total_slots": slots, "n_ctx": defaults.get("n_ctx"), "model_path": props.get("model_path"),
+                "cache_prompt_default": params.get("cache_prompt")}
+    return UpstreamProfile(
+        engine="llama-server",
+        llama_server=True,
+        default_n_probs=int(params.get("n_probs") or 0),
+        default_post_sampling_probs=bool(params.get("post_sampling_probs")),
+        version=str(props.get("build_info") or ""),
+        weight_format=weight_format_name(str(props.get("model_ftype") or "")),
+        total_slots=slots if isinstance(slots, int) else None,
+        settings={k: v for k, v in settings.items() if v is not None},
+    )
+
+
+_SIZES = {"Small": "S", "Medium": "M", "Large": "L"}
+
+
+def weight_format_name(ftype: str) -> str:
+    """llama.cpp's file-type name (``all F32``, ``Q4_K - Medium``) as kvtrace names formats (F32, Q4_K_M)."""
+    name = ftype.removesuffix(" (guessed)").removeprefix("all ").strip()
+    name, _, detail = name.partition(" - ")
+    return f"{name}_{_SIZES[detail]}" if detail in _SIZES else name
+
+
+class ProxyApp:
+    """The proxy: :meth:`handle` answers one client request (served by :func:`http1.start_server`)."""
+
+    def __init__(self, upstream: str, recorder: Callable[[], Optional[Recorder]] = get_recorder,
+                 llama_server_log: Optional[Path] = None):
+        self.upstream_url = upstream.rstrip("/")
+        self.upstream = Upstream(self.upstream_url)
+        self.provenance = TaskProvenance(LogFollower(llama_server_log)) if llama_server_log else None
+        self._recorder = recorder
+        self.profiles = UpstreamProfiles(self.upstream)
+        self._hasher: Optional[TextHasher] = None
+
+    def handle(self, request: Request, responder: Responder) -> None:
+        endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
+        traced = self._begin(request, endpoint) if endpoint else None
+        upstream_body = request.body
+        if traced is not None and traced.plan.injected:
+            upstream_body = json.dumps(traced.plan.upstream_request, ensure_ascii=False).encode("utf-8")
+        if traced is not None and self.provenance is not None:
+            self.provenance.sent(traced)
+        headers = _forwarded_headers(request.headers)
+        if traced is not None:
+            headers = _with_trace_context(headers, traced.record)
+        try:
+            response = self.upstream.request(request.method, request.target, headers, upstream_body)
+        except UpstreamUnreachable as exc:
+            message = f"kvtrace proxy: the upstream {self.upstream_url} could not be reached: {exc}"
+            _send_error(responder, 502, "upstream_unreachable", message)
+            if traced is not None:
+                self._finish_error(traced, 502, message)
+            return
+        try:
+            if traced is None or response.status >= 400:
+                self._pass_through(response, responder, traced)
+            elif response.header(b"content-type").startswith("text/event-stream"):
+                self._stream(response, responder, traced)
+            else:
+                self._whole(response, responder, traced)
+        finally:
+            response.close()
+
+    # --- the three ways an answer goes back ----------------------------------------------
+
+    def _pass_through(self, response: UpstreamResponse, responder: Responder, traced: Optional[Traced]) -> None:
+        responder.start(response.status, _response_headers(response, keep_length=True))
+        kept = bytearray()
+        try:
+            for piece in response.chunks():
+                responder.send(piece)
+                if traced is not None and len(kept) < 4096:
+                    kept += piece
+            responder.end()
+        except (UpstreamBrokeOff, ClientGone):
+            pass  # the client's answer ends where the upstream's did, or the client left
+        if traced is not None:
+            self._finish_error(traced, response.status, _error_message(bytes(kept)))
+
+    def _whole(self, response: UpstreamResponse, responder: Responder, traced: Traced) -> None:
+        try:
+            body = response.read()
+        except UpstreamBrokeOff as exc:
+            message = f"kvtrace proxy: the upstream {self.upstream_url} broke off its answer: {exc}"
+            _send_error(responder, 502, "upstream_broke_off", message)
+            self._finish_error(traced, 502, message)
+            return
+        out = body
+        if traced.plan.injected:
+            try:
+                out = cut(traced.plan, body.decode("utf-8")).encode("utf-8")
+            except Exception:
+                # The answer could not be read as JSON: it goes back as the upstream sent it.
+                self._count_failure("cutting the added logprobs from an answer")
+        responder.start(response.status, _response_headers(response) + [(b"content-length", str(len(out)).encode())])
+        try:
+            responder.end(out)
+        except ClientGone:
+            pass  # the client left; the request still happened and is recorded
+        self._find_task(traced)
+        self._finish(traced, response.status, lambda: answers.whole_answer(traced.plan.endpoint, body.decode("utf-8")))
+
+    def _stream(self, response: UpstreamResponse, responder: Responder, traced: Traced) -> None:
+        responder.start(response.status, _response_headers(response))
+        kept = bytearray()
+        broken = self._relay(response, responder, traced.plan, kept)
+        gone = responder.client_gone
+        if not gone:
+            try:
+                responder.end()
+            except ClientGone:
+                gone = True
+        raw = bytes(kept)
+        self._find_task(traced)
+        self._finish(traced, response.status, lambda: answers.streamed_answer(traced.plan.endpoint, raw),
+                     cancelled=gone, broken=broken)
+
+    def _relay(self, response: UpstreamResponse, responder: Responder, plan: MarginPlan,
+               kept: bytearray) -> Optional[str]:
+        """Forward a stream chunk by chunk, keeping what the upstream sent; why it broke off, if it did.
+
+        Without added logprobs every chunk goes on as it arrived. With them, an event must be whole
+        before its added members can be cut, so a chunk waits only for the rest of its event.
+        """
+        pending = b""
+        try:
+            for piece in response.chunks():
+                # A client that left is noticed when a write to it fails (the second after it left):
+                # then closing the upstream connection stops the generation.
+                kept += piece
+                if not plan.injected:
+                    responder.send(piece)
+                    continue
+                pending += piece
+                end = _last_event_end(pending)
+                if end:
+                    events, pending = pending[:end], pending[end:]
+                    responder.send(self._cut_events(plan, events))
+        except UpstreamBrokeOff as exc:
+            # The client's stream ends where the upstream's did, as it would without the proxy.
+            return f"the upstream broke off the stream: {exc}"
+        except ClientGone:
+            return None  # the client left while a chunk was being written
+        if pending:
+            try:
+                responder.send(self._cut_events(plan, pending))
+            except ClientGone:
+                pass
+        return None
+
+    def _cut_events(self, plan: MarginPlan, events: bytes) -> bytes:
+        try:
+            lines = events.decode("utf-8").split("\n")
+            for i, line in enumerate(lines):
+                if line.startswith("data:"):
+                    start = line.find("{")
+                    if start != -1:
+                        lines[i] = line[:start] + cut(plan, line[start:])
+            return "\n".join(lines).encode("utf-8")
+        except Exception:
+            self._count_failure("cutting the added logprobs from a stream event")
+            return events
+
+    # --- tracing: never fails the request ---------------------------------------------------
+
+    def _find_task(self, traced: Traced) -> None:
+        if self.provenance is None:
+            return
+        try:
+            self.provenance.find(traced)
+        except Exception:
+            self._count_failure("reading llama-server's log")
+
+    def _begin(self, request: Request, endpoint: str) -> Optional[Traced]:
+        try:
+            recorder = self._recorder()
+            if recorder is None:
+                return None
+            body = json.loads(request.body)
+            if not isinstance(body, dict):
+                return None  # the upstream will say what is wrong with it
+            profile = self.profiles.get()
+            plan = plan_request(endpoint, body, profile)
+            token = otel_context.attach(propagate.extract(_header_carrier(request.headers)))
+            try:
+                record = recorder.start_request(profile.engine, model=str(body.get("model") or ""))
+            finally:
+                otel_context.detach(token)
+            return Traced(record, body, plan, profile)
+        except ValueError:
+            return None  # not JSON: forwarded as it is, the upstream answers it
+        except Exception:
+            self._count_failure("starting a request record")
+            return None
+
+    def _finish(self, traced: Traced, status: int, read_answer: Callable[[], answers.UpstreamAnswer],
+                cancelled: bool = False, broken: Optional[str] = None) -> None:
+        try:
+            recorder = self._recorder()
+            if recorder is None:
+                return
+            try:
+                answer = read_answer()
+            except Exception as exc:
+                # Still a span: the request happened; what kvtrace could not read is said on it.
+                self._finish_error(traced, status, f"kvtrace could not read the answer ({type(exc).__name__}: "
+                                                   f"{str(exc)[:200]})")
+                return
+            response = answer.response
+            choice = response["choices"][0] if response.get("choices") else {}
+            if not isinstance(choice.get("logprobs"), dict):
+                choice["logprobs"] = {"content": []}  # no margins: tokens unknown, the rest still read
+            if self._hasher is None:
+                self._hasher = TextHasher(recorder.settings.hash_key)
+            exchange = parse_exchange(traced.request, response, self._hasher, recorder.hash_tokens)
+            record = traced.record
+            reused = exchange.cached_tokens if exchange.cached_tokens is not None else 0
+            fill_record(record, exchange, reused, exchange.cached_tokens_source, sc.LAYER_KV_REUSE)
+            if traced.plan.endpoint == NATIVE:
+                record.operation = sc.OPERATION_TEXT_COMPLETION
+            self._configure(traced, status)
+            record.config[sc.MARGIN_UNIT] = answer.margin_unit if record.margins else None
+            slot = answer.slot if answer.slot is not None else (0 if traced.profile.total_slots == 1 else None)
+            record.config[sc.SERVER_SLOT_ID] = slot
+            if cancelled:
+                record.finish_reason = sc.FINISH_CANCELLED
+            if answer.error or broken:
+                record.error = f"upstream error: {answer.error}" if answer.error else broken
+            if self.provenance is not None:
+                self.provenance.describe(traced, record)
+            if record.reused_tokens > 0:
+                # What the server reported reusing, as the engine patches record a reuse.
+                record.events.append(CacheEvent(sc.EVENT_CACHE_REUSE, record.cache_layer, outcome=sc.OUTCOME_HIT,
+                                                tokens=record.reused_tokens, source=record.state_origin))
+            recorder.finish(record)
+            if self.provenance is not None:
+                self.provenance.finished(traced, record)
+        except Exception:
+            self._count_failure("recording a request")
+
+    def _finish_error(self, traced: Traced, status: int, message: str) -> None:
+        try:
+            recorder = self._recorder()
+            if recorder is None:
+                return
+            self._configure(traced, status)
+            if self.provenance is not None:
+                self.provenance.abandon(traced)
+            traced.record.error = f"upstream HTTP {status}: {message}" if status >= 400 and status != 502 else message
+            recorder.finish(traced.record)
+        except Exception:
+            self._count_failure("recording a failed request")
+
+    def _configure(self, traced: Traced, status: int) -> None:
+        record, profile, request = traced.record, traced.profile, traced.request
+        record.config[sc.PROXY_UPSTREAM] = self.upstream_url
+        record.config[sc.HTTP_RESPONSE_STATUS_CODE] = status
+        record.config[sc.MARGIN_SOURCE] = traced.plan.source
+        if profile.version:
+            record.config[sc.ENGINE_VERSION] = profile.version
+        if profile.weight_format:
+            record.config[sc.MODEL_WEIGHT_FORMAT] = profile.weight_format
+        cache = dict(profile.settings)
+        if self.provenance is not None:
+            settings, numerics = self.provenance.server_settings()
+            cache.update(settings)
+            cache_mib = settings.get("cache_ram_mib")
+            if isinstance(cache_mib, int) and cache_mib > 0:
+                cache.update(prompt_cache="llama-server", capacity_bytes=cache_mib << 20)
+            if numerics:
+                record.config[sc.NUMERICS_SETTINGS] = numerics
+            if "type_k" in numerics:
+                kv = (numerics["type_k"], numerics.get("type_v", numerics["type_k"]))
+                record.config[sc.KV_CACHE_TYPE] = kv[0] if kv[0] == kv[1] else f"{kv[0]}/{kv[1]}"
+        if "cache_prompt" in request:
+            cache["cache_prompt"] = request["cache_prompt"]
+        for name in ("cache_salt", "id_slot"):
+            if name in request:
+                cache[name] = request[name] if name == "id_slot" else True  # a salt is a secret
+        record.config[sc.CACHE_SETTINGS] = cache or None
+
+    def _count_failure(self, what: str) -> None:
+        try:
+            recorder = self._recorder()
+            if recorder is not None:
+                recorder.pipeline.counters["instrumentation_errors"] += 1
+            log.warning("kvtrace proxy: %s failed; the request went through untraced", what, exc_info=True)
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        self.upstream.close()
+        try:
+            recorder = self._recorder()
+            if recorder is not None:
+                recorder.pipeline.force_flush()
+        except Exception:
+            log.warning("kvtrace proxy: the spans could not be flushed at shutdown", exc_info=True)
+
+
+class TaskProvenance:
+    """Requests ↔ llama-server tasks (from its log), and what the server's prompt cache did for each.
+
+    llama-server starts tasks in the order requests reach it, so the tasks its log shows starting
+    are given, in order, to the requests sent and not yet given one. That is certain only for a
+    request that was alone in flight; one that overlapped another keeps the task it was given only
+    as ``ambiguous`` (no cache event is attributed), and a task whose prompt length differs from the
+    request's is not taken at all. A restore names the request whose task stored the state.
+    """
+
+    WAIT_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+    """Pauses to wait for the log to show a finished request's task (llama-server writes it from a thread)."""
+
+    def __init__(self, follower: LogFollower):
+        self.follower = follower
+        self._waiting: deque[Traced] = deque()
+        self._started: deque[TaskDecision] = deque()
+        self._origins: OrderedDict[int, StateOrigin] = OrderedDict()
+        self._lock = threading.Lock()  # requests are served by threads of their own
+
+    def sent(self, traced: Traced) -> None:
+        with self._lock:
+            if self._waiting:
+                traced.overlapped = True
+                for other in self._waiting:
+                    other.overlapped = True
+            self._waiting.append(traced)
+
+    def server_settings(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(cache settings, numerics) the server's log stated, as copies."""
+        with self._lock:
+            parser = self.follower.parser
+            return dict(parser.settings), dict(parser.numerics)
+
+    def abandon(self, traced: Traced) -> None:
+        """A request that failed before a task started (the upstream refused it)."""
+        with self._lock:
+            self._drop(traced)
+
+    def _drop(self, traced: Traced) -> None:
+        for i, waiting in enumerate(self._waiting):
+            if waiting is traced:
+                del self._waiting[i]
+                return
+
+    def find(self, traced: Traced) -> None:
+        for pause in (0.0, *self.WAIT_S):
+            if pause:
+                time.sleep(pause)
+            with self._lock:
+                self._started.extend(self.follower.poll())
+                while self._started and self._waiting:
+                    self._waiting.popleft().task = self._started.popleft()
+                if not any(waiting is traced for waiting in self._waiting):
+                    return
+        self.abandon(traced)  # its task never showed: it gets none
+
+    def describe(self, traced: Traced, record: RequestRecord) -> None:
+        decision = traced.task
+        if decision is None:
+            record.config[sc.SERVER_TASK_MATCH] = sc.TASK_MATCH_NONE
+            return
+        if decision.prompt_tokens is not None and record.prompt_tokens and decision.prompt_tokens != record.prompt_tokens:
+            traced.task = None  # not this request's task after all
+            record.config[sc.SERVER_TASK_MATCH] = sc.TASK_MATCH_NONE
+            return
+        if traced.overlapped:
+            record.config[sc.SERVER_TASK_MATCH] = sc.TASK_MATCH_AMBIGUOUS
+            return
+        record.config[sc.SERVER_TASK_MATCH] = sc.TASK_MATCH_LOG
+        record.config[sc.SERVER_SLOT_ID] = decision.slot
+        record.config[sc.SERVER_TASK_ID] = decision.task
+        restore = decision.restore
+        if restore is not None:
+            with self._lock:
+                origin = self._origins.get(restore.source_task) if restore.source_task is not None else None
+            record.events.append(CacheEvent(
+                sc.EVENT_CACHE_RESTORE, sc.LAYER_PROMPT_CACHE, outcome=sc.OUTCOME_HIT, tokens=restore.length,
+                prefix_tokens=restore.common_prefix, source=origin,
+                reason=None if origin is not None else sc.REASON_SOURCE_UNKNOWN))
+            if record.reused_tokens > 0:
+                record.cache_layer = sc.LAYER_PROMPT_CACHE
+                record.state_origin = origin
+        elif decision.looked_up:
+            record.events.append(CacheEvent(sc.EVENT_CACHE_LOOKUP, sc.LAYER_PROMPT_CACHE, outcome=sc.OUTCOME_MISS))
+
+    def finished(self, traced: Traced, record: RequestRecord) -> None:
+        if traced.task is not None and not traced.overlapped:
+            with self._lock:
+                self._origins[traced.task.task] = record.origin()
+                while len(self._origins) > 4096:
+                    self._origins.popitem(last=False)
+
+
+# --- HTTP plumbing ---------------------------------------------------------------------------
+
+
+def _header_carrier(headers: Headers) -> dict[str, str]:
+    carrier: dict[str, str] = {}
+    for name, value in headers:
+        key, text = name.decode("latin-1").lower(), value.decode("latin-1")
+        carrier[key] = f"{carrier[key]},{text}" if key in carrier else text
+    return carrier
+
+
+def _forwarded_headers(headers: Headers) -> Headers:
+    # The proxy asks for identity encoding: it reads (and may cut) what the upstream sends.
+    return [(name, value) for name, value in headers if name.lower() not in FORWARD_DROPPED] + [
+        (b"accept-encoding", b"identity")]
+
+
+def _with_trace_context(headers: Headers, record: RequestRecord) -> Headers:
+    """The request as the upstream gets it: the proxy's record as the ``traceparent`` (a traced engine
+    behind the proxy records its span as this record's child, in the client's trace, and the saved
+    queries count the request once), the client's ``baggage`` as it came, or the record's correlation
+    when the client sent none."""
+    try:
+        context = trace_headers(record)
+    except Exception:
+        return headers
+    has_baggage = any(name.lower() == b"baggage" for name, _ in headers)
+    out = [(name, value) for name, value in headers if name.lower() != b"traceparent"]
+    out.append((b"traceparent", context["traceparent"].encode("latin-1")))
+    if not has_baggage and context.get("baggage"):
+        out.append((b"baggage", context["baggage"].encode("latin-1")))
+    return out
+
+
+def _response_headers(response: UpstreamResponse, keep_length: bool = False) -> Headers:
+    dropped = RESPONSE_DROPPED - {b"content-length"} if keep_length else RESPONSE_DROPPED
+    return [(name, value) for name, value in response.headers if name not in dropped]
+
+
+def _send_error(responder: Responder, status: int, kind: str, message: str) -> None:
+    body = json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
+    if responder.started or responder.client_gone:
+        return
+    responder.start(status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())])
+    try:
+        responder.end(body)
+    except ClientGone:
+        pass
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        document = json.loads(body)
+        error = document.get("error") if isinstance(document, dict) else None
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])[:500]
+        if isinstance(error, str):
+            return error[:500]
+    except ValueError:
+        pass
+    return body[:300].decode("utf-8", "replace")
+
+
+@contextlib.contextmanager
+def proxy_in_thread(upstream: str, recorder: Optional[Recorder] = None,
+                    llama_server_log: Optional[Path] = None) -> Iterator[str]:
+    """The proxy on a free local port, served by threads of this process; yields its base URL.
+
+    ``recorder``: the recorder to use (default: the process recorder, as ``kvtrace proxy`` does).
+    Used by ``kvtrace experiment --server``, the tests and the benchmark.
+    """
+    app = ProxyApp(upstream, recorder=(lambda: recorder) if recorder is not None else get_recorder,
+                   llama_server_log=llama_server_log)
+    server = Server(app.handle, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        server.stop()
+        app.close()
+
+
+def serve(upstream: str, host: str, port: int, llama_server_log: Optional[Path] = None,
+          on_listening: Optional[Callable[[int], None]] = None) -> None:
+    """Run the proxy until SIGINT or SIGTERM (both a normal stop: the spans are flushed, exit 0)."""
+    app = ProxyApp(upstream, llama_server_log=llama_server_log)
+    server = Server(app.handle, host, port)
+    stop = threading.Event()
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, lambda signum, frame: stop.set())
+    server.start()
+    if on_listening is not None:
+        on_listening(server.port)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.stop()
+        app.close()

@@ -1,0 +1,90 @@
+"""A real llama-server (llama.cpp's own C++ server) for tests, and kvtrace's proxy in front of it.
+
+The binary is the one ``python -m kvtrace.outside.llama_server_build`` builds and caches (.ci/run
+does it before the tests); a test that finds none skips, which fails under CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import httpx
+import pytest
+
+SERVER_ARGS = ("-c", "1024", "-t", "1", "-tb", "1", "-b", "64", "-ub", "64", "--no-warmup",
+               # The CPU repack of quantized weights (AMX) crashes decode on some Xeons; off here, as in
+               # kvtrace's own llama.cpp loads, so every machine runs the same kernels.
+               "--no-repack")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_server_binary() -> Path:
+    from kvtrace.outside.llama_server_build import cached_llama_server
+
+    binary = cached_llama_server()
+    if binary is None:
+        pytest.skip("llama-server is not built; run `python -m kvtrace.outside.llama_server_build` (.ci/run does)")
+    return binary
+
+
+@contextlib.contextmanager
+def running_llama_server(model: Path, *extra: str, log_path: Path, slots: int = 1) -> Iterator[str]:
+    """Start llama-server on a free port; yields its base URL (``http://127.0.0.1:PORT``)."""
+    binary = llama_server_binary()
+    port = free_port()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                                    "-np", str(slots), *SERVER_ARGS, *extra], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"llama-server did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def running_proxy(upstream: str, recorder=None, llama_server_log: Optional[Path] = None):
+    """kvtrace's proxy in this process (its own event loop in a thread); a context giving its base URL.
+
+    ``recorder``: the recorder to use (default: the process recorder, as `kvtrace proxy` does).
+    """
+    from kvtrace.outside.proxy import proxy_in_thread
+
+    return proxy_in_thread(upstream, recorder, llama_server_log)
+
+
+def sse_payloads(raw: bytes) -> list[Optional[dict]]:
+    """The data documents of a server-sent event stream, in order (``None`` for ``[DONE]``)."""
+    import json
+
+    out: list[Optional[dict]] = []
+    for event in raw.decode("utf-8").split("\n\n"):
+        for line in event.split("\n"):
+            if line.startswith("data: "):
+                payload = line[6:]
+                out.append(None if payload == "[DONE]" else json.loads(payload))
+    return out

@@ -1,0 +1,328 @@
+"""``kvtrace proxy`` in front of a real llama-server (llama.cpp's own C++ server).
+
+The story: an operator runs llama-server, which kvtrace cannot patch, and puts the proxy in
+front of it. Clients change nothing but the address. A client that asks for no logprobs gets
+exactly what the server would have sent it — the proxy asked the server for the top two
+alternatives per token and took them out again — and every request becomes a span with one
+margin per generated token, the cache counts the server reported and the slot that served it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from kvtrace import semconv as sc
+from llama_server_process import free_port, llama_server_binary, running_llama_server, running_proxy, sse_payloads
+
+pytest.importorskip("h11")
+
+CHAT = {"messages": [{"role": "user", "content": "Describe the kitchen in detail"}], "max_tokens": 12,
+        "temperature": 0}
+COMPLETION = {"prompt": "Once upon a time in a quiet village", "max_tokens": 12, "temperature": 0}
+NATIVE = {"prompt": "The harbour at dawn was", "n_predict": 12, "temperature": 0}
+CASES = [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION), ("/completion", NATIVE)]
+
+PER_CALL = ("id", "created", "timings")
+"""Fields that differ between any two calls of the same request (ids, clocks)."""
+PER_CALL_BYTES = re.compile(rb'"(id|created)":("[^"]*"|\d+)|"timings":\{[^{}]*\}')
+
+
+def same_bytes(raw: bytes) -> bytes:
+    """The server's own bytes with the per-call values blanked (not re-encoded: every other byte counts)."""
+    return PER_CALL_BYTES.sub(rb'"\1":_', raw)
+
+
+def same_call(document):
+    """A document without its per-call fields, as an order-sensitive string (the server's key order counts)."""
+    if isinstance(document, dict):
+        return json.dumps({k: same_call(v) for k, v in document.items() if k not in PER_CALL}, ensure_ascii=False)
+    if isinstance(document, list):
+        return json.dumps([same_call(v) for v in document], ensure_ascii=False)
+    return json.dumps(document, ensure_ascii=False)
+
+
+def margins_asked_directly(server: str, path: str, body: dict) -> tuple[list[int], list[float]]:
+    """Token ids and top-1 − top-2 margins the server reports when asked for the top two itself."""
+    asked = {**body, "n_probs": 2} if path == "/completion" else (
+        {**body, "logprobs": True, "top_logprobs": 2} if "messages" in body else {**body, "logprobs": 2})
+    answer = httpx.post(server + path, json=asked, timeout=120).json()
+    positions = answer["completion_probabilities"] if path == "/completion" else answer["choices"][0]["logprobs"]["content"]
+    return ([p["id"] for p in positions],
+            [p["top_logprobs"][0]["logprob"] - p["top_logprobs"][1]["logprob"] for p in positions])
+
+
+@pytest.fixture(scope="module")
+def llama_server(tiny_gguf, tmp_path_factory):
+    llama_server_binary()
+    with running_llama_server(tiny_gguf, log_path=tmp_path_factory.mktemp("llama-server") / "server.log") as base:
+        yield base
+
+
+def test_a_client_without_logprobs_gets_the_servers_own_answer_and_the_span_gets_every_margin(
+        llama_server, memory_recorder, finished_requests):
+    with running_proxy(llama_server, memory_recorder) as proxy:
+        for path, body in CASES:
+            # Every request recomputes its prompt, so the direct and the proxied call see the same state.
+            body = {**body, "cache_prompt": False}
+            direct = httpx.post(llama_server + path, json=body, timeout=120)
+            proxied = httpx.post(proxy + path, json=body, timeout=120)
+            assert proxied.status_code == direct.status_code == 200
+            assert same_bytes(proxied.content) == same_bytes(direct.content), path
+            assert "completion_probabilities" not in proxied.json()
+
+    spans = finished_requests(memory_recorder)
+    assert len(spans) == len(CASES)
+    for (path, body), (attributes, _, _) in zip(CASES, spans):
+        ids, margins = margins_asked_directly(llama_server, path, {**body, "cache_prompt": False})
+        assert len(ids) == 12
+        assert list(attributes[sc.OUTPUT_TOKEN_IDS]) == ids, path
+        assert list(attributes[sc.OUTPUT_MARGINS]) == margins, path
+        assert attributes[sc.OUTPUT_TOKEN_ID_SOURCE] == sc.TOKEN_ID_SOURCE_ENGINE
+        assert attributes[sc.MARGIN_SOURCE] == sc.MARGIN_SOURCE_INJECTED
+        assert attributes[sc.MARGIN_UNIT] == sc.MARGIN_UNIT_RAW_LOGIT
+        assert attributes[sc.ENGINE_NAME] == "llama-server" and attributes[sc.ENGINE_VERSION]
+        assert attributes[sc.SERVER_SLOT_ID] == 0  # one slot
+        assert attributes[sc.CACHE_REUSED_TOKENS] == 0
+        assert attributes[sc.CACHE_RECOMPUTED_TOKENS] == attributes[sc.GEN_AI_USAGE_INPUT_TOKENS] > 0
+
+
+def test_streamed_answers_carry_the_same_chunks_and_the_span_gets_every_margin(
+        llama_server, memory_recorder, finished_requests):
+    with running_proxy(llama_server, memory_recorder) as proxy:
+        for path, body in CASES:
+            body = {**body, "cache_prompt": False, "stream": True}
+            direct = httpx.post(llama_server + path, json=body, timeout=120)
+            proxied = httpx.post(proxy + path, json=body, timeout=120)
+            assert proxied.headers["content-type"].startswith("text/event-stream")
+            chunks, direct_chunks = sse_payloads(proxied.content), sse_payloads(direct.content)
+            assert len(chunks) == len(direct_chunks) > 12
+            assert [same_call(c) for c in chunks] == [same_call(c) for c in direct_chunks], path
+            assert same_bytes(proxied.content) == same_bytes(direct.content), path
+
+    for (path, body), (attributes, _, _) in zip(CASES, finished_requests(memory_recorder)):
+        ids, margins = margins_asked_directly(llama_server, path, {**body, "cache_prompt": False})
+        assert list(attributes[sc.OUTPUT_TOKEN_IDS]) == ids, path
+        assert list(attributes[sc.OUTPUT_MARGINS]) == margins, path
+        assert attributes[sc.GEN_AI_USAGE_INPUT_TOKENS] > 0
+
+
+def test_a_client_that_asks_for_logprobs_gets_them_untouched_and_they_give_the_margins(
+        llama_server, memory_recorder, finished_requests):
+    body = {**CHAT, "cache_prompt": False, "logprobs": True, "top_logprobs": 3}
+    with running_proxy(llama_server, memory_recorder) as proxy:
+        direct = httpx.post(llama_server + "/v1/chat/completions", json=body, timeout=120).json()
+        proxied = httpx.post(proxy + "/v1/chat/completions", json=body, timeout=120).json()
+    assert same_call(proxied) == same_call(direct)
+    positions = proxied["choices"][0]["logprobs"]["content"]
+    assert all(len(p["top_logprobs"]) == 3 for p in positions)
+    (attributes, _, _), = finished_requests(memory_recorder)
+    assert attributes[sc.MARGIN_SOURCE] == sc.MARGIN_SOURCE_CLIENT
+    assert list(attributes[sc.OUTPUT_MARGINS]) == [p["top_logprobs"][0]["logprob"] - p["top_logprobs"][1]["logprob"]
+                                                   for p in positions]
+
+
+def test_the_span_says_whether_the_prompt_was_recomputed_or_reused(llama_server, memory_recorder, finished_requests):
+    conversation = {"messages": [{"role": "user", "content": "List the tools in the shed, one per line"}],
+                    "max_tokens": 6, "temperature": 0}
+    with running_proxy(llama_server, memory_recorder) as proxy:
+        for cache_prompt in (False, True, True):
+            answer = httpx.post(proxy + "/v1/chat/completions", json={**conversation, "cache_prompt": cache_prompt},
+                                timeout=120).json()
+            assert answer["choices"][0]["message"]["content"]
+    bypassed, first, again = (attributes for attributes, _, _ in finished_requests(memory_recorder))
+    prompt_tokens = bypassed[sc.GEN_AI_USAGE_INPUT_TOKENS]
+    assert json.loads(bypassed[sc.CACHE_SETTINGS])["cache_prompt"] is False
+    assert (bypassed[sc.CACHE_REUSED_TOKENS], bypassed[sc.CACHE_RECOMPUTED_TOKENS]) == (0, prompt_tokens)
+    assert bypassed[sc.CACHE_LAYER] == sc.LAYER_NONE
+    # The server kept the slot's state of the request before: the same prompt is served from it.
+    assert 0 < again[sc.CACHE_REUSED_TOKENS] <= prompt_tokens
+    assert again[sc.CACHE_REUSED_TOKENS] + again[sc.CACHE_RECOMPUTED_TOKENS] == prompt_tokens
+    assert again[sc.CACHE_LAYER] == sc.LAYER_KV_REUSE
+    assert again[sc.CACHE_REUSED_TOKENS_SOURCE] == sc.REUSED_SOURCE_OPENAI_USAGE
+    assert first[sc.PROMPT_HASH] == again[sc.PROMPT_HASH] == bypassed[sc.PROMPT_HASH]
+
+
+def test_correlation_comes_from_the_clients_trace_context(llama_server, memory_recorder, finished_requests):
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    headers = {"traceparent": f"00-{trace_id}-{parent_id}-01",
+               "baggage": "kvtrace.run_id=night-shift,kvtrace.episode_id=ep-7,kvtrace.turn=3"}
+    with running_proxy(llama_server, memory_recorder) as proxy:
+        httpx.post(proxy + "/completion", json={**NATIVE, "n_predict": 3}, headers=headers, timeout=120)
+    (attributes, _, span), = finished_requests(memory_recorder)
+    assert (attributes[sc.RUN_ID], attributes[sc.EPISODE_ID], attributes[sc.TURN]) == ("night-shift", "ep-7", 3)
+    assert "%032x" % span.context.trace_id == trace_id
+    assert "%016x" % span.parent.span_id == parent_id
+
+
+def test_an_upstream_error_reaches_the_client_unchanged_and_is_recorded(llama_server, memory_recorder,
+                                                                        finished_requests):
+    bad = {"messages": "not a list", "max_tokens": 3}
+    with running_proxy(llama_server, memory_recorder) as proxy:
+        direct = httpx.post(llama_server + "/v1/chat/completions", json=bad, timeout=60)
+        proxied = httpx.post(proxy + "/v1/chat/completions", json=bad, timeout=60)
+    assert proxied.status_code == direct.status_code >= 400
+    assert proxied.content == direct.content
+    (attributes, _, span), = finished_requests(memory_recorder)
+    assert attributes[sc.HTTP_RESPONSE_STATUS_CODE] == direct.status_code
+    assert span.status.status_code.name == "ERROR"
+    assert str(direct.status_code) in span.status.description
+
+
+def test_an_unreachable_upstream_gets_a_502_and_a_recorded_error(memory_recorder, finished_requests):
+    with running_proxy(f"http://127.0.0.1:{free_port()}", memory_recorder) as proxy:
+        answer = httpx.post(proxy + "/v1/completions", json=COMPLETION, timeout=60)
+    assert answer.status_code == 502
+    assert "could not be reached" in answer.json()["error"]["message"]
+    (attributes, _, span), = finished_requests(memory_recorder)
+    assert span.status.status_code.name == "ERROR"
+
+
+def test_other_paths_pass_through(llama_server, memory_recorder, finished_requests):
+    with running_proxy(llama_server, memory_recorder) as proxy:
+        assert httpx.get(proxy + "/v1/models", timeout=30).json() == httpx.get(llama_server + "/v1/models",
+                                                                                 timeout=30).json()
+        tokens = httpx.post(proxy + "/tokenize", json={"content": "hello"}, timeout=30).json()
+    assert tokens["tokens"]
+    assert finished_requests(memory_recorder) == []
+
+
+def test_kvtrace_proxy_records_spans_the_database_reads(llama_server, tmp_path, db, spool_dir):
+    """The command itself: a separate process writing the spool, read back with the saved views."""
+    from kvtrace.collectors.ingest import ingest_paths
+
+    port = free_port()
+    log = open(tmp_path / "proxy.log", "wb")
+    process = subprocess.Popen([sys.executable, "-m", "kvtrace.cli", "proxy", "--upstream", llama_server,
+                                "--listen", f"127.0.0.1:{port}", "--run-id", "behind-the-proxy"],
+                               stdout=log, stderr=subprocess.STDOUT)
+    proxy = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(proxy + "/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail((tmp_path / "proxy.log").read_text())
+                time.sleep(0.1)
+        for turn in range(2):
+            httpx.post(proxy + "/v1/chat/completions", json={**CHAT, "max_tokens": 5},
+                       headers={"baggage": f"kvtrace.episode_id=kitchen,kvtrace.turn={turn}"}, timeout=120)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+    assert process.returncode == 0, (tmp_path / "proxy.log").read_text()
+
+    ingest_paths(db, [spool_dir])
+    rows = db.query("SELECT run_id, episode_id, turn, engine, length(token_ids), length(margins), reused_tokens "
+                    "FROM kvtrace_requests ORDER BY turn").result_rows
+    assert [row[:4] for row in rows] == [("behind-the-proxy", "kitchen", 0, "llama-server"),
+                                         ("behind-the-proxy", "kitchen", 1, "llama-server")]
+    assert all(row[4] == row[5] == 5 for row in rows)
+    assert rows[1][6] > 0  # the second turn of the same prompt was served from the slot's cache
+
+
+def test_a_prompt_restored_from_llama_servers_cache_names_the_request_that_stored_it(tiny_gguf, tmp_path,
+                                                                                     memory_recorder,
+                                                                                     finished_requests):
+    """Two conversations take turns on one slot: each turn pushes the other's state into the prompt
+    cache (--cache-ram), and the next turn of a conversation is served from its own earlier state."""
+    log_path = tmp_path / "server.log"
+    kitchen = "The kitchen has a long oak table and"
+    harbour = "Zulu harbour boats rocked under grey skies while"
+    with running_llama_server(tiny_gguf, "-lv", "4", "--cache-ram", "64", log_path=log_path) as server:
+        with running_proxy(server, memory_recorder, llama_server_log=log_path) as proxy:
+            def turn(prompt, episode, number):
+                return httpx.post(proxy + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0},
+                                  headers={"baggage": f"kvtrace.episode_id={episode},kvtrace.turn={number}"},
+                                  timeout=120).json()["choices"][0]["text"]
+
+            kitchen += turn(kitchen, "kitchen", 0)
+            harbour += turn(harbour, "harbour", 0)
+            turn(kitchen + " Next, the pantry holds", "kitchen", 1)
+
+    kitchen_0, harbour_0, kitchen_1 = finished_requests(memory_recorder)
+    restores = [e for e in kitchen_1[1] if e[0] == sc.EVENT_CACHE_RESTORE]
+    assert len(restores) == 1, kitchen_1[1]
+    restored = restores[0][1]
+    assert restored[sc.EVENT_LAYER] == sc.LAYER_PROMPT_CACHE
+    assert restored[sc.EVENT_SOURCE_SPAN_ID] == "%016x" % kitchen_0[2].context.span_id
+    assert (restored[sc.EVENT_SOURCE_EPISODE_ID], restored[sc.EVENT_SOURCE_TURN]) == ("kitchen", 0)
+    assert 0 < restored[sc.EVENT_PREFIX_TOKENS] <= restored[sc.EVENT_TOKENS]
+    attributes = kitchen_1[0]
+    assert attributes[sc.CACHE_LAYER] == sc.LAYER_PROMPT_CACHE
+    assert attributes[sc.CACHE_SOURCE_SPAN_ID] == restored[sc.EVENT_SOURCE_SPAN_ID]
+    assert attributes[sc.CACHE_REUSED_TOKENS] > 0
+    assert attributes[sc.SERVER_TASK_MATCH] == sc.TASK_MATCH_LOG
+    assert json.loads(attributes[sc.CACHE_SETTINGS])["cache_ram_mib"] == 64
+    # The harbour turn found nothing of its own in the cache: a miss, and the prompt recomputed.
+    assert not [e for e in harbour_0[1] if e[0] == sc.EVENT_CACHE_RESTORE]
+    assert harbour_0[0][sc.CACHE_LAYER] != sc.LAYER_PROMPT_CACHE
+
+
+def test_a_client_that_leaves_mid_stream_is_recorded_as_cancelled(llama_server, memory_recorder, finished_requests):
+    with running_proxy(llama_server, memory_recorder) as proxy:
+        with httpx.stream("POST", proxy + "/completion", json={**NATIVE, "n_predict": 400, "stream": True},
+                          timeout=120) as answer:
+            for _, _ in zip(range(3), answer.iter_lines()):
+                pass
+        deadline = time.monotonic() + 60
+        while not memory_recorder.pipeline.exporter.get_finished_spans() and time.monotonic() < deadline:
+            memory_recorder.pipeline.force_flush()
+            time.sleep(0.1)
+    (attributes, _, _), = finished_requests(memory_recorder)
+    assert attributes[sc.OUTPUT_FINISH_REASON] == sc.FINISH_CANCELLED
+    assert 0 < len(attributes[sc.OUTPUT_MARGINS]) < 400  # the tokens that were generated before it left
+
+
+class BrokenRecorder:
+    """kvtrace's own recording failing (not the engine): the request must go through regardless."""
+
+    def __init__(self):
+        self.pipeline = type("Pipeline", (), {"counters": {"instrumentation_errors": 0}})()
+
+    def start_request(self, *args, **kwargs):
+        raise RuntimeError("the recorder is broken")
+
+
+def test_a_tracing_failure_never_fails_the_request(llama_server):
+    broken = BrokenRecorder()
+    body = {**CHAT, "cache_prompt": False}
+    with running_proxy(llama_server, broken) as proxy:
+        proxied = httpx.post(proxy + "/v1/chat/completions", json=body, timeout=120)
+    direct = httpx.post(llama_server + "/v1/chat/completions", json=body, timeout=120)
+    assert proxied.status_code == 200
+    assert same_bytes(proxied.content) == same_bytes(direct.content)
+    assert broken.pipeline.counters["instrumentation_errors"] == 1
+
+
+def test_requests_in_flight_together_are_not_given_the_logs_cache_decisions(tiny_gguf, tmp_path, memory_recorder,
+                                                                            finished_requests):
+    """The log does not say which request a task was; alone in flight it is certain, together it is not."""
+    log_path = tmp_path / "server.log"
+    with running_llama_server(tiny_gguf, "-lv", "4", log_path=log_path) as server:
+        with running_proxy(server, memory_recorder, llama_server_log=log_path) as proxy:
+            long = {"prompt": "The kitchen has a long oak table and", "n_predict": 900, "ignore_eos": True,
+                    "temperature": 0, "stream": True}
+            with httpx.stream("POST", proxy + "/completion", json=long, timeout=120) as first:
+                lines = first.iter_lines()
+                next(lines)  # the first request is being answered (900 tokens take a while) ...
+                second = httpx.post(proxy + "/completion", json={"prompt": "Zulu harbour boats rocked",
+                                                                 "n_predict": 8, "temperature": 0}, timeout=120)
+                assert second.status_code == 200  # ... while the second one is sent
+                for _ in lines:
+                    pass
+            httpx.post(proxy + "/completion", json={"prompt": "A third request, alone", "n_predict": 8}, timeout=120)
+    first, second, third = (attributes for attributes, _, _ in finished_requests(memory_recorder))  # by start
+    assert [a[sc.SERVER_TASK_MATCH] for a in (first, second, third)] == [sc.TASK_MATCH_AMBIGUOUS] * 2 + [
+        sc.TASK_MATCH_LOG]
+    assert sc.SERVER_TASK_ID not in first and sc.SERVER_TASK_ID not in second and sc.SERVER_TASK_ID in third

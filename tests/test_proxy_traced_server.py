@@ -1,0 +1,78 @@
+"""``kvtrace proxy`` in front of a server kvtrace traces from inside (``kvtrace run -- python -m
+llama_cpp.server``).
+
+The story: an operator put the proxy in front of a server before tracing the server itself. Both
+now record each request; the server's span is the proxy span's child in the client's trace (the
+proxy sends its own span as the parent), with the cache provenance only the engine knows, and the
+saved queries count every request once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("h11")
+pytest.importorskip("llama_cpp.server.app")
+
+from llama_server_process import free_port, running_proxy  # noqa: E402
+
+RUN_ID = "behind-the-proxy"
+TRACE_ID = "5bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def test_a_traced_server_behind_the_proxy_records_each_request_once_as_the_proxy_spans_child(
+        tiny_gguf, spool_dir, db, tmp_path):
+    from kvtrace import queries
+    from kvtrace.collectors.ingest import ingest_paths
+
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen(
+            [str(Path(sys.executable).parent / "kvtrace"), "run", "--capture", "ids", "--", sys.executable, "-m",
+             "llama_cpp.server", "--model", str(tiny_gguf), "--host", "127.0.0.1", "--port", str(port),
+             "--n_ctx", "512", "--n_batch", "64", "--n_ubatch", "64", "--n_threads", "1", "--n_threads_batch", "1",
+             "--verbose", "false"],
+            env=dict(os.environ, KVTRACE_SPOOL_DIR=str(spool_dir)), stdout=log, stderr=subprocess.STDOUT)
+    upstream = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{upstream}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"server did not start:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+        with running_proxy(upstream) as proxy:  # the process recorder: this test's spool
+            for turn in range(2):
+                answer = httpx.post(proxy + "/v1/completions", timeout=120, json={
+                    "prompt": "The kitchen has a long oak table and", "max_tokens": 6, "temperature": 0},
+                    headers={"traceparent": f"00-{TRACE_ID}-00f067aa0ba902b7-01",
+                             "baggage": f"kvtrace.run_id={RUN_ID},kvtrace.episode_id=kitchen,kvtrace.turn={turn}"})
+                assert answer.status_code == 200
+    finally:
+        server.send_signal(signal.SIGINT)  # graceful: the recorder flushes at exit
+        server.wait(timeout=60)
+
+    ingest_paths(db, [spool_dir])
+    spans = db.query("SELECT turn, engine, SpanId, ParentSpanId, TraceId FROM kvtrace_requests "
+                     "WHERE run_id = {run:String} ORDER BY turn, engine", parameters={"run": RUN_ID}).result_rows
+    assert [(s[0], s[1]) for s in spans] == [(0, "llama_cpp"), (0, "openai-compatible"),
+                                             (1, "llama_cpp"), (1, "openai-compatible")]
+    for engine_span, proxy_span in (spans[0:2], spans[2:4]):
+        assert engine_span[3] == proxy_span[2]  # the engine's span is the proxy span's child
+        assert engine_span[4] == proxy_span[4] == TRACE_ID  # in the client's trace
+    columns, rows = queries.run(db, "runs")
+    (run,) = [dict(zip(columns, row)) for row in rows if row[0] == RUN_ID]
+    assert run["requests"] == 2  # each request once: the engine's record stands for it
