@@ -116,9 +116,8 @@ def prepare_models(args, plan, progress):
 
 
 def run(args) -> int:
-    from kvtrace.commands.common import open_database, progress_printer
+    from kvtrace.commands.common import progress_printer
     from kvtrace.experiment import run_experiment
-    from kvtrace.experiment.report import build_report, print_report
 
     if args.server:
         from kvtrace.commands.experiment_server import run_against_server
@@ -131,6 +130,15 @@ def run(args) -> int:
     progress = progress_printer(args)
     models = prepare_models(args, plan, progress)
     outcome = run_experiment(plan, models, progress, args.pass_timeout)
+    return report_outcome(args, plan, outcome, progress)
+
+
+def report_outcome(args, plan, outcome, progress) -> int:
+    """After the passes (in-process or against a server): ingest, fail on a dead pass, print the report
+    (text or JSON) and the plot; the exit code (130 when interrupted)."""
+    from kvtrace.commands.common import open_database
+    from kvtrace.experiment.report import build_report, print_report
+
     progress("ingesting")
     client = open_database(args)
     progress("")

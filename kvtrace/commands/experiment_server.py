@@ -3,18 +3,14 @@
 
 from __future__ import annotations
 
-import json
-import sys
-
-from kvtrace.errors import ConfigError, EngineFailed
+from kvtrace.errors import ConfigError
 from kvtrace.testmodels.llama_gguf import QUANTS
 
 
 def run_against_server(args) -> int:
-    from kvtrace.commands.common import open_database, progress_printer
-    from kvtrace.commands.experiment import plan_from_args, require_plot_extra
+    from kvtrace.commands.common import progress_printer
+    from kvtrace.commands.experiment import plan_from_args, report_outcome, require_plot_extra
     from kvtrace.experiment import server
-    from kvtrace.experiment.report import build_report, print_report
 
     command, url = server.parse_target(args.server)
     if args.plot:
@@ -31,21 +27,4 @@ def run_against_server(args) -> int:
     args.formats = (detected,)
     plan = plan_from_args(args)
     outcome = server.run_server_experiment(plan, command, url, progress)
-    progress("ingesting")
-    client = open_database(args)
-    progress("")
-    if outcome.failure is not None:
-        raise EngineFailed(outcome.failure.describe())
-    report = build_report(client, plan, outcome)
-    if args.format == "json":
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print_report(report, sys.stdout)
-    if args.plot:
-        from kvtrace.experiment import plot
-
-        written = plot.write_plot(report, args.plot)
-        print(f"kvtrace: wrote {written}" if written else "kvtrace: no plot written: no compared pair has a rate",
-              file=sys.stderr)
-    return 130 if outcome.interrupted else 0
+    return report_outcome(args, plan, outcome, progress)
