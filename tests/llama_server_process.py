@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
-import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-import httpx
 import pytest
+
+from kvtrace.experiment.server import stop_server, wait_until_healthy
 
 SERVER_ARGS = ("-c", "1024", "-t", "1", "-tb", "1", "-b", "64", "-ub", "64", "--no-warmup",
                # The CPU repack of quantized weights (AMX) crashes decode on some Xeons; off here, as in
@@ -47,24 +47,11 @@ def running_llama_server(model: Path, *extra: str, log_path: Path, slots: int = 
                                     "-np", str(slots), *SERVER_ARGS, *extra], stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"llama-server did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.2)
+        if not wait_until_healthy(base, process, 120):
+            pytest.fail(f"llama-server did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
         yield base
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_server(process)
 
 
 def running_proxy(upstream: str, recorder=None, llama_server_log: Optional[Path] = None):

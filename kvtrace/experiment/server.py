@@ -106,27 +106,39 @@ def started_server(command: list[str], arguments: list[str], log_path: Path) -> 
             raise ConfigError(f"--server: cannot start {command[0]}: {exc.strerror or exc}") from None
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                said = output.read_text(errors="replace").strip().splitlines()
-                said += log_path.read_text(errors="replace").strip().splitlines() if log_path.exists() else []
-                raise EngineFailed(f"llama-server did not start ({' / '.join(said[-3:]) or 'no output'}); "
-                                   f"its log: {log_path}")
-            time.sleep(0.2)
+        if not wait_until_healthy(base, process, START_TIMEOUT_S):
+            said = output.read_text(errors="replace").strip().splitlines()
+            said += log_path.read_text(errors="replace").strip().splitlines() if log_path.exists() else []
+            raise EngineFailed(f"llama-server did not start ({' / '.join(said[-3:]) or 'no output'}); "
+                               f"its log: {log_path}")
         yield base
     finally:
-        process.terminate()
+        stop_server(process)
+
+
+def wait_until_healthy(base: str, process: subprocess.Popen, timeout_s: float) -> bool:
+    """Poll llama-server's ``/health`` until it answers 200 (True), or the process exits or
+    ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
         try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    """Terminate, and kill what does not exit within 30 s."""
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def server_weight_format(base: str) -> str:
