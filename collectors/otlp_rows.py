@@ -12,6 +12,7 @@ import base64
 import binascii
 import json
 import math
+from decimal import Decimal
 from typing import Any
 
 from kvtrace.timestamps import ImplausibleTime, unix_nanos
@@ -44,8 +45,6 @@ def format_double(value: float) -> str:
         magnitude = abs(value)
         if 1e-6 <= magnitude < 1e21:
             # ES6 writes these without an exponent.
-            from decimal import Decimal
-
             return format(Decimal(text), "f")
         mantissa, exponent = text.split("e")
         sign = "-" if exponent.startswith("-") else "+"

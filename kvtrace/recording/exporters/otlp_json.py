@@ -8,6 +8,7 @@ protobuf → JSON path is ~2.5 ms per span and writes ids as base64.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from typing import Any, Iterable, Sequence
@@ -37,8 +38,6 @@ def encode_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return '{"arrayValue":{"values":[%s]}}' % _encode_array_items(value)
     if isinstance(value, bytes):
-        import base64
-
         return '{"bytesValue":"%s"}' % base64.b64encode(value).decode()
     return '{"stringValue":%s}' % _dumps(str(value))
 
