@@ -21,14 +21,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvtrace import correlate
+from kvtrace.collectors.ingest import ingest_paths
+from kvtrace.collectors.schema import init_schema
+from kvtrace.config import Settings
+from kvtrace.db import connect
+from kvtrace.recording.exporters.spool import SpoolExporter
+from kvtrace.recording.recorder import Recorder
+
 
 def record(requests: int, tokens: int, spool: Path) -> float:
     """Seconds of recorder work (engine thread + exporter thread) for ``requests`` requests."""
-    from kvtrace import correlate
-    from kvtrace.config import Settings
-    from kvtrace.recording.recorder import Recorder
-    from kvtrace.recording.exporters.spool import SpoolExporter
-
     exporter = SpoolExporter(spool)
     export_seconds = [0.0]
     original = exporter.export
@@ -86,10 +89,6 @@ def main() -> None:
         print(f"recorder + spool, capture={os.environ['KVTRACE_CAPTURE']}:")
         print(f"  per generated token : {per_token * 1e6:7.2f} us  (engine thread alone {engine_per_token * 1e6:.2f} us)")
         print(f"  per request         : {per_request * 1e6:7.1f} us  (span with a 300-token prompt)")
-
-        from kvtrace.collectors.ingest import ingest_paths
-        from kvtrace.collectors.schema import init_schema
-        from kvtrace.db import connect
 
         client = connect(f"chdb://{work / 'db'}")
         init_schema(client)
