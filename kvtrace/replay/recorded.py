@@ -26,6 +26,11 @@ UNREPLAYABLE_SAMPLING = ("logits_processor", "grammar")
 """Sampling inputs kvtrace records only as used or not: a replay runs without them."""
 
 
+GREEDY = {"temp": 0.0, "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+"""Sampling settings at which the chosen token is the logits' arg-max: the only requests whose generated
+ids replay can read back exactly (``completion_token_ids``: the last one is the arg-max of the last row)."""
+
+
 class ReplayRefused(ConfigError):
     """What was recorded cannot be re-executed faithfully (exit 2); the message says why."""
 
@@ -145,9 +150,12 @@ def _refuse_unreplayable(run_id: str, rows: list[dict[str, Any]]) -> None:
                             f"llama-cpp-python runs only")
     for row in rows:
         sampling = json.loads(row["sampling_settings"] or "{}")
-        if float(sampling.get("temp") or 0.0) > 0.0:
-            raise ReplayRefused(f"run {run_id!r} sampled at temperature {sampling['temp']} (episode "
-                                f"{row['episode_id']} turn {row['turn']}); replay re-executes greedy requests only")
+        changed = [f"{name} {sampling[name]}" for name, neutral in GREEDY.items()
+                   if sampling.get(name) is not None and float(sampling[name]) != neutral]
+        if changed:
+            raise ReplayRefused(f"run {run_id!r} sampled with {', '.join(changed)} (episode {row['episode_id']} "
+                                f"turn {row['turn']}); replay re-executes greedy requests (temperature 0, no "
+                                f"repetition penalties) only")
         if len(row["prompt_token_ids"]) != row["prompt_tokens"]:
             raise ReplayRefused(f"run {run_id!r}: the request of episode {row['episode_id']} turn {row['turn']} "
                                 f"has no recorded prompt token ids; replay needs a run recorded inside the engine")
