@@ -176,10 +176,10 @@ def counterfactual(run_a: RecordedRun, run_b: RecordedRun, fork: Fork, model: Pa
     steps = [step(r, r.span_id, r.starts_from, sources) for r in needed_a + needed_b]
     steps += [step(a, "a-on-b-path", b.starts_from, set()), step(b, "b-on-a-path", a.starts_from, set())]
     outcomes = execute_steps(model, configuration, steps, progress, timeout)
-    return _verdict(fork, a, b, outcomes)
+    return judge_fork(fork, a, b, outcomes)
 
 
-def _verdict(fork: Fork, a: RecordedRequest, b: RecordedRequest, outcomes: dict[str, dict[str, Any]]) -> Counterfactual:
+def judge_fork(fork: Fork, a: RecordedRequest, b: RecordedRequest, outcomes: dict[str, dict[str, Any]]) -> Counterfactual:
     p = fork.position
     common = list(a.output[:p])
 
