@@ -78,7 +78,8 @@ class RecordedRequest:
     """Span id of the request whose end state this one started from (None: it recomputed its prompt)."""
 
     def path(self) -> str:
-        """The cache path in words: ``recompute``, ``in-context reuse of 40 tokens``, ``prompt-cache restore of 40 tokens``."""
+        """The cache path in words: ``recompute``, ``in-context reuse of 40 tokens`` or
+        ``prompt-cache restore of 40 tokens``."""
         if self.starts_from is None:
             return "recompute"
         if self.cache_layer == sc.LAYER_PROMPT_CACHE:

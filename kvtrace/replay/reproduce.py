@@ -28,6 +28,9 @@ from kvtrace.replay.recorded import (RecordedRequest, RecordedRun, ReplayRefused
 
 CHILD_MODULE = "kvtrace.replay.child"
 
+A_ON_B_PATH, B_ON_A_PATH = "a-on-b-path", "b-on-a-path"
+"""Step keys of the two switched re-executions (the others are keyed by their request's span id)."""
+
 
 @dataclass
 class RequestReplay:
@@ -174,12 +177,15 @@ def counterfactual(run_a: RecordedRun, run_b: RecordedRun, fork: Fork, model: Pa
     sources = {r.starts_from for r in needed_a + needed_b if r.starts_from} | {a.starts_from, b.starts_from}
     sources.discard(None)
     steps = [step(r, r.span_id, r.starts_from, sources) for r in needed_a + needed_b]
-    steps += [step(a, "a-on-b-path", b.starts_from, set()), step(b, "b-on-a-path", a.starts_from, set())]
+    steps += [step(a, A_ON_B_PATH, b.starts_from, set()), step(b, B_ON_A_PATH, a.starts_from, set())]
     outcomes = execute_steps(model, configuration, steps, progress, timeout)
     return judge_fork(fork, a, b, outcomes)
 
 
-def judge_fork(fork: Fork, a: RecordedRequest, b: RecordedRequest, outcomes: dict[str, dict[str, Any]]) -> Counterfactual:
+def judge_fork(fork: Fork, a: RecordedRequest, b: RecordedRequest,
+               outcomes: dict[str, dict[str, Any]]) -> Counterfactual:
+    """The verdict from four re-executions in ``outcomes``: each side's request on its own path (keyed by its
+    span id) and on the other side's (``A_ON_B_PATH``, ``B_ON_A_PATH``)."""
     p = fork.position
     common = list(a.output[:p])
 
@@ -189,7 +195,7 @@ def judge_fork(fork: Fork, a: RecordedRequest, b: RecordedRequest, outcomes: dic
 
     recorded = (a.output[p], b.output[p])
     own = (at_fork(a.span_id), at_fork(b.span_id))
-    switched = (at_fork("a-on-b-path"), at_fork("b-on-a-path"))
+    switched = (at_fork(A_ON_B_PATH), at_fork(B_ON_A_PATH))
     paths = f"A: {a.path()}, B: {b.path()}"
     if own != recorded:
         unrecorded = sorted(set(a.unrecorded_inputs()) | set(b.unrecorded_inputs()))

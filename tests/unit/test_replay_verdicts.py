@@ -9,7 +9,7 @@ import pytest
 from kvtrace import semconv as sc
 from kvtrace.analysis.forks import CachePath, Fork, Side
 from kvtrace.replay.recorded import EngineConfiguration, RecordedRequest
-from kvtrace.replay.reproduce import judge_fork
+from kvtrace.replay.reproduce import A_ON_B_PATH, B_ON_A_PATH, judge_fork
 
 CONFIGURATION = EngineConfiguration("llama_cpp", "0.3.36", "m.gguf", "f1", {"n_ubatch": 256})
 PROMPT = (1, 2, 3, 4)
@@ -35,7 +35,7 @@ FORK = Fork("e0", 1, sc.FORK_KIND_OUTPUT, 2, sc.ATTRIBUTION_HIT_VS_RECOMPUTE, ""
 
 def outcomes(a_own, b_own, a_switched, b_switched):
     return {"a": {"token_ids": list(a_own)}, "b": {"token_ids": list(b_own)},
-            "a-on-b-path": {"token_ids": list(a_switched)}, "b-on-a-path": {"token_ids": list(b_switched)}}
+            A_ON_B_PATH: {"token_ids": list(a_switched)}, B_ON_A_PATH: {"token_ids": list(b_switched)}}
 
 
 @pytest.mark.parametrize("story, executed, verdict", [
