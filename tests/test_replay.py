@@ -1,8 +1,9 @@
 """`kvtrace replay` on the real engine with a generated quantized model.
 
-A user ran the experiment's `reuse` and `off` arms (Q8_0, flash attention on: the setting that forks
-here, see test_experiment.py) with token ids captured. Re-executing every episode of either run on
-its recorded cache paths gives back every recorded token: the "40/40" control. Where `diff` blamed a
+A user ran the experiment's `reuse`, `prompt-cache` and `off` arms (Q8_0, flash attention on: the
+setting that forks here, see test_experiment.py) with token ids captured. Re-executing every episode
+of any of these runs on its recorded cache paths (in-context reuse, prompt-cache restores, recompute)
+gives back every recorded token: the "40/40" control. Where `diff` blamed a
 fork on the cache hit (`hit_vs_recompute`), switching only the cache path between the two sides
 moves the fork token to the other side's: `confirmed`, and `diff` says so next to the label.
 
@@ -32,13 +33,15 @@ EPISODES, TURNS, TOKENS = 6, 3, 16
 
 
 @pytest.fixture
-def reuse_and_off(llama_patched, spool_recorder):
-    """The experiment's reuse and off arms, recorded through the spool (ingested by the first command)."""
-    plan = Plan(formats=("Q8_0",), arms=("off", "reuse"), episodes=EPISODES, turns=TURNS, tokens=TOKENS, seed=1,
+def three_arms(llama_patched, spool_recorder):
+    """The experiment's reuse, prompt-cache and off arms, recorded through the spool (ingested by the first
+    command)."""
+    arms = ("reuse", "prompt-cache", "off")
+    plan = Plan(formats=("Q8_0",), arms=arms, episodes=EPISODES, turns=TURNS, tokens=TOKENS, seed=1,
                 flash_attn=("on",))
     outcome = run_experiment(plan, generated_models("tiny", plan.formats))
-    assert outcome.failure is None and outcome.requests == 2 * EPISODES * TURNS
-    return plan.run_id(plan.key("Q8_0", "reuse")), plan.run_id(plan.key("Q8_0", "off"))
+    assert outcome.failure is None and outcome.requests == len(arms) * EPISODES * TURNS
+    return [plan.run_id(plan.key("Q8_0", arm)) for arm in arms]
 
 
 def kvtrace_json(capsys, *argv: str):
@@ -55,20 +58,21 @@ def refusal(capsys, *argv: str) -> str:
 
 
 @pytest.mark.slow
-def test_every_episode_replays_exactly_and_the_cache_hit_forks_are_confirmed(reuse_and_off, capsys):
-    reuse, off = reuse_and_off
+def test_every_episode_replays_exactly_and_the_cache_hit_forks_are_confirmed(three_arms, capsys):
+    reuse, prompt_cache, off = three_arms
     episodes = [f"e{i:03d}" for i in range(EPISODES)]
     every_episode = [arg for e in episodes for arg in ("--episode", e)]
     paths = {}
-    for run in (reuse, off):
+    for run in (reuse, prompt_cache, off):
         code, replayed, _ = kvtrace_json(capsys, "replay", run, *every_episode)
         assert code == 0
         assert replayed["exact"] is True
         assert (replayed["requests_reproduced"], replayed["requests"]) == (EPISODES * TURNS, EPISODES * TURNS)
         assert (replayed["tokens_reproduced"], replayed["tokens"]) == (EPISODES * TURNS * TOKENS,) * 2
         paths[run] = {r["path"].split(" of ")[0] for r in replayed["per_request"]}
-    # The reuse run's requests really were re-executed on the in-context reuse path, the off run's recomputed.
-    assert paths == {reuse: {"recompute", "in-context reuse"}, off: {"recompute"}}
+    # Each run's requests really were re-executed on their own cache paths.
+    assert paths == {reuse: {"recompute", "in-context reuse"}, prompt_cache: {"recompute", "prompt-cache restore"},
+                     off: {"recompute"}}
 
     code, forks, _ = kvtrace_json(capsys, "diff", reuse, off)
     cache_forks = [f for f in forks if f["attribution"] == sc.ATTRIBUTION_HIT_VS_RECOMPUTE]
