@@ -31,6 +31,7 @@ COMMAND_MODULES = [
     "kvtrace.commands.diff",
     "kvtrace.commands.runs",
     "kvtrace.commands.experiment",
+    "kvtrace.commands.replay",
     "kvtrace.commands.demo",
     "kvtrace.commands.alert",
     "kvtrace.commands.probe",

@@ -36,6 +36,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from kvtrace.commands.common import open_database
     from kvtrace.analysis.forks import diff_runs
+    from kvtrace.replay import verdicts
 
     if args.turns and args.html:
         raise ConfigError("--html draws both runs' whole episodes side by side; it cannot be combined with --turns")
@@ -44,6 +45,7 @@ def run(args) -> int:
     client = open_database(args)
     diff = diff_runs(client, args.run_a, args.run_b, episode=args.episode, near_tie=args.near_tie,
                      detokenize=detokenize, turns=turns)
+    verdicts.attach(diff.forks)  # what `kvtrace replay --counterfactual` found for these forks
     if args.format == "json":
         json.dump([f.to_json() for f in diff.forks], sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -93,7 +95,7 @@ def _path(path: CachePath | None) -> str:
 
 
 def describe_fork(fork: Fork) -> str:
-    lines = [f"episode {fork.episode}: forked at {fork.where()} [{fork.attribution}]"]
+    lines = [f"episode {fork.episode}: forked at {fork.where()} [{fork.label()}]"]
     if fork.kind == sc.FORK_KIND_PROMPT:
         lines.append(f"  {fork.note}")
     for label, side in (("A", fork.a), ("B", fork.b)):
@@ -105,6 +107,8 @@ def describe_fork(fork: Fork) -> str:
         lines.append(f"  near tie: {tie}{share}")
     if fork.culprit:
         lines.append(f"  culprit: {fork.culprit.describe()}")
+    if fork.verdict_note:
+        lines.append(f"  counterfactual: {fork.verdict_note}")
     elif fork.attribution == sc.ATTRIBUTION_SAME_CACHE_PATH:
         lines.append(f"  {fork.note}")
     return "\n".join(lines) + "\n"
