@@ -47,6 +47,8 @@ COMMANDS: dict[str, Command] = {
     "diff": Command("kvtrace.commands.diff", "where two runs of the same episodes forked, and why"),
     "runs": Command("kvtrace.commands.runs", "list runs with their configuration and counts"),
     "experiment": Command("kvtrace.commands.experiment", "measure how often cache arms fork a multi-turn workload"),
+    "replay": Command("kvtrace.commands.replay",
+                      "re-execute a run's episode on its recorded cache paths; prove a fork's cause"),
     "demo": Command("kvtrace.commands.demo", "generate a test model, make two cache arms fork, and explain one fork"),
     "alert": Command("kvtrace.commands.alert", "evaluate alert rules on margin shift, divergence and near ties"),
     "probe": Command("kvtrace.commands.probe",

@@ -193,6 +193,15 @@ ATTRIBUTION_REUSE_LENGTH = "reuse_length"
 ATTRIBUTION_CACHE_SOURCE = "cache_source"
 ATTRIBUTION_SAME_CACHE_PATH = "same_cache_path"
 """attribution labels, most specific first (their meaning: queries/fork_attribution.sql)."""
+VERDICT_CONFIRMED = "confirmed"
+"""counterfactual verdict (``kvtrace replay A B --counterfactual``): switching only the cache path moves the
+token at the fork to the other side's token."""
+VERDICT_NOT_CACHE = "not_cache"
+"""counterfactual verdict: both sides reproduce, and the fork stays with its request when the paths are switched."""
+VERDICT_NOT_REPRODUCED = "not_reproduced"
+"""counterfactual verdict: re-executing each side on its own recorded path does not give the recorded fork, so
+something the spans do not record differs between the runs."""
+VERDICTS = (VERDICT_CONFIRMED, VERDICT_NOT_CACHE, VERDICT_NOT_REPRODUCED)
 
 # --- margin bins (appended) -------------------------------------------------------------
 

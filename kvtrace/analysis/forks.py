@@ -124,6 +124,14 @@ class Fork:
     margin_share: float
     capture_mode: str
     culprit: Optional[Culprit]
+    verdict: Optional[str] = None
+    """The counterfactual verdict (``confirmed``, ``not_cache``, ``not_reproduced``) once ``kvtrace replay
+    --counterfactual`` has judged this fork; ``None`` until then."""
+    verdict_note: str = ""
+
+    def label(self) -> str:
+        """The attribution, with the verdict when one is known: ``hit_vs_recompute, counterfactual: confirmed``."""
+        return self.attribution + (f", counterfactual: {self.verdict}" if self.verdict else "")
 
     def where(self) -> str:
         """``turn 3, token 17`` (the token only when the position is known)."""

@@ -86,11 +86,14 @@ def _fork_section(fork: Fork, turns: list[Turn], detokenize: Optional[Detokenize
         f'<td class="{margin_class(s.margin)}">{_fmt(s.margin)}</td><td>{_e(s.cache.describe())}</td></tr>'
         for label, s in (("A", fork.a), ("B", fork.b)))
     tie = ("near tie" if fork.near_tie else "not a near tie") if fork.position >= 0 else "position unknown"
+    verdict = (f' <span class="badge verdict {_e(fork.verdict)}">counterfactual: {_e(fork.verdict)}</span>'
+               if fork.verdict else "")
+    verdict_note = f'\n  <p class="verdict-note">{_e(fork.verdict_note)}</p>' if fork.verdict_note else ""
     return f"""
 <section class="fork-section" data-episode="{_e(fork.episode)}" data-attribution="{_e(fork.attribution)}">
   <h2>Episode {_e(fork.episode)} <span class="where">forked at {_e(fork.where())}</span>
-      <span class="badge {_e(fork.attribution)}">{_e(fork.attribution)}</span></h2>
-  <p class="note">{_e(fork.note)} &middot; {_e(tie)}</p>
+      <span class="badge {_e(fork.attribution)}">{_e(fork.attribution)}</span>{verdict}</h2>
+  <p class="note">{_e(fork.note)} &middot; {_e(tie)}</p>{verdict_note}
   <table class="sides"><tr><th></th><th>chose</th><th>margin</th><th>cache path at the fork</th></tr>{sides}</table>
   {culprit}
   <h3>Turns and cache events</h3>

@@ -14,6 +14,7 @@ from kvtrace.commands.arguments import input_file, non_negative_number, output_f
 from kvtrace.commands.common import open_database
 from kvtrace.error_report import one_line
 from kvtrace.errors import ConfigError, KvtraceError
+from kvtrace.replay import verdicts
 
 
 def add_arguments(p) -> None:
@@ -42,6 +43,7 @@ def run(args) -> int:
     client = open_database(args)
     diff = diff_runs(client, args.run_a, args.run_b, episode=args.episode, near_tie=args.near_tie,
                      detokenize=detokenize, turns=turns)
+    verdicts.attach(diff.forks)  # what `kvtrace replay --counterfactual` found for these forks
     if args.format == "json":
         json.dump([f.to_json() for f in diff.forks], sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -87,7 +89,7 @@ def _path(path: CachePath | None) -> str:
 
 
 def describe_fork(fork: Fork) -> str:
-    lines = [f"episode {fork.episode}: forked at {fork.where()} [{fork.attribution}]"]
+    lines = [f"episode {fork.episode}: forked at {fork.where()} [{fork.label()}]"]
     if fork.kind == sc.FORK_KIND_PROMPT:
         lines.append(f"  {fork.note}")
     for label, side in (("A", fork.a), ("B", fork.b)):
@@ -99,6 +101,8 @@ def describe_fork(fork: Fork) -> str:
         lines.append(f"  near tie: {tie}{share}")
     if fork.culprit:
         lines.append(f"  culprit: {fork.culprit.describe()}")
+    if fork.verdict_note:
+        lines.append(f"  counterfactual: {fork.verdict_note}")
     elif fork.attribution == sc.ATTRIBUTION_SAME_CACHE_PATH:
         lines.append(f"  {fork.note}")
     return "\n".join(lines) + "\n"

@@ -92,11 +92,19 @@ def run_isolated(spec: PassSpec, timeout: float = DEFAULT_PASS_TIMEOUT,
                  progress: Callable[[str, int], None] = lambda text, turns: None) -> PassResult:
     """Run ``spec`` in a child process and return its result; ``PassDied`` if it crashes or stalls.
     ``progress`` gets each message of the child with the turns it has done so far."""
+    return PassResult(**run_child(CHILD_MODULE, spec.to_json(), timeout, progress))
+
+
+def run_child(module: str, argument: str, timeout: float = DEFAULT_PASS_TIMEOUT,
+              progress: Callable[[str, int], None] = lambda text, turns: None) -> dict:
+    """Run ``python -m module FD argument`` watched as a pass is (stall clock, Ctrl-C, death by signal)
+    and return the ``result`` it wrote to FD, with ``interrupted`` set when Ctrl-C stopped it.
+    ``kvtrace replay`` runs its engine this way too."""
     read_fd, write_fd = os.pipe()
     try:
         # stdout goes to our stderr: the command's stdout carries the report (JSON with --format json)
         # and nothing the engine prints may end up inside it.
-        child = subprocess.Popen([sys.executable, "-m", CHILD_MODULE, str(write_fd), spec.to_json()],
+        child = subprocess.Popen([sys.executable, "-m", module, str(write_fd), argument],
                                  pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=2, start_new_session=True)
     finally:
         os.close(write_fd)
@@ -111,11 +119,11 @@ class _Watch:
         self.child, self.pipe, self.timeout, self.progress = child, pipe, timeout, progress
         self.requests = 0
         self.pending = b""
-        self.result: Optional[PassResult] = None
+        self.result: Optional[dict] = None
         self.interrupted = False
         self.deadline = time.monotonic() + timeout
 
-    def until_done(self) -> PassResult:
+    def until_done(self) -> dict:
         try:
             self._read_until_closed()
             self._wait_for_exit()
@@ -156,8 +164,8 @@ class _Watch:
         if not self.interrupted:
             self.deadline = time.monotonic() + self.timeout
         if "result" in message:
-            self.result = PassResult(**message["result"])
-            self.requests = self.result.requests
+            self.result = message["result"]
+            self.requests = self.result.get("requests", self.requests)
         else:
             self.requests = message["requests"]
             self.progress(message["progress"], message["turns"])
@@ -195,11 +203,9 @@ class _Watch:
             pass
         self.child.wait()
 
-    def _verdict(self) -> PassResult:
+    def _verdict(self) -> dict:
         if self.interrupted:
-            result = self.result or PassResult(requests=self.requests)
-            result.interrupted = True
-            return result
+            return dict(self.result or {"requests": self.requests}, interrupted=True)
         code = self.child.returncode
         if code == 0 and self.result is not None:
             return self.result

@@ -1,0 +1,115 @@
+"""``kvtrace replay RUN --episode E``: re-execute recorded requests on their recorded cache paths and
+check every generated token (the reproduction control); ``kvtrace replay RUN_A RUN_B --episode E
+--counterfactual``: switch only the cache path at the fork and say whether the fork follows it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from kvtrace.analysis.forks import diff_runs
+from kvtrace.commands.arguments import input_file, positive_number
+from kvtrace.commands.common import open_database, progress_printer
+from kvtrace.errors import ConfigError
+from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT
+from kvtrace.experiment.models import model_cache_dir
+from kvtrace.replay import verdicts
+from kvtrace.replay.recorded import ReplayRefused, read_run
+from kvtrace.replay.reproduce import counterfactual, replay_episodes
+
+
+def add_arguments(p) -> None:
+    p.description = ("Re-execute the recorded requests of an episode in order, on the same model and recorded engine "
+                     "configuration, each on its recorded cache path (reuse of N tokens, a prompt-cache restore of a "
+                     "named state, or recompute), and check every generated token against the record. With two runs "
+                     "and --counterfactual: at the episode's fork, run each side's request on the other side's cache "
+                     "path, everything else fixed; the verdict (confirmed, not_cache, not_reproduced) is kept, and "
+                     "`kvtrace diff` shows it next to the label. Needs runs recorded with KVTRACE_CAPTURE=ids.")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="one run (reproduce) or RUN_A RUN_B (--counterfactual)")
+    p.add_argument("--episode", action="append", required=True, metavar="ID",
+                   help="the episode to re-execute (repeatable without --counterfactual)")
+    p.add_argument("--counterfactual", action="store_true",
+                   help="with RUN_A RUN_B: switch the cache path of the forked request between the runs")
+    p.add_argument("--model", type=input_file, metavar="PATH.gguf",
+                   help="the model file the run used (default: the recorded file name in kvtrace's model cache)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--timeout", type=positive_number, default=DEFAULT_PASS_TIMEOUT, metavar="SECONDS",
+                   help="end the replay when one request (or the model load) takes longer (default %(default)g)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if args.counterfactual and (len(args.runs) != 2 or len(args.episode) != 1):
+        raise ConfigError("--counterfactual takes two runs and one --episode: kvtrace replay RUN_A RUN_B "
+                          "--episode E --counterfactual")
+    if not args.counterfactual and len(args.runs) != 1:
+        raise ConfigError("give one run to reproduce, or two runs with --counterfactual")
+    client = open_database(args)
+    try:
+        runs = [read_run(client, run_id) for run_id in args.runs]
+        fork = _fork(client, args) if args.counterfactual else None
+    finally:
+        client.close()  # the embedded database is held by one process at a time; the engine needs none
+    model = args.model or _default_model(runs[0])
+    progress = progress_printer(args)
+    if fork is not None:
+        return _counterfactual(args, runs, fork, model, progress)
+    return _reproduce(args, runs[0], model, progress)
+
+
+def _fork(client, args):
+    run_a, run_b = args.runs
+    (episode,) = args.episode
+    diff = diff_runs(client, run_a, run_b, episode=episode)
+    if not diff.forks:
+        if diff.episodes_compared == 0:
+            raise ReplayRefused(f"runs {run_a!r} and {run_b!r} do not both have episode {episode!r}")
+        raise ReplayRefused(f"runs {run_a!r} and {run_b!r} did not fork in episode {episode!r}: nothing to explain")
+    return diff.forks[0]
+
+
+def _default_model(run) -> Path:
+    name = run.requests[0].configuration.model
+    path = model_cache_dir() / name
+    if not name or not path.is_file():
+        raise ReplayRefused(f"run {run.run_id!r} recorded the model {name or '(unnamed)'!r}, which is not in "
+                            f"kvtrace's model cache; give the file with --model PATH.gguf")
+    return path
+
+
+def _reproduce(args, run, model: Path, progress) -> int:
+    result = replay_episodes(run, args.episode, model, progress, args.timeout)
+    if args.format == "json":
+        json.dump(result.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _print_reproduction(result)
+    return 0 if result.exact else 1
+
+
+def _print_reproduction(result) -> None:
+    episodes = ", ".join(result.episodes)
+    print(f"replay of run {result.run_id}, episode {episodes}: {result.requests_reproduced}/{len(result.requests)} "
+          f"requests and {result.tokens_reproduced}/{result.tokens} tokens reproduced exactly")
+    if result.dependencies:
+        print(f"  (first re-executed {len(result.dependencies)} request(s) of other episodes whose state it reused: "
+              f"{sum(r.reproduced for r in result.dependencies)}/{len(result.dependencies)} reproduced)")
+    for r in result.requests + result.dependencies:
+        if not r.reproduced:
+            why = (f"tokens differ from position {r.tokens_reproduced}" if r.path_reproduced
+                   else "the engine did not reuse the recorded number of prompt tokens")
+            print(f"  episode {r.episode_id} turn {r.turn} ({r.path}): {why}")
+
+
+def _counterfactual(args, runs, fork, model: Path, progress) -> int:
+    verdict = counterfactual(runs[0], runs[1], fork, model, progress, args.timeout)
+    verdicts.keep(verdict)
+    if args.format == "json":
+        json.dump(verdict.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(f"episode {verdict.episode}: forked at turn {verdict.turn}, token {verdict.position} "
+              f"[{verdict.attribution}] -> counterfactual: {verdict.verdict}")
+        print(f"  {verdict.explanation}")
+    return 0

@@ -1,0 +1,229 @@
+"""A run read back from the database, and the steps that re-execute part of it.
+
+A request's cache path is one of three: recompute (nothing reused), in-context reuse of N tokens
+(the live context: what the run's previous request left in the engine), or a prompt-cache restore of
+the state a named request stored (its span id is recorded). Both reuse paths start from the state
+another request ended with, so a request is re-executed after the requests it depends on, from that
+request's end state, saved and loaded the way the experiment's restore control does it
+(``Llama.save_state`` / ``load_state``: the same KV bytes the original request found).
+
+In-context reuse continues from the run's previous request: one engine serves a run, one request
+at a time, as kvtrace's experiment passes and tests run it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Optional
+
+from kvtrace import queries
+from kvtrace import semconv as sc
+from kvtrace.errors import ConfigError
+from kvtrace.patches.llama_cpp.engine import ENGINE as LLAMA_CPP
+
+UNREPLAYABLE_SAMPLING = ("logits_processor", "grammar")
+"""Sampling inputs kvtrace records only as used or not: a replay runs without them."""
+
+
+GREEDY = {"temp": 0.0, "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+"""Sampling settings at which the chosen token is the logits' arg-max: the only requests whose generated
+ids replay can read back exactly (``completion_token_ids``: the last one is the arg-max of the last row)."""
+
+
+class ReplayRefused(ConfigError):
+    """What was recorded cannot be re-executed faithfully (exit 2); the message says why."""
+
+
+@dataclass(frozen=True)
+class EngineConfiguration:
+    """What the engine recorded about itself: replay must load exactly this."""
+
+    engine: str
+    engine_version: str
+    model: str
+    model_fingerprint: str
+    numerics: dict[str, Any]
+
+    def differences(self, other: "EngineConfiguration") -> list[str]:
+        """What differs from ``other``, one phrase each (empty: the same engine, model and numerics)."""
+        found = []
+        if self.model_fingerprint != other.model_fingerprint:
+            found.append(f"model fingerprint ({self.model_fingerprint} vs {other.model_fingerprint})")
+        if self.engine_version != other.engine_version:
+            found.append(f"engine version ({self.engine_version} vs {other.engine_version})")
+        for key in sorted(set(self.numerics) | set(other.numerics)):
+            mine, theirs = self.numerics.get(key), other.numerics.get(key)
+            if mine != theirs:
+                found.append(f"{key} ({mine!r} vs {theirs!r})")
+        return found
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One recorded request, in the order its run served it."""
+
+    span_id: str
+    run_id: str
+    episode_id: str
+    turn: int
+    capture_mode: str
+    configuration: EngineConfiguration
+    sampling: dict[str, Any]
+    cache_layer: str
+    reused_tokens: int
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+    starts_from: Optional[str]
+    """Span id of the request whose end state this one started from (None: it recomputed its prompt)."""
+
+    def path(self) -> str:
+        """The cache path in words: ``recompute``, ``in-context reuse of 40 tokens`` or
+        ``prompt-cache restore of 40 tokens``."""
+        if self.starts_from is None:
+            return "recompute"
+        if self.cache_layer == sc.LAYER_PROMPT_CACHE:
+            return f"prompt-cache restore of {self.reused_tokens} tokens"
+        return f"in-context reuse of {self.reused_tokens} tokens"
+
+    def unrecorded_inputs(self) -> list[str]:
+        """Sampling inputs this request used that the record does not hold (a replay runs without them)."""
+        return [name for name in UNREPLAYABLE_SAMPLING if self.sampling.get(name)]
+
+
+@dataclass
+class RecordedRun:
+    run_id: str
+    requests: list[RecordedRequest]
+    """Every request of the run, in served order."""
+    by_span: dict[str, RecordedRequest] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.by_span = {r.span_id: r for r in self.requests}
+
+    def episode(self, episode_id: str) -> list[RecordedRequest]:
+        found = [r for r in self.requests if r.episode_id == episode_id]
+        if not found:
+            episodes = sorted({r.episode_id for r in self.requests if r.episode_id})
+            shown = ", ".join(episodes[:10]) + (" ..." if len(episodes) > 10 else "")
+            raise ReplayRefused(f"run {self.run_id!r} has no episode {episode_id!r} (it has: {shown or 'none'})")
+        return found
+
+    def needed_for(self, targets: Iterable[RecordedRequest]) -> list[RecordedRequest]:
+        """``targets`` and every request whose end state they (transitively) start from, in served order."""
+        needed: set[str] = set()
+        stack = [t.span_id for t in targets]
+        while stack:
+            span = stack.pop()
+            if span in needed:
+                continue
+            needed.add(span)
+            source = self.by_span[span].starts_from
+            if source is not None:
+                stack.append(source)
+        return [r for r in self.requests if r.span_id in needed]
+
+
+def read_run(client, run_id: str) -> RecordedRun:
+    """The run as recorded, refused (``ReplayRefused``) when it cannot be re-executed."""
+    columns, rows = queries.run(client, "replay_requests", {"run": run_id})
+    if not rows:
+        raise ReplayRefused(f"no run {run_id!r} in the database; `kvtrace runs` lists them")
+    rows = [dict(zip(columns, row)) for row in rows]
+    _refuse_unreplayable(run_id, rows)
+    requests: list[RecordedRequest] = []
+    spans = {row["span_id"] for row in rows}
+    for row in rows:
+        requests.append(_request(row, requests[-1] if requests else None, spans))
+    return RecordedRun(run_id, requests)
+
+
+def _refuse_unreplayable(run_id: str, rows: list[dict[str, Any]]) -> None:
+    modes = sorted({row["capture_mode"] for row in rows if row["capture_mode"] != sc.CAPTURE_IDS})
+    if modes:
+        raise ReplayRefused(
+            f"run {run_id!r} was recorded with {'/'.join(modes) or 'no'} capture: its token ids never left the "
+            f"engine (that keeps production traffic private), so there is nothing to re-execute; record with "
+            f"KVTRACE_CAPTURE=ids to make a run replayable")
+    engines = sorted({row["engine"] for row in rows if row["engine"] != LLAMA_CPP})
+    if engines:
+        raise ReplayRefused(f"run {run_id!r} was recorded by {', '.join(engines)}; replay re-executes "
+                            f"llama-cpp-python runs only")
+    for row in rows:
+        sampling = json.loads(row["sampling_settings"] or "{}")
+        changed = [f"{name} {sampling[name]}" for name, neutral in GREEDY.items()
+                   if sampling.get(name) is not None and float(sampling[name]) != neutral]
+        if changed:
+            raise ReplayRefused(f"run {run_id!r} sampled with {', '.join(changed)} (episode {row['episode_id']} "
+                                f"turn {row['turn']}); replay re-executes greedy requests (temperature 0, no "
+                                f"repetition penalties) only")
+        if len(row["prompt_token_ids"]) != row["prompt_tokens"]:
+            raise ReplayRefused(f"run {run_id!r}: the request of episode {row['episode_id']} turn {row['turn']} "
+                                f"has no recorded prompt token ids; replay needs a run recorded inside the engine")
+
+
+def _request(row: dict[str, Any], previous: Optional[RecordedRequest], spans: set[str]) -> RecordedRequest:
+    starts_from = None
+    if row["reused_tokens"] > 0:
+        if row["cache_layer"] == sc.LAYER_PROMPT_CACHE:
+            starts_from = row["source_span_id"]
+            if starts_from not in spans:
+                raise ReplayRefused(
+                    f"episode {row['episode_id']} turn {row['turn']} of run {row['run_id']!r} restored a state "
+                    f"stored by span {starts_from or '(unknown)'}, which is not in the run; it cannot be rebuilt")
+        elif previous is not None:
+            starts_from = previous.span_id
+        else:
+            raise ReplayRefused(f"the first request of run {row['run_id']!r} reused {row['reused_tokens']} tokens "
+                                f"left by something outside the run; it cannot be rebuilt")
+    configuration = EngineConfiguration(row["engine"], row["engine_version"], row["model"],
+                                        row["model_fingerprint"], json.loads(row["numerics_settings"] or "{}"))
+    return RecordedRequest(
+        span_id=row["span_id"], run_id=row["run_id"], episode_id=row["episode_id"], turn=int(row["turn"]),
+        capture_mode=row["capture_mode"], configuration=configuration,
+        sampling=json.loads(row["sampling_settings"] or "{}"), cache_layer=row["cache_layer"],
+        reused_tokens=int(row["reused_tokens"]), prompt=tuple(int(t) for t in row["prompt_token_ids"]),
+        output=tuple(int(t) for t in row["token_ids"]), starts_from=starts_from)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One request to execute: a recorded request's prompt and sampling, started from a state (or none)."""
+
+    key: str
+    span_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: dict[str, Any]
+    starts_from: Optional[str]
+    """Span id whose end state is loaded first (None: recompute from an empty context)."""
+    keep_state: bool
+    """Keep this step's end state under ``span_id`` for later steps."""
+
+
+def step(request: RecordedRequest, key: str, starts_from: Optional[str], needed_sources: set[str]) -> Step:
+    return Step(key, request.span_id, request.prompt, len(request.output), request.sampling, starts_from,
+                keep_state=request.span_id in needed_sources)
+
+
+def as_factual_steps(requests: list[RecordedRequest]) -> list[Step]:
+    """Each request on its own recorded path, in served order."""
+    sources = {r.starts_from for r in requests if r.starts_from}
+    return [step(r, r.span_id, r.starts_from, sources) for r in requests]
+
+
+def plan_json(model: str, configuration: EngineConfiguration, steps: list[Step]) -> str:
+    return json.dumps({"model": model, "configuration": asdict(configuration), "steps": [asdict(s) for s in steps]})
+
+
+def one_configuration(requests: Iterable[RecordedRequest]) -> EngineConfiguration:
+    """The engine configuration the requests share (refused when they recorded several)."""
+    configurations = []
+    for request in requests:
+        if request.configuration not in configurations:
+            configurations.append(request.configuration)
+    if len(configurations) > 1:
+        differences = "; ".join(configurations[0].differences(configurations[1]))
+        raise ReplayRefused(f"the requests to re-execute were served with different engine settings ({differences}); "
+                            f"switching the cache path alone cannot be isolated")
+    return configurations[0]
