@@ -114,9 +114,10 @@ def exit_code(argv: list[str]) -> int:
     (["--settings", "fa-on"], "'fa-on' is the same engine setting as 'defaults'"),
     (["--settings", "kv-q8_0+fa-off"], "a q8_0 KV cache needs flash attention on"),
     (["--arms", "reuse,prompt-cache"], "give off and at least one cache arm"),
+    (["--n-ubatch", "512"], "--n-ubatch 512 is larger than --n-batch 256"),
     (["--settings", ","], "give at least one setting to try"),
 ], ids=["missing-model", "unknown-change", "zero-batch", "unreadable-change", "ubatch-over-batch", "twice",
-        "the-baseline", "q8-kv-without-fa", "no-off-arm", "empty-list"])
+        "the-baseline", "q8-kv-without-fa", "no-off-arm", "baseline-ubatch-over-batch", "empty-list"])
 def test_bad_input_gets_one_line_and_exit_code_2_before_any_engine_starts(arguments, message, q8_model, capsys,
                                                                           kvtrace_env):
     if "--model" not in arguments:

@@ -90,7 +90,8 @@ def _recommendation(best: Optional[dict], settings: list[dict]) -> dict:
         return {"name": None, "settings": None, "text": text}
     cost = best["cost"]
     speed = cost["speed_ratio"]
-    what = "keep the baseline: it" if best is settings[0] else f"{best['name']} ({best['settings']}):"
+    what = (f"keep the baseline ({best['settings']}):" if best is settings[0]
+            else f"{best['name']} ({best['settings']}):")
     text = (f"{what} {_forks(best)}, so the fork rate is at most {best['rate_upper_95']:.1%} at 95 % confidence; "
             f"time per request x{cost['request_time_ratio']['cpu']:.2f} CPU (x{cost['request_time_ratio']['wall']:.2f} "
             f"wall), prefill speed x{speed['prefill_cpu']:.2f}, decode speed x{speed['decode_cpu']:.2f} (CPU)")

@@ -12,6 +12,7 @@ import time
 from kvtrace.commands.arguments import count, input_file, output_file, seed
 from kvtrace.commands.experiment import (_bytes_list, _list, add_pass_timeout_option, require_llama,
                                          require_plot_extra)
+from kvtrace.error_report import one_line
 from kvtrace.errors import ConfigError
 from kvtrace.experiment.plan import DEFAULT_CACHE_RAM, FLASH_ATTN, KV_TYPES
 
@@ -76,8 +77,7 @@ def weight_format_of(path) -> str:
         field = GGUFReader(str(path)).fields.get("general.file_type")
         raw = None if field is None else int(field.parts[field.data[0]][0])
     except Exception as exc:
-        raise ConfigError(f"--model {path}: not a GGUF model file ({str(exc).splitlines()[0] if str(exc) else exc!r})"
-                          ) from None
+        raise ConfigError(f"--model {path}: not a GGUF model file ({one_line(exc)})") from None
     return weight_format({} if raw is None else {"general.file_type": str(raw)})
 
 
@@ -91,18 +91,21 @@ def advice_plan(args, weight_format: str):
         raise ConfigError(f"--arms {','.join(args.arms)}: give off and at least one cache arm to compare with it")
     if len(args.cache_ram) != 1:
         raise ConfigError("--cache-ram: advise takes one prompt-cache size")
-    try:
-        baseline = EngineSettings(args.n_batch, args.n_ubatch, args.flash_attn, args.kv_type)
-        candidates = parse_candidates(args.settings, baseline)
+    baseline = EngineSettings(args.n_batch, args.n_ubatch, args.flash_attn, args.kv_type)
+    try:  # the baseline's settings are checked as the experiment checks its knobs
         experiment = Plan(formats=(weight_format,), arms=args.arms, episodes=args.episodes, turns=args.turns,
                           tokens=args.tokens, seed=args.seed,
                           prefix=args.prefix or f"advise-{args.seed}-{time.strftime('%Y%m%dT%H%M%S')}",
-                          n_ctx=args.n_ctx, n_threads=args.threads, cache_ram=args.cache_ram)
-        plan = AdvicePlan(experiment, tuple(candidates), args.prompt_tokens, args.decode_tokens, args.speed_rounds)
-        for candidate in candidates:
-            plan.plan_for(candidate)  # llama.cpp's constraints, checked before anything runs
+                          n_ctx=args.n_ctx, n_threads=args.threads, n_batch=(args.n_batch,),
+                          n_ubatch=(args.n_ubatch,), flash_attn=(args.flash_attn,), kv_type=(args.kv_type,),
+                          cache_ram=args.cache_ram)
     except ValueError as exc:
-        raise ConfigError(f"--settings: {exc}" if "setting" in str(exc) else str(exc)) from None
+        raise ConfigError(str(exc)) from None
+    try:
+        candidates = parse_candidates(args.settings, baseline)
+    except ValueError as exc:
+        raise ConfigError(f"--settings: {exc}") from None
+    plan = AdvicePlan(experiment, tuple(candidates), args.prompt_tokens, args.decode_tokens, args.speed_rounds)
     if args.prompt_tokens + args.decode_tokens > args.n_ctx:
         raise ConfigError(f"--prompt-tokens {args.prompt_tokens} + --decode-tokens {args.decode_tokens} do not fit "
                           f"in --n-ctx {args.n_ctx}")
