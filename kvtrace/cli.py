@@ -32,6 +32,7 @@ COMMAND_MODULES = [
     "kvtrace.commands.runs",
     "kvtrace.commands.experiment",
     "kvtrace.commands.replay",
+    "kvtrace.commands.advise",
     "kvtrace.commands.demo",
     "kvtrace.commands.alert",
     "kvtrace.commands.probe",
