@@ -46,7 +46,13 @@ from kvtrace.errors import SchemaUpgradeFailed
 TABLES = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens",
           "kvtrace_cache_events", "kvtrace_ingest_files")
 VERSIONS_TABLE = "kvtrace_schema_migrations"
-VIEWS = ("otel_traces_trace_id_ts_mv", "kvtrace_requests_mv", "kvtrace_tokens_mv", "kvtrace_cache_events_mv")
+VIEWS = ("otel_traces_trace_id_ts_mv", "kvtrace_requests_mv", "kvtrace_tokens_mv", "kvtrace_cache_events_mv",
+         "kvtrace_request_arrays_mv")
+TYPED_REQUESTS_TABLE = "kvtrace_request_arrays"
+"""Null table through which ingest inserts request spans with typed per-token arrays (never holds rows)."""
+TYPED_INGEST_COMMENT = "kvtrace typed ingest"
+"""``log_comment`` of an ``otel_traces`` insert whose request spans go to ``TYPED_REQUESTS_TABLE`` as well:
+the JSON view passes them over."""
 # Tables that get a Distributed table in front of them in cluster mode.
 DISTRIBUTED = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
 # The table whose presence says a database has a kvtrace schema at all.
@@ -123,10 +129,13 @@ def _variables(database: str, cluster: str | None) -> dict[str, str]:
         variables["engine"] = "MergeTree()"
         variables["replacing_engine"] = "ReplacingMergeTree(updated)"
         variables["versions_engine"] = "MergeTree()"
-    for table in TABLES + (VERSIONS_TABLE,):
+    for table in TABLES + (VERSIONS_TABLE, TYPED_REQUESTS_TABLE):
         variables[table] = f"`{table}_local`" if cluster and table in DISTRIBUTED else f"`{table}`"
     for view in VIEWS:
         variables[view] = f"`{view}`"
+    variables["typed_ingest_comment"] = TYPED_INGEST_COMMENT
+    shared = (resources.files("kvtrace.collectors") / "sql" / "request_columns.sql").read_text()
+    variables["kvtrace_request_columns"] = "\n".join(split_statements(Template(shared).substitute(variables)))
     return variables
 
 

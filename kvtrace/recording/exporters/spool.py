@@ -139,7 +139,7 @@ class SpoolExporter(SpanExporter):
         if not spans:
             return Delivery.SPOOLED
         try:
-            self.writer.write_line(encode_request(spans), timeout)
+            self.writer.write_line(encode_request(spans, packed=True), timeout)
         except Exception as exc:  # a full or read-only disk: counted, never raised into the host
             self._health.failed(first_line(exc), "those spans are counted as lost")
             return Delivery.LOST
