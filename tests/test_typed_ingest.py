@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 
 import pytest
@@ -187,3 +188,28 @@ def test_a_packed_array_that_does_not_unpack_is_quarantined_with_its_line(spool_
     report = ingest_paths(db, [spool_dir], quarantine_dir=tmp_path / "q")
     assert (report.spans, report.quarantined) == (1, 1)
     assert any(f"{path}:1:" in m and reason in m for m in report.messages)
+
+
+def test_a_database_made_before_typed_ingest_uses_the_json_view_until_db_init_points_it_further(
+        spool_recorder, spool_dir, db, tmp_path):
+    # As this schema version first made it: the JSON view does not know to pass typed spans over.
+    view = db.query("SELECT as_select FROM system.tables WHERE name = 'kvtrace_requests_mv'").result_rows[0][0]
+    earlier = re.sub(r"\s*AND\s*\(?getSetting\('log_comment'\)\s*!=\s*'[^']*'\)?", "", view)
+    assert earlier != view
+    db.command(f"ALTER TABLE kvtrace_requests_mv MODIFY QUERY {earlier}")
+    for turn in range(2):
+        with correlate(run_id="before", episode_id="e", turn=turn):
+            rec = spool_recorder.start_request("test_engine")
+        rec.add_token(1, 1, 2, 0.5, -0.5)
+        spool_recorder.finish(rec)
+        spool_recorder.pipeline.force_flush()
+        if turn == 0:
+            # Ingest sees the view as it is and stores through it alone: one request row, not two.
+            assert not typed_requests_available(db)
+            assert ingest_paths(db, [spool_dir], quarantine_dir=tmp_path / "q").spans == 1
+            assert init_schema(db).applied == ()
+            assert typed_requests_available(db)
+    assert ingest_paths(db, [spool_dir], quarantine_dir=tmp_path / "q").spans == 1
+    assert db.query("SELECT turn, count() FROM kvtrace_requests GROUP BY turn ORDER BY turn").result_rows == [
+        (0, 1), (1, 1)]
+    assert db.query("SELECT count() FROM kvtrace_tokens").result_rows == [(2,)]
