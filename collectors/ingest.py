@@ -77,7 +77,7 @@ _SPAN_NAME = COLUMNS.index("SpanName")
 TYPED_COLUMNS = ["Timestamp", "TraceId", "SpanId", "ParentSpanId", "SpanName", "ServiceName", "SpanAttributes",
                  "Duration", "StatusCode", *TOKEN_ARRAYS.values()]
 _FROM_OTEL_ROW = [COLUMNS.index(c) for c in TYPED_COLUMNS[:9]]
-_SPAN_ATTRIBUTES = COLUMNS.index("SpanAttributes")
+_SPAN_ATTRIBUTES, _TYPED_ATTRIBUTES = COLUMNS.index("SpanAttributes"), TYPED_COLUMNS.index("SpanAttributes")
 _TYPED_VIEW_SQL = (
     "SELECT name, engine, as_select FROM system.tables WHERE database = currentDatabase() "
     "AND name IN ('kvtrace_requests', 'kvtrace_requests_mv', {typed:String})")
@@ -656,7 +656,8 @@ def _typed_row(row: SpanRow) -> list:
     """The ``kvtrace_request_arrays`` row of a request span: its columns, the other attributes, the arrays."""
     attributes = row[_SPAN_ATTRIBUTES]
     out = [row[i] for i in _FROM_OTEL_ROW]
-    out[6] = {key: value for key, value in attributes.items() if key not in PACKED_ARRAYS}
+    # The arrays travel typed; the view reads every other attribute as the JSON view does.
+    out[_TYPED_ATTRIBUTES] = {key: value for key, value in attributes.items() if key not in PACKED_ARRAYS}
     arrays = row.arrays
     out.extend([arrays.get(key, ()) for key in TOKEN_ARRAYS])
     return out
