@@ -1,14 +1,22 @@
-"""Benchmark: recorder + spool cost per generated token and per request, and ingest throughput.
+"""Benchmark: recorder + spool CPU per generated token and per request, and ingest throughput.
 
-Everything is measured side by side in one run on this machine:
+Everything is measured side by side in one run on this machine, as CPU time (the machine is
+shared: wall time is printed next to it, never instead of it):
 
-* recorder cost = time the engine thread spends in start_request/add_token/finish
-  plus the exporter thread's time to encode and write the spool, for requests of
-  1 and of N tokens; a two-point fit splits it into per-request and per-token cost;
-* ingest throughput = token rows landing in kvtrace_tokens per second of
-  ``kvtrace db ingest`` into the embedded chDB.
+* recorder: the engine thread's CPU in start_request / add_token / finish, and the exporter
+  thread's CPU (the whole thread: batching, encoding, writing the spool), each request with
+  fresh token draws; requests of 1 and of N tokens, and a two-point fit splits the cost into
+  per request and per token;
+* ingest: ``kvtrace db ingest`` of a spool of >= 1M token rows into a fresh embedded chDB, until
+  ``kvtrace_tokens`` answers a count (end to end: spool file → rows a query sees), process CPU
+  (chDB runs in this process) next to wall time;
+* the ceiling: the same number of typed token rows inserted straight into a MergeTree with
+  ``kvtrace_tokens``' columns (no parsing, no views) — what chDB itself takes on this machine.
 
-Usage: python benchmarks/recorder_and_ingest.py [--requests 2000] [--tokens 100]
+Rounds alternate; best and median of each figure are printed.
+
+Usage: python benchmarks/recorder_and_ingest.py [--requests 2000] [--tokens 100] [--rounds 3]
+                                               [--ingest-requests 10000]
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import argparse
 import os
 import random
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -30,76 +39,147 @@ from kvtrace.recording.exporters.spool import SpoolExporter
 from kvtrace.recording.recorder import Recorder
 
 
-def record(requests: int, tokens: int, spool: Path) -> float:
-    """Seconds of recorder work (engine thread + exporter thread) for ``requests`` requests."""
-    exporter = SpoolExporter(spool)
-    export_seconds = [0.0]
-    original = exporter.export
+def _thread_cpu(thread) -> float:
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
-    def timed_export(spans):
-        t = time.perf_counter()
-        try:
-            return original(spans)
-        finally:
-            export_seconds[0] += time.perf_counter() - t
 
-    exporter.export = timed_export
-    recorder = Recorder(Settings.from_env(), exporter=exporter)
-    rng = random.Random(1)
+def record(requests: int, tokens: int, spool: Path, seed: int) -> tuple[float, float]:
+    """CPU seconds of the engine thread and of the exporter thread for ``requests`` requests."""
+    recorder = Recorder(Settings.from_env(), exporter=SpoolExporter(spool))
+    worker = recorder.pipeline._worker
+    rng = random.Random(seed)
     prompt = [rng.randrange(32000) for _ in range(300)]
-    draws = [(rng.randrange(32000), rng.randrange(32000), rng.random(), -rng.random()) for _ in range(tokens)]
-    engine_seconds = 0.0
+    engine_cpu = 0.0
+    exporter_start = _thread_cpu(worker)
     for i in range(requests):
+        # Fresh draws per request, made outside the timed part: the engine computed them, not kvtrace.
+        draws = [(rng.randrange(32000), rng.randrange(32000), rng.random() * 8, -rng.random() * 3)
+                 for _ in range(tokens)]
         with correlate(run_id="bench", episode_id=f"ep{i // 8}", turn=i % 8):
-            t = time.perf_counter()
+            t = time.thread_time()
             rec = recorder.start_request("bench", model="m")
             rec.prompt_token_ids = prompt
             rec.prompt_tokens = len(prompt)
+            add = rec.add_token
             for chosen, runner, margin, logprob in draws:
-                rec.add_token(chosen, chosen, runner, margin, logprob)
+                add(chosen, chosen, runner, margin, logprob)
             recorder.finish(rec)
-            engine_seconds += time.perf_counter() - t
+            engine_cpu += time.thread_time() - t
         if len(recorder.pipeline._queue) > 1000:
             recorder.pipeline.force_flush()
     recorder.pipeline.force_flush()
+    exporter_cpu = _thread_cpu(worker) - exporter_start
     recorder.shutdown()
-    return engine_seconds + export_seconds[0], engine_seconds
+    return engine_cpu, exporter_cpu
+
+
+def ingest_round(spool: Path, db: Path) -> tuple[float, float, int, int]:
+    """Wall and process-CPU seconds to ingest ``spool`` into a fresh chDB until kvtrace_tokens counts it."""
+    client = connect(f"chdb://{db}")
+    init_schema(client)
+    wall, cpu = time.perf_counter(), time.process_time()
+    report = ingest_paths(client, [spool], quarantine_dir=db.parent / "quarantine")
+    rows = client.query("SELECT count() FROM kvtrace_tokens").result_rows[0][0]
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    client.close()
+    return wall, cpu, rows, report.spans
+
+
+def ceiling_round(rows: int, db: Path) -> tuple[float, float]:
+    """Wall and CPU seconds to insert ``rows`` typed token rows straight into a MergeTree like kvtrace_tokens."""
+    client = connect(f"chdb://{db}")
+    init_schema(client)
+    client.command("CREATE TABLE tokens_ceiling AS kvtrace_tokens")
+    columns = [c[0] for c in client.query("DESCRIBE TABLE kvtrace_tokens").result_rows]
+    rng = random.Random(7)
+    per_request = 100
+    requests = rows // per_request
+    now = time.time_ns()
+    data = {
+        "Timestamp": [now + (i // per_request) * 1000 for i in range(rows)],
+        "TraceId": [f"{i // per_request:032x}" for i in range(rows)],
+        "SpanId": [f"{i // per_request:016x}" for i in range(rows)],
+        "run_id": ["bench"] * rows,
+        "episode_id": [f"ep{(i // per_request) // 8}" for i in range(rows)],
+        "turn": [(i // per_request) % 8 for i in range(rows)],
+        "request_id": [f"{i // per_request:016x}" for i in range(rows)],
+        "engine": ["bench"] * rows, "weight_format": [""] * rows, "arm": [""] * rows,
+        "prompt_hash": ["e33e7d2e7f7a6443"] * rows, "cache_layer": ["none"] * rows, "reused_tokens": [0] * rows,
+        "position": [i % per_request for i in range(rows)],
+        "token_id": [rng.randrange(2**62) for _ in range(rows)],
+        "top1_id": [rng.randrange(2**62) for _ in range(rows)],
+        "runner_up_id": [rng.randrange(2**62) for _ in range(rows)],
+        "margin": [rng.random() * 8 for _ in range(rows)],
+        "logprob": [-rng.random() * 3 for _ in range(rows)],
+    }
+    assert requests and set(data) == set(columns)
+    wall, cpu = time.perf_counter(), time.process_time()
+    client.insert("tokens_ceiling", [data[c] for c in columns], column_names=columns, column_oriented=True)
+    assert client.query("SELECT count() FROM tokens_ceiling").result_rows[0][0] == rows
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    client.close()
+    return wall, cpu
+
+
+def _best_median(values: list[float], higher_is_better: bool = False) -> str:
+    best = max(values) if higher_is_better else min(values)
+    return f"best {best:,.2f}  median {statistics.median(values):,.2f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ingest-requests", type=int, default=10000,
+                        help="requests of --tokens tokens in the spool ingested (default: 1M token rows)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
     os.environ.setdefault("KVTRACE_CAPTURE", "hashed")
     os.environ.setdefault("XDG_DATA_HOME", str(work / "data"))
     try:
-        # Best of three alternating rounds: the per-token figure is a difference of two totals,
-        # so one noisy round on a shared machine would swamp it.
-        rounds = []
-        for i in range(3):
-            rounds.append((record(args.requests, 1, work / f"spool-1-{i}"),
-                           record(args.requests, args.tokens, work / ("spool-n" if i == 0 else f"spool-n-{i}"))))
-        (small_total, small_engine), _ = min(rounds, key=lambda r: r[0][0])
-        _, (big_total, big_engine) = min(rounds, key=lambda r: r[1][0])
-        per_token = (big_total - small_total) / (args.requests * (args.tokens - 1))
-        per_request = small_total / args.requests - per_token
-        engine_per_token = (big_engine - small_engine) / (args.requests * (args.tokens - 1))
-        print(f"recorder + spool, capture={os.environ['KVTRACE_CAPTURE']}:")
-        print(f"  per generated token : {per_token * 1e6:7.2f} us  (engine thread alone {engine_per_token * 1e6:.2f} us)")
-        print(f"  per request         : {per_request * 1e6:7.1f} us  (span with a 300-token prompt)")
+        per_token, engine_per_token, exporter_per_token, per_request = [], [], [], []
+        for i in range(args.rounds):
+            small = record(args.requests, 1, work / f"spool-1-{i}", seed=i)
+            big = record(args.requests, args.tokens, work / f"spool-n-{i}", seed=100 + i)
+            tokens = args.requests * (args.tokens - 1)
+            engine_per_token.append((big[0] - small[0]) / tokens * 1e6)
+            exporter_per_token.append((big[1] - small[1]) / tokens * 1e6)
+            per_token.append(engine_per_token[-1] + exporter_per_token[-1])
+            per_request.append(sum(small) / args.requests * 1e6 - per_token[-1])
+            shutil.rmtree(work / f"spool-1-{i}", ignore_errors=True)
+            shutil.rmtree(work / f"spool-n-{i}", ignore_errors=True)
+        print(f"recorder + spool, capture={os.environ['KVTRACE_CAPTURE']}, CPU time per thread, "
+              f"{args.rounds} rounds of {args.requests} requests:")
+        print(f"  per generated token (both threads) us : {_best_median(per_token)}")
+        print(f"    engine thread                     us : {_best_median(engine_per_token)}")
+        print(f"    exporter thread                   us : {_best_median(exporter_per_token)}")
+        print(f"  per request (300-token prompt)    us : {_best_median(per_request)}")
 
-        client = connect(f"chdb://{work / 'db'}")
-        init_schema(client)
-        t = time.perf_counter()
-        report = ingest_paths(client, [work / "spool-n"])
-        seconds = time.perf_counter() - t
-        rows = client.query("SELECT count() FROM kvtrace_tokens").result_rows[0][0]
-        size = sum(f.stat().st_size for f in (work / "spool-n").glob("*.jsonl"))
-        print(f"ingest into chDB: {report.spans} spans, {rows} token rows, {size / 1e6:.1f} MB of spool in {seconds:.2f} s")
-        print(f"  throughput          : {rows / seconds:,.0f} token-rows/s")
-        client.close()
+        spool = work / "spool-ingest"
+        record(args.ingest_requests, args.tokens, spool, seed=999)
+        size = sum(f.stat().st_size for f in spool.glob("*.jsonl"))
+        rates, cpu_rates, ceiling, ceiling_cpu = [], [], [], []
+        for i in range(args.rounds):
+            wall, cpu, rows, spans = ingest_round(spool, work / f"db-{i}")
+            rates.append(rows / wall)
+            cpu_rates.append(rows / cpu)
+            shutil.rmtree(work / f"db-{i}", ignore_errors=True)
+            c_wall, c_cpu = ceiling_round(rows, work / f"ceiling-{i}")
+            ceiling.append(rows / c_wall)
+            ceiling_cpu.append(rows / c_cpu)
+            shutil.rmtree(work / f"ceiling-{i}", ignore_errors=True)
+            print(f"  round {i + 1}: ingest {wall:.2f} s wall / {cpu:.2f} s CPU; ceiling {c_wall:.2f} s / "
+                  f"{c_cpu:.2f} s CPU")
+        print(f"ingest into chDB, spool → kvtrace_tokens queryable: {spans} spans, {rows:,} token rows, "
+              f"{size / 1e6:.1f} MB of spool ({size / rows:.0f} bytes/token)")
+        print(f"  token rows/s by wall time  : {_best_median(rates, higher_is_better=True)}")
+        print(f"  token rows/s by CPU time   : {_best_median(cpu_rates, higher_is_better=True)}")
+        print("chDB ceiling, typed rows straight into a MergeTree with kvtrace_tokens' columns:")
+        print(f"  token rows/s by wall time  : {_best_median(ceiling, higher_is_better=True)}")
+        print(f"  token rows/s by CPU time   : {_best_median(ceiling_cpu, higher_is_better=True)}")
+        print(f"  ingest / ceiling (medians) : wall {statistics.median(rates) / statistics.median(ceiling):.2f}, "
+              f"CPU {statistics.median(cpu_rates) / statistics.median(ceiling_cpu):.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

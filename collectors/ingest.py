@@ -26,6 +26,16 @@
   one line.  Everything stored until then is kept and the next pass goes on
   from there.
 
+* **Typed request arrays.**  ``otel_traces`` gets every span as the
+  Collector's exporter would write it.  Request spans whose per-token arrays
+  are plain numbers (always so in this version's spool, which packs them) also
+  go to ``kvtrace_request_arrays`` with the arrays typed, in the same pass; the
+  ``otel_traces`` insert names itself (``log_comment``) so the JSON view passes
+  them over.  ``otel_traces`` is written first: a stop in between leaves spans
+  whose view rows ``view_completion`` writes on the next pass, through the JSON
+  view, to the same values.  Databases on a cluster, or whose views predate
+  this, get the JSON view alone.
+
 Accepts kvtrace spool files and OTLP/JSON written by other tools (the
 Collector's file exporter: one request per line; or one request per file,
 pretty-printed).
@@ -45,13 +55,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from kvtrace.collectors.otlp_rows import COLUMNS, MalformedSpan, rows_from_request
+from kvtrace import semconv as sc
+from kvtrace.collectors.otlp_rows import COLUMNS, MalformedSpan, SpanRow, rows_from_request
+from kvtrace.collectors.schema import TYPED_INGEST_COMMENT, TYPED_REQUESTS_TABLE
 from kvtrace.collectors.view_completion import complete_views
 from kvtrace.config import default_spool_dir
 from kvtrace.errors import IngestStopped, UnreadableInput, UnusableInput
 from kvtrace.recording.exporters.spool import SPOOL_SUFFIX, spool_host, writer_of
+from kvtrace.recording.packed_arrays import PACKED_ARRAYS, TOKEN_ARRAYS
 
-CHUNK_BYTES = 8 * 1024 * 1024
+CHUNK_BYTES = 32 * 1024 * 1024
+"""Bytes read, parsed and inserted at a time: each insert fires the views once, so fewer is cheaper."""
 TABLE = "otel_traces"
 LOG_TABLE = "kvtrace_ingest_files"
 LOG_COLUMNS = ["file_key", "path", "offset", "lines", "spans", "quarantined", "complete", "updated"]
@@ -59,6 +73,15 @@ STORED_CHECK_BATCH = 4000
 """Span ids per already-stored query (they travel as one bound array parameter)."""
 
 _TIMESTAMP, _TRACE_ID, _SPAN_ID = COLUMNS.index("Timestamp"), COLUMNS.index("TraceId"), COLUMNS.index("SpanId")
+_SPAN_NAME = COLUMNS.index("SpanName")
+
+TYPED_COLUMNS = ["Timestamp", "TraceId", "SpanId", "ParentSpanId", "SpanName", "ServiceName", "SpanAttributes",
+                 "Duration", "StatusCode", *TOKEN_ARRAYS.values()]
+_FROM_OTEL_ROW = [COLUMNS.index(c) for c in TYPED_COLUMNS[:9]]
+_SPAN_ATTRIBUTES, _TYPED_ATTRIBUTES = COLUMNS.index("SpanAttributes"), TYPED_COLUMNS.index("SpanAttributes")
+_TYPED_VIEW_SQL = (
+    "SELECT name, engine, as_select FROM system.tables WHERE database = currentDatabase() "
+    "AND name IN ('kvtrace_requests', 'kvtrace_requests_mv', {typed:String})")
 
 STORED_SPANS_SQL = (
     f"SELECT TraceId, SpanId FROM {TABLE} "
@@ -135,7 +158,7 @@ class _Line:
 
     number: int
     text: bytes
-    rows: list[list]
+    rows: list[SpanRow]
 
 
 def find_files(paths: Iterable[Path]) -> list[Path]:
@@ -358,6 +381,7 @@ class Ingestor:
         self.quarantine = _Quarantine(quarantine_dir)
         self.progress = progress or (lambda message: None)
         self.log = IngestLog(client)
+        self.typed_requests = typed_requests_available(client)
 
     # --- one file ----------------------------------------------------------------------
 
@@ -549,7 +573,9 @@ class Ingestor:
             return
         try:
             with _quiet_serializer():
-                self.client.insert(TABLE, rows, column_names=COLUMNS)
+                self._insert_rows(path, rows, result)
+        except IngestStopped:
+            raise
         except Exception as exc:  # noqa: BLE001 - the client raises anything its serializers raise
             if database_refuses_writes(exc):
                 raise IngestStopped(f"the database stopped accepting spans: {first_line(exc)}") from None
@@ -565,6 +591,28 @@ class Ingestor:
             self._insert_lines(path, lines[middle:], result)
             return
         result.spans += len(rows)
+
+    def _insert_rows(self, path: Path, rows: list[SpanRow], result: FileResult) -> None:
+        """Store ``rows``: request spans with typed arrays through ``kvtrace_request_arrays``, the rest
+        through the views of ``otel_traces`` alone."""
+        typed = [row for row in rows if row.arrays is not None] if self.typed_requests else []
+        if not typed:
+            self.client.insert(TABLE, rows, column_names=COLUMNS)
+            return
+        left_to_view = [row for row in rows if row.arrays is None and row[_SPAN_NAME] == sc.SPAN_REQUEST]
+        marked = rows if not left_to_view else [row for row in rows if row.arrays is not None
+                                                 or row[_SPAN_NAME] != sc.SPAN_REQUEST]
+        self.client.insert(TABLE, marked, column_names=COLUMNS, settings={"log_comment": TYPED_INGEST_COMMENT})
+        try:
+            self.client.insert(TYPED_REQUESTS_TABLE, [_typed_row(row) for row in typed], column_names=TYPED_COLUMNS)
+        except Exception as exc:  # noqa: BLE001 - the spans are stored; their request rows come from the view
+            if database_refuses_writes(exc):
+                raise IngestStopped(f"the database stopped accepting spans: {first_line(exc)}") from None
+            complete_views(self.client, [row[_SPAN_ID] for row in typed])
+            result.messages.append(f"{path}: {len(typed)} request span(s) got their rows from the JSON view: the "
+                                   f"typed insert failed: {first_line(exc)}")
+        if left_to_view:
+            self.client.insert(TABLE, left_to_view, column_names=COLUMNS)
 
     def _drop_stored(self, path: Path, lines: list[_Line], result: FileResult) -> None:
         """Drop rows whose span is stored already, after making sure its view rows are there too."""
@@ -603,6 +651,30 @@ class Ingestor:
                 raise IngestStopped(f"the database could not say which spans it holds: {first_line(exc)}") from None
             stored.update(ident for ident in found if tuple(ident) in wanted)
         return {tuple(ident) for ident in stored}
+
+
+def _typed_row(row: SpanRow) -> list:
+    """The ``kvtrace_request_arrays`` row of a request span: its columns, the other attributes, the arrays."""
+    attributes = row[_SPAN_ATTRIBUTES]
+    out = [row[i] for i in _FROM_OTEL_ROW]
+    # The arrays travel typed; the view reads every other attribute as the JSON view does.
+    out[_TYPED_ATTRIBUTES] = {key: value for key, value in attributes.items() if key not in PACKED_ARRAYS}
+    arrays = row.arrays
+    out.extend([arrays.get(key, ()) for key in TOKEN_ARRAYS])
+    return out
+
+
+def typed_requests_available(client) -> bool:
+    """Whether request spans can go in typed: the table is there, the JSON view knows to pass them over
+    (a database whose views predate this keeps the JSON view alone), and no Distributed table is in
+    between (a forwarded insert need not carry its ``log_comment`` to the shards)."""
+    try:
+        found = {name: (engine, select) for name, engine, select in client.query(
+            _TYPED_VIEW_SQL, parameters={"typed": TYPED_REQUESTS_TABLE}).result_rows}
+    except Exception:  # noqa: BLE001 - then the view path, which needs nothing of this
+        return False
+    return (TYPED_REQUESTS_TABLE in found and found.get("kvtrace_requests", ("",))[0] != "Distributed"
+            and TYPED_INGEST_COMMENT in found.get("kvtrace_requests_mv", ("", ""))[1])
 
 
 def ingest_paths(client, paths: Iterable[Path], quarantine_dir: Optional[Path] = None,

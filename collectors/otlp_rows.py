@@ -4,6 +4,15 @@ Values are stringified the way the OpenTelemetry Collector's ClickHouse
 exporter does it (``pcommon.Value.AsString``): numbers as text, booleans as
 ``true``/``false``, arrays and maps as JSON, bytes as base64.  Doubles use the
 shortest round-trip form, so float margins survive bit-exact.
+
+kvtrace's per-token arrays arrive either as standard arrays (a Collector's
+file, a spool of an older kvtrace) or packed (``kvtrace/recording/packed_arrays.py``,
+the spool of this version); both become the same JSON text in ``otel_traces``.
+Each row of a ``kvtrace.request`` span also carries the arrays as numbers
+(``SpanRow.arrays``), so ingest can insert them typed instead of having the
+view parse that text again; ``None`` when any of them is not a plain array of
+finite numbers of its type (such a span is left to the view, which decides what
+it makes of it).
 """
 
 from __future__ import annotations
@@ -13,8 +22,10 @@ import binascii
 import json
 import math
 from decimal import Decimal
-from typing import Any
+from typing import Any, Optional
 
+from kvtrace import semconv as sc
+from kvtrace.recording.packed_arrays import FLOAT64, INT64, PACKED_ARRAYS, TOKEN_ARRAYS, unpack
 from kvtrace.timestamps import ImplausibleTime, unix_nanos
 
 COLUMNS = [
@@ -32,6 +43,17 @@ STATUS_CODES = ("STATUS_CODE_UNSET", "STATUS_CODE_OK", "STATUS_CODE_ERROR")
 
 class MalformedSpan(ValueError):
     """A line that is JSON but not an OTLP trace request kvtrace can store."""
+
+
+class SpanRow(list):
+    """One ``otel_traces`` row (values in ``COLUMNS`` order) and, for a request span whose per-token
+    arrays are plain numbers, those arrays by attribute key (``TOKEN_ARRAYS``; a missing one is empty)."""
+
+    __slots__ = ("arrays",)
+
+    def __init__(self, values, arrays: Optional[dict[str, list]] = None):
+        super().__init__(values)
+        self.arrays = arrays
 
 
 def format_double(value: float) -> str:
@@ -158,8 +180,86 @@ def _array_json(values: list) -> str:
         return "[" + ",".join(map(str, numbers)) + "]"
     if isinstance(first, dict) and "doubleValue" in first and all(
             [type(v.get("doubleValue")) is float for v in values]):
-        return "[" + ",".join([format_double(v["doubleValue"]) for v in values]) + "]"
+        return _doubles_json([v["doubleValue"] for v in values])
     return json.dumps([_raw(v) for v in values], separators=(",", ":"), ensure_ascii=False)
+
+
+def _doubles_json(values: list[float]) -> str:
+    """``[format_double(v), …]`` as one JSON array, formatted in C where no element needs more than repr."""
+    text = ",".join(map(repr, values))
+    if "e" in text or "n" in text:  # an exponent, nan or inf: Go spells those its own way
+        return "[" + ",".join(map(format_double, values)) + "]"
+    # Without an exponent, Go's form is repr's minus a trailing ".0".
+    return "[" + (text + ",").replace(".0,", ",")[:-1] + "]"
+
+
+def _number_array(value: Any, typecode: str) -> tuple[str, Optional[list]]:
+    """A per-token array attribute: the JSON text the Collector stores, and its elements as Python
+    numbers when they are plain finite numbers of ``typecode`` (else ``None``: the view decides)."""
+    value = _object(value, "attribute value")
+    if "bytesValue" in value:
+        data = _text(value["bytesValue"], "bytesValue")
+        try:
+            elements = unpack(base64.b64decode(data, validate=True), typecode).tolist()
+        except (binascii.Error, ValueError):
+            raise MalformedSpan(f"packed array {data[:40]!r} is not base64 of whole 8-byte numbers") from None
+        if typecode == INT64:
+            return "[" + ",".join(map(str, elements)) + "]", elements
+        text = ",".join(map(repr, elements))
+        if "n" in text:  # nan or inf: the text the standard encoding of the same doubles becomes
+            return _array_json([{"doubleValue": _non_finite(v)} for v in elements]), None
+        json_text = _doubles_json(elements) if "e" in text else "[" + (text + ",").replace(".0,", ",")[:-1] + "]"
+        return json_text, _as_parsed(elements)
+    if "arrayValue" not in value:
+        return value_as_string(value), None
+    values = _array_values(value)
+    text = _array_json(values)
+    if not values:
+        return text, []
+    if typecode == INT64:
+        if all([type(v) is dict and "intValue" in v for v in values]):
+            return text, [int(v["intValue"]) for v in values]
+        return text, None
+    if typecode == FLOAT64 and all([type(v) is dict and type(v.get("doubleValue")) is float for v in values]):
+        doubles = [v["doubleValue"] for v in values]
+        if all(map(math.isfinite, doubles)):
+            return text, _as_parsed(doubles)
+    return text, None
+
+
+def _as_parsed(doubles: list[float]) -> list[float]:
+    """The doubles as ClickHouse reads them back from their JSON text: a negative zero, written "-0", reads
+    as 0 (the view's JSONExtract), so the typed path gives 0 too."""
+    if 0.0 in doubles:  # either zero (== compares them equal); one scan in C
+        return [v + 0.0 for v in doubles]  # -0.0 + 0.0 is 0.0; every other double is unchanged
+    return doubles
+
+
+def _non_finite(value: float) -> Any:
+    """A double as the standard OTLP/JSON encoding carries it (proto3 JSON spells non-finite ones as text)."""
+    if math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+
+
+def span_attributes(attributes: Any) -> tuple[dict[str, str], Optional[dict[str, list]]]:
+    """A span's attributes as ``attributes_map`` gives them, and its per-token arrays as numbers
+    (``None`` when any of them is not plain numbers)."""
+    out: dict[str, str] = {}
+    arrays: Optional[dict[str, list]] = {}
+    for kv in _list(attributes, "attributes"):
+        key = _key(kv)
+        typecode = PACKED_ARRAYS.get(key)
+        if typecode is None:
+            out[key] = value_as_string(kv.get("value"))
+            continue
+        out[key], elements = _number_array(kv.get("value"), typecode)
+        if key in TOKEN_ARRAYS and arrays is not None:
+            if elements is None:
+                arrays = None
+            else:
+                arrays[key] = elements
+    return out, arrays
 
 
 def value_as_string(value: Any) -> str:
@@ -224,7 +324,7 @@ def _nanos(value: Any, what: str) -> int:
         raise MalformedSpan(str(exc)) from None
 
 
-def rows_from_request(request: Any) -> list[list]:
+def rows_from_request(request: Any) -> list[SpanRow]:
     """One ``otel_traces`` row (values in ``COLUMNS`` order) per span of an export request.
 
     Anything that does not fit the table (a wrong shape or type, an id that is not 8/16 bytes, an
@@ -263,19 +363,21 @@ def _span_row(span: dict, service: str, resource_attrs: dict, scope_name: str, s
     events = [_object(e, "events[]") for e in _list(span.get("events"), "events")]
     links = [_object(link, "links[]") for link in _list(span.get("links"), "links")]
     status = _object(span.get("status"), "status")
-    return [
+    name = _text(span.get("name"), "name")
+    attributes, arrays = span_attributes(span.get("attributes"))
+    return SpanRow([
         start,
         _hex_id(span.get("traceId"), 16, "traceId"),
         _hex_id(span.get("spanId"), 8, "spanId"),
         _hex_id(span.get("parentSpanId"), 8, "parentSpanId"),
         _text(span.get("traceState"), "traceState"),
-        _text(span.get("name"), "name"),
+        name,
         _enum(span.get("kind"), SPAN_KINDS),
         service,
         resource_attrs,
         scope_name,
         scope_version,
-        attributes_map(span.get("attributes")),
+        attributes,
         max(0, end - start),
         _enum(status.get("code"), STATUS_CODES),
         _text(status.get("message"), "status.message"),
@@ -286,4 +388,4 @@ def _span_row(span: dict, service: str, resource_attrs: dict, scope_name: str, s
         [_hex_id(link.get("spanId"), 8, "links[].spanId") for link in links],
         [_text(link.get("traceState"), "links[].traceState") for link in links],
         [attributes_map(link.get("attributes"), "links[].attributes") for link in links],
-    ]
+    ], arrays if name == sc.SPAN_REQUEST else None)

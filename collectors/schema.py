@@ -46,7 +46,13 @@ from kvtrace.errors import SchemaUpgradeFailed
 TABLES = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens",
           "kvtrace_cache_events", "kvtrace_ingest_files")
 VERSIONS_TABLE = "kvtrace_schema_migrations"
-VIEWS = ("otel_traces_trace_id_ts_mv", "kvtrace_requests_mv", "kvtrace_tokens_mv", "kvtrace_cache_events_mv")
+VIEWS = ("otel_traces_trace_id_ts_mv", "kvtrace_requests_mv", "kvtrace_tokens_mv", "kvtrace_cache_events_mv",
+         "kvtrace_request_arrays_mv")
+TYPED_REQUESTS_TABLE = "kvtrace_request_arrays"
+"""Null table through which ingest inserts request spans with typed per-token arrays (never holds rows)."""
+TYPED_INGEST_COMMENT = "kvtrace typed ingest"
+"""``log_comment`` of an ``otel_traces`` insert whose request spans go to ``TYPED_REQUESTS_TABLE`` as well:
+the JSON view passes them over."""
 # Tables that get a Distributed table in front of them in cluster mode.
 DISTRIBUTED = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
 # The table whose presence says a database has a kvtrace schema at all.
@@ -123,10 +129,13 @@ def _variables(database: str, cluster: str | None) -> dict[str, str]:
         variables["engine"] = "MergeTree()"
         variables["replacing_engine"] = "ReplacingMergeTree(updated)"
         variables["versions_engine"] = "MergeTree()"
-    for table in TABLES + (VERSIONS_TABLE,):
+    for table in TABLES + (VERSIONS_TABLE, TYPED_REQUESTS_TABLE):
         variables[table] = f"`{table}_local`" if cluster and table in DISTRIBUTED else f"`{table}`"
     for view in VIEWS:
         variables[view] = f"`{view}`"
+    variables["typed_ingest_comment"] = TYPED_INGEST_COMMENT
+    shared = (resources.files("kvtrace.collectors") / "sql" / "request_columns.sql").read_text()
+    variables["kvtrace_request_columns"] = "\n".join(split_statements(Template(shared).substitute(variables)))
     return variables
 
 
@@ -237,7 +246,7 @@ def init_schema(client, database: str | None = None, cluster: str | None = None)
     for migration in to_apply:
         execute(f"migration {migration.label}", render_migration(migration, database, cluster))
     execute("creating the current schema", render_ddl(database, cluster))
-    if to_apply:
+    if to_apply or (before and _requests_view_lags(client, database)):
         execute("pointing the views at their current SELECT", render_view_queries(database, cluster))
         if cluster:
             execute("adding the new columns to the Distributed tables",
@@ -250,6 +259,14 @@ def init_schema(client, database: str | None = None, cluster: str | None = None)
             raise SchemaUpgradeFailed(f"database {database!r} has the schema of version {everything[-1].version} "
                                       f"but recording it failed: {_first_line(exc)}") from None
     return SchemaChange(before, everything[-1].version, tuple(m.label for m in to_apply))
+
+
+def _requests_view_lags(client, database: str) -> bool:
+    """Whether the JSON request view predates typed ingest (a database made at this version before the
+    view learnt to pass typed spans over: no new column, so no migration; ``db init`` re-points it)."""
+    rows = client.query("SELECT as_select FROM system.tables WHERE database = {db:String} AND name = {view:String}",
+                        parameters={"db": database, "view": "kvtrace_requests_mv"}).result_rows
+    return bool(rows) and TYPED_INGEST_COMMENT not in rows[0][0]
 
 
 def distributed_column_additions(client, database: str, cluster: str) -> list[str]:

@@ -49,6 +49,8 @@ COMMANDS: dict[str, Command] = {
     "experiment": Command("kvtrace.commands.experiment", "measure how often cache arms fork a multi-turn workload"),
     "replay": Command("kvtrace.commands.replay",
                       "re-execute a run's episode on its recorded cache paths; prove a fork's cause"),
+    "advise": Command("kvtrace.commands.advise",
+                      "find the cheapest llama.cpp setting under which caching forks nothing"),
     "demo": Command("kvtrace.commands.demo", "generate a test model, make two cache arms fork, and explain one fork"),
     "alert": Command("kvtrace.commands.alert", "evaluate alert rules on margin shift, divergence and near ties"),
     "probe": Command("kvtrace.commands.probe",

@@ -77,6 +77,9 @@ def add_arguments(p) -> None:
     p.add_argument("--flash-attn", type=_list, default=("off",), metavar="off,on", help="flash attention (default off)")
     p.add_argument("--kv-type", type=_list, default=("f16",), metavar="f16,q8_0,f32",
                    help="KV cache type for K and V (q8_0 needs --flash-attn on; default f16)")
+    p.add_argument("--weight-repack", type=_list, default=("off",), metavar="off,on",
+                   help="llama.cpp's extra-buffer weight repack (default off; on crashes quantized models on "
+                        "AMX CPUs, llama.cpp #20824)")
     p.add_argument("--cache-ram", type=_bytes_list, default=(DEFAULT_CACHE_RAM,), metavar="BYTES[,BYTES...]",
                    help="capacity of the prompt-cache / disk-cache arms, every byte of a stored state counted, "
                         "e.g. 0,256MiB,1GiB (default 1GiB)")
@@ -99,7 +102,8 @@ def plan_from_args(args) -> Plan:
                     tokens=args.tokens, repeats=args.repeats, orders=args.orders, seed=args.seed,
                     prefix=args.prefix or f"exp-{args.seed}-{time.strftime('%Y%m%dT%H%M%S')}",
                     n_ctx=args.n_ctx, n_threads=args.threads, n_batch=args.n_batch, n_ubatch=args.n_ubatch,
-                    flash_attn=args.flash_attn, kv_type=args.kv_type, cache_ram=args.cache_ram,
+                    flash_attn=args.flash_attn, kv_type=args.kv_type,
+                    weight_repack=args.weight_repack, cache_ram=args.cache_ram,
                     conversation=args.conversation, schedule=args.schedule)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import selectors
 import signal
 import subprocess
@@ -86,6 +87,33 @@ def progress_message(text: str, result: PassResult) -> str:
 
 def result_message(result: PassResult) -> str:
     return json.dumps({"result": asdict(result)})
+
+
+def serve_child(argv: list[str], result, job: Callable[[str, Callable[[str], None]], None],
+                finish: Callable[[], None] = lambda: None) -> int:
+    """The child's side of ``run_child``, for any engine job: ``argv`` is ``FD ARGUMENT``;
+    ``job(argument, progress)`` fills ``result`` (a dataclass with ``requests``, ``turns``,
+    ``interrupted`` and ``peak_rss_bytes``, like ``PassResult``) and calls ``progress`` before each
+    step. Ctrl-C stops the job and still reports; ``finish`` runs before the result is written (a
+    result in the parent's hands means everything the job recorded is flushed). The exit status."""
+    fd, argument = argv
+    report = os.fdopen(int(fd), "w", buffering=1)
+
+    def progress(text: str) -> None:
+        report.write(progress_message(text, result) + "\n")
+
+    try:
+        job(argument, progress)
+    except KeyboardInterrupt:
+        result.interrupted = True
+    except BrokenPipeError:
+        return 1  # the parent is gone: nobody waits for this job (what it recorded is still flushed)
+    finally:
+        finish()
+    result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    report.write(result_message(result) + "\n")
+    report.close()
+    return 0
 
 
 def run_isolated(spec: PassSpec, timeout: float = DEFAULT_PASS_TIMEOUT,

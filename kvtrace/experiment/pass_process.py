@@ -8,41 +8,26 @@ complete. Ctrl-C (forwarded by the parent) stops between requests, as an in-proc
 
 from __future__ import annotations
 
-import os
-import resource
 import sys
 from typing import Optional
 
-from kvtrace.experiment.isolation import PassResult, PassSpec, progress_message, result_message
+from kvtrace.experiment.isolation import PassResult, PassSpec, serve_child
 from kvtrace.experiment.runner import run_pass
 from kvtrace.patches import llama_cpp as llama_patch
 from kvtrace.recording.recorder import get_recorder
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    fd, spec_json = sys.argv[1:] if argv is None else argv
-    report = os.fdopen(int(fd), "w", buffering=1)
-    spec = PassSpec.from_json(spec_json)
     llama_patch.patch()
     recorder = get_recorder()
     result = PassResult()
 
-    def progress(text: str) -> None:
-        report.write(progress_message(text, result) + "\n")
-
-    try:
+    def job(spec_json: str, progress) -> None:
+        spec = PassSpec.from_json(spec_json)
         run_pass(spec.plan, spec.model, spec.key, spec.run_id, result, progress)
-    except KeyboardInterrupt:
-        result.interrupted = True
-    except BrokenPipeError:
-        return 1  # the parent is gone: nobody waits for this pass (what it recorded is still flushed)
-    finally:
-        if recorder is not None:
-            recorder.shutdown()
-    result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    report.write(result_message(result) + "\n")
-    report.close()
-    return 0
+
+    return serve_child(sys.argv[1:] if argv is None else argv, result, job,
+                       finish=recorder.shutdown if recorder is not None else lambda: None)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ episode, then turn t+1 of every episode, as one server serving several agents on
 
 KV_TYPES = ("f16", "q8_0", "f32")
 FLASH_ATTN = ("off", "on")
+WEIGHT_REPACK = ("off", "on")
+"""off: kvtrace's way of loading (``load_llama``); on: llama.cpp's default extra-buffer repack, which
+crashes quantized models on AMX CPUs (llama.cpp #20824) — a pass that dies is reported as such."""
 
 DEFAULT_CACHE_RAM = 1 << 30
 """Bytes the prompt cache may hold when ``--cache-ram`` is not given."""
@@ -79,11 +82,14 @@ class EngineSettings:
     n_ubatch: int = 256
     flash_attn: str = "off"
     kv_type: str = "f16"
+    weight_repack: str = "off"
 
     @property
     def label(self) -> str:
-        """Its part of the run id, e.g. ``b256.ub1.fa-off.kv-f16``."""
-        return f"b{self.n_batch}.ub{self.n_ubatch}.fa-{self.flash_attn}.kv-{self.kv_type}"
+        """Its part of the run id, e.g. ``b256.ub1.fa-off.kv-f16`` (``.repack-on`` only when on, so the
+        ids of runs made with kvtrace's usual repack-off load keep their spelling)."""
+        repack = ".repack-on" if self.weight_repack == "on" else ""
+        return f"b{self.n_batch}.ub{self.n_ubatch}.fa-{self.flash_attn}.kv-{self.kv_type}{repack}"
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,7 @@ class Plan:
     n_ubatch: tuple[int, ...] = (256,)
     flash_attn: tuple[str, ...] = ("off",)
     kv_type: tuple[str, ...] = ("f16",)
+    weight_repack: tuple[str, ...] = ("off",)
     cache_ram: tuple[int, ...] = (DEFAULT_CACHE_RAM,)
     conversation: str = "text"
     schedule: str = "sequential"
@@ -129,6 +136,7 @@ class Plan:
                                       (self.orders, ORDERS, "order"),
                                       (self.flash_attn, FLASH_ATTN, "--flash-attn value"),
                                       (self.kv_type, KV_TYPES, "--kv-type"),
+                                      (self.weight_repack, WEIGHT_REPACK, "--weight-repack value"),
                                       ((self.conversation,), CONVERSATIONS, "--conversation"),
                                       ((self.schedule,), SCHEDULES, "--schedule")):
             for value in values:
@@ -136,7 +144,8 @@ class Plan:
                     raise ValueError(f"unknown {what} {value!r}; choose from {', '.join(allowed)}")
         if min(self.episodes, self.turns, self.tokens, self.repeats, self.n_ctx, self.n_threads) < 1:
             raise ValueError("episodes, turns, tokens, repeats, n_ctx and threads must be at least 1")
-        for name in ("formats", "arms", "orders", "n_batch", "n_ubatch", "flash_attn", "kv_type", "cache_ram"):
+        for name in ("formats", "arms", "orders", "n_batch", "n_ubatch", "flash_attn", "kv_type", "weight_repack",
+                     "cache_ram"):
             if not getattr(self, name):
                 raise ValueError(f"{name.replace('_', '-')}: give at least one value")
         if min(self.n_batch + self.n_ubatch) < 1 or min(self.cache_ram) < 0:
@@ -151,8 +160,8 @@ class Plan:
 
     def engine_settings(self) -> list[EngineSettings]:
         """Every combination of the engine knobs, in the order passes run them."""
-        return [EngineSettings(b, ub, fa, kv) for b, ub, fa, kv in
-                itertools.product(self.n_batch, self.n_ubatch, self.flash_attn, self.kv_type)]
+        return [EngineSettings(b, ub, fa, kv, repack) for b, ub, fa, kv, repack in
+                itertools.product(self.n_batch, self.n_ubatch, self.flash_attn, self.kv_type, self.weight_repack)]
 
     @property
     def engine(self) -> EngineSettings:
@@ -165,6 +174,7 @@ class Plan:
         s = key.settings
         return replace(self, formats=(key.format,), arms=(key.arm,), orders=(key.order,), repeats=1,
                        n_batch=(s.n_batch,), n_ubatch=(s.n_ubatch,), flash_attn=(s.flash_attn,), kv_type=(s.kv_type,),
+                       weight_repack=(s.weight_repack,),
                        cache_ram=(key.cache_ram,) if key.cache_ram is not None else self.cache_ram[:1])
 
     def passes(self) -> Iterator[PassKey]:

@@ -30,7 +30,7 @@ def settings_label(numerics_settings: str) -> str:
     try:
         n = json.loads(numerics_settings)
         return EngineSettings(int(n["n_batch"]), int(n["n_ubatch"]), "on" if n["flash_attn"] == "enabled" else "off",
-                              str(n["type_k"])).label
+                              str(n["type_k"]), "on" if n.get("weight_repack") else "off").label
     except (ValueError, KeyError, TypeError):
         return numerics_settings or "-"
 

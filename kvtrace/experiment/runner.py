@@ -52,7 +52,7 @@ class PassFailure:
                 f"{k.repeat}, order {k.order}) after {self.requests} finished request(s); {kept}; to "
                 f"reproduce, run that pass alone (kvtrace experiment ... --formats {k.format} --arms {k.arm} "
                 f"--n-batch {s.n_batch} --n-ubatch {s.n_ubatch} --flash-attn {s.flash_attn} --kv-type "
-                f"{s.kv_type}{cache}); {engine_crash_hint()}")
+                f"{s.kv_type} --weight-repack {s.weight_repack}{cache}); {engine_crash_hint()}")
 
 
 @dataclass
@@ -81,8 +81,9 @@ def open_llama(model: Path, plan: Plan):
     settings = plan.engine  # a pass's plan holds one engine setting (Plan.for_pass)
     kv_type = _GGML_KV_TYPES[settings.kv_type]
     # Threads pinned explicitly: the machine is shared, and steadier timing keeps runs comparable.
-    # load_llama: the weight repack off on every CPU (same kernels everywhere; no AMX crash).
-    return load_llama(model, n_ctx=plan.n_ctx, n_batch=settings.n_batch, n_ubatch=settings.n_ubatch,
+    # load_llama: the weight repack off on every CPU (same kernels everywhere; no AMX crash) unless a
+    # pass asks for llama.cpp's default on purpose (its own process: a crash ends only that pass).
+    return load_llama(model, weight_repack=settings.weight_repack == "on", n_ctx=plan.n_ctx, n_batch=settings.n_batch, n_ubatch=settings.n_ubatch,
                       flash_attn=settings.flash_attn == "on", type_k=kv_type, type_v=kv_type, n_threads=plan.n_threads,
                       n_threads_batch=plan.n_threads, seed=plan.seed, verbose=False)
 

@@ -36,7 +36,7 @@ class ClickHouseSpanExporter(SpanExporter):
         """Insert ``spans``; raises when the server is unreachable, slow or refuses them."""
         if not spans:
             return SpanExportResult.SUCCESS
-        rows = list(rows_from_request(json.loads(encode_request(spans))))
+        rows = list(rows_from_request(json.loads(encode_request(spans, packed=True))))
         try:
             self._connect().insert("otel_traces", rows, column_names=COLUMNS)
         except Exception:

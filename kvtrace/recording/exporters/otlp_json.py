@@ -4,6 +4,10 @@ This is the encoding the OpenTelemetry Collector's file exporter writes and
 its OTLP/JSON receivers read: lowercase hex trace/span ids, 64-bit integers as
 decimal strings, enums as integers.  Written by hand because the generic
 protobuf → JSON path is ~2.5 ms per span and writes ids as base64.
+
+``packed=True`` (the spool, and the ClickHouse exporter that decodes in-process) writes kvtrace's
+per-token arrays as packed ``bytesValue`` (``kvtrace/recording/packed_arrays.py``) instead of one
+value object per element.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import math
 from typing import Any, Iterable, Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
+
+from kvtrace.recording.packed_arrays import PACKED_ARRAYS, pack
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 
@@ -65,7 +71,22 @@ def encode_attributes(attributes: Any) -> str:
     )
 
 
-def _encode_span(span: ReadableSpan) -> str:
+def _encode_packed_attributes(attributes: Any) -> str:
+    """Like ``encode_attributes``, with the arrays of ``PACKED_ARRAYS`` packed (when they fit their type)."""
+    if not attributes:
+        return "[]"
+    parts = []
+    for key, value in attributes.items():
+        typecode = PACKED_ARRAYS.get(key)
+        packed = pack(value, typecode) if typecode is not None and isinstance(value, (list, tuple)) else None
+        if packed is None:
+            parts.append('{"key":%s,"value":%s}' % (_dumps(key), encode_value(value)))
+        else:
+            parts.append('{"key":"%s","value":{"bytesValue":"%s"}}' % (key, base64.b64encode(packed).decode()))
+    return "[%s]" % ",".join(parts)
+
+
+def _encode_span(span: ReadableSpan, packed: bool) -> str:
     ctx = span.context
     parts = [
         '"traceId":"%032x"' % ctx.trace_id,
@@ -79,7 +100,7 @@ def _encode_span(span: ReadableSpan) -> str:
     parts.append('"kind":%d' % (span.kind.value + 1))  # SDK INTERNAL=0 → OTLP SPAN_KIND_INTERNAL=1
     parts.append('"startTimeUnixNano":"%d"' % span.start_time)
     parts.append('"endTimeUnixNano":"%d"' % (span.end_time or span.start_time))
-    parts.append('"attributes":%s' % encode_attributes(span.attributes))
+    parts.append('"attributes":%s' % (_encode_packed_attributes if packed else encode_attributes)(span.attributes))
     if span.events:
         parts.append(
             '"events":[%s]'
@@ -111,13 +132,17 @@ def _encode_span(span: ReadableSpan) -> str:
     return "{%s}" % ",".join(parts)
 
 
-def encode_request(spans: Iterable[ReadableSpan]) -> str:
-    """All spans as one ``ExportTraceServiceRequest`` JSON line (no newline), grouped by resource and scope."""
+def encode_request(spans: Iterable[ReadableSpan], packed: bool = False) -> str:
+    """All spans as one ``ExportTraceServiceRequest`` JSON line (no newline), grouped by resource and scope.
+
+    ``packed``: kvtrace's per-token arrays as packed ``bytesValue`` (the spool's form); otherwise every
+    array is a standard ``arrayValue``, as any OTLP consumer reads it.
+    """
     resources: dict[int, tuple[Any, dict[int, tuple[Any, list[str]]]]] = {}
     for span in spans:
         _, scopes = resources.setdefault(id(span.resource), (span.resource, {}))
         scope = span.instrumentation_scope
-        scopes.setdefault(id(scope), (scope, []))[1].append(_encode_span(span))
+        scopes.setdefault(id(scope), (scope, []))[1].append(_encode_span(span, packed))
     return '{"resourceSpans":[%s]}' % ",".join(
         '{"resource":{"attributes":%s},"scopeSpans":[%s]}' % (
             encode_attributes(resource.attributes),

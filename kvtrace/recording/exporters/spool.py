@@ -13,6 +13,9 @@ back to the end of the previous line, so the file never holds a torn record
 followed by good ones; when even that fails the file is left and the next
 line starts a new one.  A reader may therefore take any file up to its last
 newline at any time.  A process that forks starts new files in the child.
+
+Lines are OTLP/JSON with kvtrace's per-token arrays packed (``kvtrace/recording/packed_arrays.py``):
+one base64 ``bytesValue`` per array instead of one value object per token.
 """
 
 from __future__ import annotations
@@ -139,7 +142,7 @@ class SpoolExporter(SpanExporter):
         if not spans:
             return Delivery.SPOOLED
         try:
-            self.writer.write_line(encode_request(spans), timeout)
+            self.writer.write_line(encode_request(spans, packed=True), timeout)
         except Exception as exc:  # a full or read-only disk: counted, never raised into the host
             self._health.failed(first_line(exc), "those spans are counted as lost")
             return Delivery.LOST
