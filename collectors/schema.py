@@ -246,7 +246,7 @@ def init_schema(client, database: str | None = None, cluster: str | None = None)
     for migration in to_apply:
         execute(f"migration {migration.label}", render_migration(migration, database, cluster))
     execute("creating the current schema", render_ddl(database, cluster))
-    if to_apply or (before and _requests_view_lags(client, database)):
+    if to_apply:
         execute("pointing the views at their current SELECT", render_view_queries(database, cluster))
         if cluster:
             execute("adding the new columns to the Distributed tables",
@@ -259,14 +259,6 @@ def init_schema(client, database: str | None = None, cluster: str | None = None)
             raise SchemaUpgradeFailed(f"database {database!r} has the schema of version {everything[-1].version} "
                                       f"but recording it failed: {_first_line(exc)}") from None
     return SchemaChange(before, everything[-1].version, tuple(m.label for m in to_apply))
-
-
-def _requests_view_lags(client, database: str) -> bool:
-    """Whether the JSON request view predates typed ingest (a database made at this version before the
-    view learnt to pass typed spans over: no new column, so no migration; ``db init`` re-points it)."""
-    rows = client.query("SELECT as_select FROM system.tables WHERE database = {db:String} AND name = {view:String}",
-                        parameters={"db": database, "view": "kvtrace_requests_mv"}).result_rows
-    return bool(rows) and TYPED_INGEST_COMMENT not in rows[0][0]
 
 
 def distributed_column_additions(client, database: str, cluster: str) -> list[str]:

@@ -138,24 +138,24 @@ def test_a_first_release_database_is_upgraded_on_open_and_keeps_its_runs(kvtrace
     client.close()
 
     assert main(["-q", "db", "status", "--format", "json"]) == 0
-    assert json.loads(capsys.readouterr().out)["schema_version"] == schema.latest_version() == 2
+    assert json.loads(capsys.readouterr().out)["schema_version"] == schema.latest_version() == 3
     assert main(["db", "init"]) == 0
-    assert "schema version 2, nothing to upgrade" in capsys.readouterr().out
+    assert "schema version 3, nothing to upgrade" in capsys.readouterr().out
     client = open_db()
-    assert client.query("SELECT count() FROM kvtrace_schema_migrations").result_rows == [(2,)]
+    assert client.query("SELECT count() FROM kvtrace_schema_migrations").result_rows == [(3,)]
 
 
 def test_an_upgraded_database_has_exactly_the_schema_of_a_new_one(open_db):
     upgraded = open_db("upgraded", first_release=True)
     change = schema.init_schema(upgraded)
-    assert (change.version_before, change.version, change.applied) == (1, 2, ("0002_outside_recording_sources",))
+    assert (change.version_before, change.version, change.applied) == (1, 3, ("0002_outside_recording_sources", "0003_typed_request_arrays"))
     upgraded_shape = schema_shape(upgraded)
     upgraded.close()
 
     new = open_db("new")
     change = schema.init_schema(new)
-    assert (change.version_before, change.version, change.applied) == (0, 2, ())
-    assert schema.schema_version(new) == 2
+    assert (change.version_before, change.version, change.applied) == (0, 3, ())
+    assert schema.schema_version(new) == 3
     assert schema_shape(new) == upgraded_shape
     assert any(column[1] == "reused_tokens_source" for column in upgraded_shape["columns"])
 
@@ -166,11 +166,12 @@ def test_an_interrupted_upgrade_is_finished_by_the_next_open_and_a_double_record
     for statement in schema.render_migration(schema.migrations()[1]):
         client.command(statement)
     assert schema.schema_version(client) == 1
-    assert schema.init_schema(client).applied == ("0002_outside_recording_sources",)  # runs it again, harmlessly
+    assert schema.init_schema(client).applied == ("0002_outside_recording_sources",  # runs it again, harmlessly
+                                                  "0003_typed_request_arrays")
     # ... then it records the versions as well: the same versions twice.
-    client.insert(schema.VERSIONS_TABLE, [[1, "baseline"], [2, "outside_recording_sources"]],
-                  column_names=["version", "name"])
-    assert schema.schema_version(client) == 2
+    client.insert(schema.VERSIONS_TABLE, [[1, "baseline"], [2, "outside_recording_sources"],
+                                          [3, "typed_request_arrays"]], column_names=["version", "name"])
+    assert schema.schema_version(client) == 3
     assert schema.init_schema(client).applied == ()
     columns = [row[0] for row in client.query("DESCRIBE TABLE kvtrace_requests").result_rows]
     assert [c for c in columns if c.endswith("_source")] == ["prompt_hash_source", "reused_tokens_source",
@@ -187,7 +188,7 @@ def test_a_failed_migration_says_which_and_records_nothing(open_db, capsys):
     client.close()
     assert main(["-q", "runs"]) == 1
     err = capsys.readouterr().err
-    assert "from schema version 1 to 2: migration 0002_outside_recording_sources failed" in err
+    assert "from schema version 1 to 3: migration 0002_outside_recording_sources failed" in err
     assert "Traceback" not in err
     assert schema.schema_version(open_db()) == 1
 

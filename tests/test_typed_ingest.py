@@ -190,13 +190,14 @@ def test_a_packed_array_that_does_not_unpack_is_quarantined_with_its_line(spool_
     assert any(f"{path}:1:" in m and reason in m for m in report.messages)
 
 
-def test_a_database_made_before_typed_ingest_uses_the_json_view_until_db_init_points_it_further(
+def test_a_database_made_before_typed_ingest_uses_the_json_view_until_its_upgrade_points_it_further(
         spool_recorder, spool_dir, db, tmp_path):
-    # As this schema version first made it: the JSON view does not know to pass typed spans over.
+    # As schema version 2 made it: the JSON view does not know to pass typed spans over.
     view = db.query("SELECT as_select FROM system.tables WHERE name = 'kvtrace_requests_mv'").result_rows[0][0]
     earlier = re.sub(r"\s*AND\s*\(?getSetting\('log_comment'\)\s*!=\s*'[^']*'\)?", "", view)
     assert earlier != view
     db.command(f"ALTER TABLE kvtrace_requests_mv MODIFY QUERY {earlier}")
+    db.command("ALTER TABLE kvtrace_schema_migrations DELETE WHERE version = 3", settings={"mutations_sync": 1})
     for turn in range(2):
         with correlate(run_id="before", episode_id="e", turn=turn):
             rec = spool_recorder.start_request("test_engine")
@@ -207,7 +208,7 @@ def test_a_database_made_before_typed_ingest_uses_the_json_view_until_db_init_po
             # Ingest sees the view as it is and stores through it alone: one request row, not two.
             assert not typed_requests_available(db)
             assert ingest_paths(db, [spool_dir], quarantine_dir=tmp_path / "q").spans == 1
-            assert init_schema(db).applied == ()
+            assert init_schema(db).applied == ("0003_typed_request_arrays",)
             assert typed_requests_available(db)
     assert ingest_paths(db, [spool_dir], quarantine_dir=tmp_path / "q").spans == 1
     assert db.query("SELECT turn, count() FROM kvtrace_requests GROUP BY turn ORDER BY turn").result_rows == [

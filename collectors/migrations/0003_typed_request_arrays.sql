@@ -1,0 +1,6 @@
+-- Version 3: kvtrace's own request spans go in with their per-token arrays typed, through the Null
+-- table kvtrace_request_arrays and its view into kvtrace_requests; the JSON request view passes over
+-- the spans of such an insert (its log_comment) so that each request is stored once. No column
+-- changes: the new table and view come with the current DDL, and, as after every migration, each
+-- materialized view is pointed at its current SELECT (the JSON request view's gains that condition).
+-- Until a database has this version, ingest stores every span through the JSON view alone.
