@@ -5,8 +5,6 @@ setting, a paired speed probe against the baseline, and the cheapest setting wit
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 
 from kvtrace.advise import plot
@@ -16,7 +14,7 @@ from kvtrace.advise.runner import AdvicePlan, run_advice
 from kvtrace.commands.arguments import count, input_file, output_file, seed
 from kvtrace.commands.common import open_database, progress_printer
 from kvtrace.commands.experiment import (_bytes_list, _list, add_pass_timeout_option, require_llama,
-                                         require_plot_extra)
+                                         require_plot_extra, write_report)
 from kvtrace.error_report import one_line
 from kvtrace.errors import ConfigError
 from kvtrace.experiment.plan import DEFAULT_CACHE_RAM, FLASH_ATTN, KV_TYPES, EngineSettings, Plan
@@ -123,13 +121,5 @@ def run(args: argparse.Namespace) -> int:
     client = open_database(args)
     progress("")
     report = build_advice(client, advice, args.model, fmt)
-    if args.format == "json":
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print_advice(report, sys.stdout)
-    if args.plot:
-        written = plot.write_plot(report, args.plot)
-        print(f"kvtrace: wrote {written}" if written else "kvtrace: no plot written: no setting has a rate and a cost",
-              file=sys.stderr)
+    write_report(args, report, print_advice, plot, "no setting has a rate and a cost")
     return 130 if advice.interrupted else 0

@@ -146,16 +146,21 @@ def report_outcome(args, plan, outcome, progress) -> int:
     """After the passes (in-process or against a server): ingest, fail on a dead pass, print the report
     (text or JSON) and the plot; the exit code (130 when interrupted)."""
     _, report = ingest_and_build_report(args, plan, outcome, progress)
+    write_report(args, report, print_report, plot, "no compared pair has a rate")
+    return 130 if outcome.interrupted else 0
+
+
+def write_report(args, report: dict, print_text, plot_module, nothing_to_plot: str) -> None:
+    """A report (experiment, advise) on stdout as JSON or text, and its plot when --plot asked for one."""
     if args.format == "json":
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print_report(report, sys.stdout)
+        print_text(report, sys.stdout)
     if args.plot:
-        written = plot.write_plot(report, args.plot)
-        print(f"kvtrace: wrote {written}" if written else "kvtrace: no plot written: no compared pair has a rate",
+        written = plot_module.write_plot(report, args.plot)
+        print(f"kvtrace: wrote {written}" if written else f"kvtrace: no plot written: {nothing_to_plot}",
               file=sys.stderr)
-    return 130 if outcome.interrupted else 0
 
 
 def require_plot_extra() -> None:
