@@ -22,6 +22,8 @@ import random
 import struct
 import time
 
+from kvtrace.recording.capture import CapturePolicy
+
 
 def token_alone(key: bytes):
     memo: dict[int, int] = {}
@@ -61,8 +63,6 @@ def blake2b_per_place(key: bytes):
 
 
 def capture_policy(key: bytes):
-    from kvtrace.recording.capture import CapturePolicy
-
     policy = CapturePolicy("hashed", key)
     return policy.output_token_ids
 

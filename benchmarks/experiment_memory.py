@@ -20,13 +20,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvtrace.experiment import Plan, run_experiment
+from kvtrace.experiment.models import generated_models
+from kvtrace.experiment.plan import CACHE_ARMS, format_bytes, parse_bytes
+from kvtrace.testmodels.llama_gguf import SIZES
+
 CONSTANT = 400 << 20
 """Python, numpy, llama.cpp's runtime and compute buffers, the recorder: measured well below this."""
 
 
 def parse_args() -> argparse.Namespace:
-    from kvtrace.experiment.plan import parse_bytes
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--episodes", type=int, nargs="+", default=[40, 160])
     parser.add_argument("--arms", nargs="+", default=["off", "reuse", "prompt-cache", "restore"])
@@ -40,8 +43,6 @@ def parse_args() -> argparse.Namespace:
 
 def context_bytes(size: str, n_ctx: int, n_batch: int) -> int:
     """KV cache (f16 K and V for every layer and position) plus the logits buffer llama-cpp-python keeps."""
-    from kvtrace.testmodels.llama_gguf import SIZES
-
     shape = SIZES[size]
     kv_width = shape.n_embd // shape.n_head * shape.n_head_kv
     return 2 * 2 * shape.n_layer * kv_width * n_ctx + 4 * n_batch * shape.n_vocab
@@ -52,10 +53,6 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="kvtrace-memory-"))
     os.environ["KVTRACE_SPOOL_DIR"] = str(work / "spool")  # the passes record as usual, into a scratch spool
     os.environ.setdefault("XDG_DATA_HOME", str(work / "data"))
-
-    from kvtrace.experiment import Plan, run_experiment
-    from kvtrace.experiment.models import generated_models
-    from kvtrace.experiment.plan import CACHE_ARMS, format_bytes
 
     models = generated_models(args.size, [args.format])
     model_size = models[args.format].stat().st_size

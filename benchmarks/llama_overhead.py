@@ -42,6 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from kvtrace.patches import llama_cpp as patch
+from kvtrace.patches.hooks import Hook, HookTable
+from kvtrace.patches.llama_cpp import request
+from kvtrace.patches.llama_cpp.repack import load_llama
+from kvtrace.recording.recorder import get_recorder
+from kvtrace.testmodels.llama_gguf import SIZES, make_model
+
 PER_TOKEN_HOOKS = ("Llama.sample", "Llama.eval")
 """Hooks that run on every token; the benchmark times these."""
 STREAM_STEP = "stream step"
@@ -65,8 +72,6 @@ def parse_args() -> argparse.Namespace:
 
 
 def model_path(model_dir: Path, size: str, quant: str) -> Path:
-    from kvtrace.testmodels.llama_gguf import make_model
-
     path = model_dir / f"{size}-{quant}.gguf"
     if not path.exists():
         print(f"generating {path} ...", file=sys.stderr)
@@ -210,8 +215,6 @@ class HookClock:
 def call_through_hooks(patch, hook_clock: HookClock):
     """A hook table with the per-token hooks and the stream step doing nothing but call through,
     timed like the real ones: what the timers and the forwarding cost by themselves, in place."""
-    from kvtrace.patches.hooks import Hook, HookTable
-
     def call_through(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
 
@@ -232,9 +235,6 @@ def call_through_hooks(patch, hook_clock: HookClock):
 
 def install_hook_timers(patch, hook_clock: HookClock) -> list[str]:
     """Put timers around the per-token hooks of ``patch``'s table (before it is installed)."""
-    from kvtrace.patches.hooks import Hook
-    from kvtrace.patches.llama_cpp import request
-
     timed = []
     hooks = []
     for hook in patch.HOOKS.hooks:
@@ -284,8 +284,6 @@ class Sample:
 
 def run_request(llm, prompt: list[int], tokens: int, traced: bool, hook_clock: HookClock, into: Sample) -> None:
     """One greedy streaming request from an empty context, measured into ``into``."""
-    from kvtrace.recording.recorder import get_recorder
-
     llm.reset()
     exporter_before = exporter_cpu_ns() or 0
     hooks_before = hook_clock.snapshot()
@@ -322,8 +320,6 @@ class Rounds:
 
 def bench_format(path: Path, args: argparse.Namespace, patch, hook_clock: HookClock, null_clock: HookClock,
                  call_through) -> Rounds:
-    from kvtrace.patches.llama_cpp.repack import load_llama
-
     llm = load_llama(path, n_ctx=max(512, args.tokens + 64), n_batch=64, n_ubatch=64, n_threads=args.threads,
                      n_threads_batch=args.threads, seed=1, verbose=False)
     prompt = llm.tokenize(b"Benchmark prompt:")
@@ -406,10 +402,6 @@ def main() -> int:
     args = parse_args()
     spool = tempfile.mkdtemp(prefix="kvtrace-bench-spool-")
     os.environ.setdefault("KVTRACE_SPOOL_DIR", spool)
-    from kvtrace.patches import llama_cpp as patch
-    from kvtrace.recording.recorder import get_recorder
-    from kvtrace.testmodels.llama_gguf import SIZES
-
     hook_clock, null_clock = HookClock(), HookClock()
     call_through = call_through_hooks(patch, null_clock)
     timed = install_hook_timers(patch, hook_clock)

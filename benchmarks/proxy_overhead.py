@@ -42,6 +42,10 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from llama_server_process import running_llama_server  # noqa: E402  (the tests' launcher)
 
+from kvtrace.outside import http1
+from kvtrace.outside.proxy import proxy_in_thread
+from kvtrace.testmodels.llama_gguf import make_model
+
 CLIENT = r'''
 import json, sys, time
 import httpx
@@ -112,8 +116,6 @@ class ChunkClock:
     upstream reader to the client's write returning, measured on the thread relaying it."""
 
     def __init__(self):
-        from kvtrace.outside import http1
-
         self.delays: list[float] = []
         self._arrived = threading.local()
         chunks, send = http1.UpstreamResponse.chunks, http1.Responder.send
@@ -140,12 +142,8 @@ def main() -> None:
         workdir = Path(scratch)
         os.environ.update(KVTRACE_SPOOL_DIR=str(workdir / "spool"), XDG_DATA_HOME=str(workdir / "data"),
                           KVTRACE_RUN_ID="proxy-benchmark")
-        from kvtrace.outside.proxy import proxy_in_thread
-
         model = args.model
         if model is None:
-            from kvtrace.testmodels.llama_gguf import make_model
-
             model = make_model(workdir / "tiny-F32.gguf", "F32", "tiny")
         clock = ChunkClock()
         with running_llama_server(model, log_path=workdir / "server.log") as server:

@@ -27,16 +27,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import kvtrace
+from kvtrace import queries
+from kvtrace import semconv as sc
+from kvtrace.collectors.ingest import ingest_paths
+from kvtrace.collectors.schema import init_schema
+from kvtrace.config import Settings
+from kvtrace.db import connect
+from kvtrace.recording.exporters.spool import SpoolExporter
+from kvtrace.recording.recorder import Recorder
+from kvtrace.recording.records import CacheEvent
+
 
 def generate(spool: Path, episodes: int, turns: int, tokens: int, seed: int = 7) -> int:
     os.environ.update({"KVTRACE_CAPTURE": "ids", "KVTRACE_HASH_KEY": "benchmark", "KVTRACE_SPOOL_DIR": str(spool)})
-    import kvtrace
-    from kvtrace import semconv as sc
-    from kvtrace.config import Settings
-    from kvtrace.recording.recorder import Recorder
-    from kvtrace.recording.records import CacheEvent
-    from kvtrace.recording.exporters.spool import SpoolExporter
-
     recorder = Recorder(Settings.from_env(), exporter=SpoolExporter(spool))
     rng = random.Random(seed)
     spans = 0
@@ -93,8 +97,6 @@ def _ms(seconds: float) -> str:
 
 
 def timed(client, name: str, params: dict, rounds: int) -> Timing:
-    from kvtrace import queries
-
     wall, cpu, rows = [], [], 0
     for _ in range(rounds):
         start, start_cpu = time.perf_counter(), time.process_time()
@@ -156,10 +158,6 @@ def load() -> str:
 
 def open_dataset(root: Path, episodes: int, turns: int, tokens: int):
     """The benchmark database in ``root``: reused when it already holds the data, else generated."""
-    from kvtrace.collectors.ingest import ingest_paths
-    from kvtrace.collectors.schema import init_schema
-    from kvtrace.db import connect
-
     marker = root / "sizes"
     sizes = f"{episodes} {turns} {tokens}"
     reuse = marker.exists() and marker.read_text() == sizes

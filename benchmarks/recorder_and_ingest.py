@@ -30,6 +30,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvtrace import correlate
+from kvtrace.collectors.ingest import ingest_paths
+from kvtrace.collectors.schema import init_schema
+from kvtrace.config import Settings
+from kvtrace.db import connect
+from kvtrace.recording.exporters.spool import SpoolExporter
+from kvtrace.recording.recorder import Recorder
+
 
 def _thread_cpu(thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
@@ -37,11 +45,6 @@ def _thread_cpu(thread) -> float:
 
 def record(requests: int, tokens: int, spool: Path, seed: int) -> tuple[float, float]:
     """CPU seconds of the engine thread and of the exporter thread for ``requests`` requests."""
-    from kvtrace import correlate
-    from kvtrace.config import Settings
-    from kvtrace.recording.recorder import Recorder
-    from kvtrace.recording.exporters.spool import SpoolExporter
-
     recorder = Recorder(Settings.from_env(), exporter=SpoolExporter(spool))
     worker = recorder.pipeline._worker
     rng = random.Random(seed)
@@ -72,10 +75,6 @@ def record(requests: int, tokens: int, spool: Path, seed: int) -> tuple[float, f
 
 def ingest_round(spool: Path, db: Path) -> tuple[float, float, int, int]:
     """Wall and process-CPU seconds to ingest ``spool`` into a fresh chDB until kvtrace_tokens counts it."""
-    from kvtrace.collectors.ingest import ingest_paths
-    from kvtrace.collectors.schema import init_schema
-    from kvtrace.db import connect
-
     client = connect(f"chdb://{db}")
     init_schema(client)
     wall, cpu = time.perf_counter(), time.process_time()
@@ -88,9 +87,6 @@ def ingest_round(spool: Path, db: Path) -> tuple[float, float, int, int]:
 
 def ceiling_round(rows: int, db: Path) -> tuple[float, float]:
     """Wall and CPU seconds to insert ``rows`` typed token rows straight into a MergeTree like kvtrace_tokens."""
-    from kvtrace.collectors.schema import init_schema
-    from kvtrace.db import connect
-
     client = connect(f"chdb://{db}")
     init_schema(client)
     client.command("CREATE TABLE tokens_ceiling AS kvtrace_tokens")

@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvtrace.testmodels.hf_llama import make_model
+
 WORKLOAD = str(Path(__file__).resolve().parent.parent / "tests" / "vllm_workload.py")
 
 
@@ -38,8 +40,6 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
-    from kvtrace.testmodels.hf_llama import make_model
-
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "model", args.size)
         rates: dict[bool, list[float]] = {False: [], True: []}

@@ -59,6 +59,7 @@ from kvtrace import semconv as sc
 from kvtrace.collectors.otlp_rows import COLUMNS, MalformedSpan, SpanRow, rows_from_request
 from kvtrace.collectors.schema import TYPED_INGEST_COMMENT, TYPED_REQUESTS_TABLE
 from kvtrace.collectors.view_completion import complete_views
+from kvtrace.config import default_spool_dir
 from kvtrace.errors import IngestStopped, UnreadableInput, UnusableInput
 from kvtrace.recording.exporters.spool import SPOOL_SUFFIX, spool_host, writer_of
 from kvtrace.recording.packed_arrays import PACKED_ARRAYS, TOKEN_ARRAYS
@@ -684,8 +685,6 @@ def ingest_paths(client, paths: Iterable[Path], quarantine_dir: Optional[Path] =
     ``IngestStopped`` (carrying the report so far as ``.report``) when the database stops accepting
     spans.  A file that cannot be read is reported in its result's messages and passed over.
     """
-    from kvtrace.config import default_spool_dir
-
     files = find_files(paths)
     report = IngestReport()
     try:

@@ -21,6 +21,7 @@ import base64
 import binascii
 import json
 import math
+from decimal import Decimal
 from typing import Any, Optional
 
 from kvtrace import semconv as sc
@@ -66,8 +67,6 @@ def format_double(value: float) -> str:
         magnitude = abs(value)
         if 1e-6 <= magnitude < 1e21:
             # ES6 writes these without an exponent.
-            from decimal import Decimal
-
             return format(Decimal(text), "f")
         mantissa, exponent = text.split("e")
         sign = "-" if exponent.startswith("-") else "+"

@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
+from kvtrace import semconv
+from kvtrace.patches import patch_all, unpatch_all  # only the registry: a patch loads when its engine is imported
+
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "instrument", "uninstrument", "correlate"]
@@ -15,14 +18,10 @@ def instrument(engines: Optional[list[str]] = None) -> list[str]:
 
     Returns the names of the engines whose patches were registered.
     """
-    from kvtrace.patches import patch_all
-
     return patch_all(engines)
 
 
 def uninstrument() -> None:
-    from kvtrace.patches import unpatch_all
-
     unpatch_all()
 
 
@@ -34,9 +33,9 @@ def correlate(run_id: Optional[str] = None, episode_id: Optional[str] = None,
     Uses W3C baggage, exactly as a client harness would through HTTP headers,
     so in-process and server-side tagging go through one path.
     """
+    # Deferred: `kvtrace run` imports kvtrace in every Python process at start-up, and OpenTelemetry
+    # picks its context implementation when first imported; that stays the host's to configure.
     from opentelemetry import baggage, context
-
-    from kvtrace import semconv
 
     ctx = context.get_current()
     for key, value in ((semconv.RUN_ID, run_id), (semconv.EPISODE_ID, episode_id), (semconv.TURN, turn),

@@ -1,11 +1,17 @@
 """The ``kvtrace`` command line.
 
-Each sub-command lives in ``kvtrace/commands/<name>.py`` and exposes
-``register(subparsers)`` which adds its parser and sets ``func`` (a callable
-taking the parsed args and returning an exit code).  Exit codes: 0 success,
-1 runtime failure (database, run not found...), 2 usage or configuration
-error.  Errors go to stderr as one line, ``kvtrace: error: ...``; ``--debug``
-(or ``KVTRACE_DEBUG=1``) adds the traceback.
+Each sub-command lives in ``kvtrace/commands/<name>.py``, which defines
+``add_arguments(parser)``: its description and arguments, and ``func`` (a
+callable taking the parsed args and returning an exit code) through
+``parser.set_defaults``.  ``COMMANDS`` below names every command with its
+module and its one-line help, so ``kvtrace --help`` lists them without
+importing any, and a command line imports only the module of the command it
+chose: ``kvtrace diff ...`` never loads what ``kvtrace experiment`` needs.
+A new command is one line in ``COMMANDS`` and its module.
+
+Exit codes: 0 success, 1 runtime failure (database, run not found...), 2
+usage or configuration error.  Errors go to stderr as one line, ``kvtrace:
+error: ...``; ``--debug`` (or ``KVTRACE_DEBUG=1``) adds the traceback.
 """
 
 from __future__ import annotations
@@ -16,32 +22,54 @@ import logging
 import os
 import sys
 import traceback
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from kvtrace import __version__
 from kvtrace.error_report import one_line, traceback_requested
 from kvtrace.errors import KvtraceError
 
-COMMAND_MODULES = [
-    "kvtrace.commands.db",
-    "kvtrace.commands.query",
-    "kvtrace.commands.selfcheck",
-    "kvtrace.commands.make_model",
-    "kvtrace.commands.run",
-    "kvtrace.commands.diff",
-    "kvtrace.commands.runs",
-    "kvtrace.commands.experiment",
-    "kvtrace.commands.replay",
-    "kvtrace.commands.advise",
-    "kvtrace.commands.demo",
-    "kvtrace.commands.alert",
-    "kvtrace.commands.probe",
-    "kvtrace.commands.import_logs",
-    "kvtrace.commands.proxy",
-]
+
+class Command(NamedTuple):
+    module: str
+    summary: str
+    """The line ``kvtrace --help`` shows for it."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+COMMANDS: dict[str, Command] = {
+    "db": Command("kvtrace.commands.db", "create the ClickHouse schema, ingest spool files, show status"),
+    "query": Command("kvtrace.commands.query", "run a saved query from queries/ by name"),
+    "selfcheck": Command("kvtrace.commands.selfcheck",
+                         "record synthetic spans, ingest them and read them back (no engine needed)"),
+    "make-model": Command("kvtrace.commands.make_model",
+                          "write a random-weight Llama-architecture GGUF (fixed seed, built-in tokenizer)"),
+    "run": Command("kvtrace.commands.run",
+                   "run a command (e.g. python -m llama_cpp.server ...) with kvtrace instrumentation"),
+    "diff": Command("kvtrace.commands.diff", "where two runs of the same episodes forked, and why"),
+    "runs": Command("kvtrace.commands.runs", "list runs with their configuration and counts"),
+    "experiment": Command("kvtrace.commands.experiment", "measure how often cache arms fork a multi-turn workload"),
+    "replay": Command("kvtrace.commands.replay",
+                      "re-execute a run's episode on its recorded cache paths; prove a fork's cause"),
+    "advise": Command("kvtrace.commands.advise",
+                      "find the cheapest llama.cpp setting under which caching forks nothing"),
+    "demo": Command("kvtrace.commands.demo", "generate a test model, make two cache arms fork, and explain one fork"),
+    "alert": Command("kvtrace.commands.alert", "evaluate alert rules on margin shift, divergence and near ties"),
+    "probe": Command("kvtrace.commands.probe",
+                     "probe a running OpenAI-compatible server: cold vs warm requests as spans"),
+    "import": Command("kvtrace.commands.import_logs",
+                      "import OpenAI-compatible request/response logs (JSON lines) as runs"),
+    "proxy": Command("kvtrace.commands.proxy",
+                     "a reverse proxy that records every completion request to an OpenAI-compatible server"),
+}
+
+
+def build_parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
+    """The parser for ``argv``: every command listed, the arguments of the one ``argv`` chose added.
+
+    A first pass over ``argv`` (the commands' parsers still empty) finds the
+    command; only its module is imported, to add its arguments before the
+    real parse.  Options before the command are the same in both passes, so
+    a mistake there gets the same message and exit code 2 as always.
+    """
     parser = argparse.ArgumentParser(
         prog="kvtrace",
         description="Trace cache provenance and token margins inside LLM engines; find why two runs forked.",
@@ -66,19 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error instead of one line (env KVTRACE_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError as exc:
-            if exc.name == name:
-                continue  # command not built yet
-            raise
-        module.register(sub)
+    # add_help=False: in the first pass a command's --help is one of its arguments still to come.
+    parsers = {name: sub.add_parser(name, help=command.summary, add_help=False) for name, command in COMMANDS.items()}
+    chosen = parser.parse_known_args(argv)[0].command
+    if chosen:
+        command_parser = parsers[chosen]
+        command_parser.add_argument("-h", "--help", action="help", default=argparse.SUPPRESS,
+                                    help="show this help message and exit")
+        importlib.import_module(COMMANDS[chosen].module).add_arguments(command_parser)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(name)s: %(levelname)s: %(message)s")

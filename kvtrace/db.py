@@ -44,7 +44,7 @@ def chdb_path(url: str) -> str | None:
 
 def connect(url: str | None = None):
     """A clickhouse-connect client for ``url`` (default: ``KVTRACE_CLICKHOUSE_URL`` or the per-user chDB)."""
-    import clickhouse_connect
+    import clickhouse_connect  # deferred, heavy (it loads chDB, ~2 s): not for `--help` or a usage error
 
     url = url or default_database_url()
     parsed = urlparse(url)
@@ -90,7 +90,7 @@ def server_client(url: str, connect_timeout_s: float, read_timeout_s: float):
     Raises whatever connecting raised. The time-outs are how long to wait for
     the connection and for each answer.
     """
-    import clickhouse_connect
+    import clickhouse_connect  # deferred, heavy: as in connect()
     from urllib3 import Timeout
 
     parsed = urlparse(url)

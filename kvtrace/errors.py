@@ -7,10 +7,14 @@ class KvtraceError(Exception):
     exit_code = 1
 
 
-class ConfigError(KvtraceError):
-    """A setting (environment variable or option) has a value kvtrace cannot use."""
+class UsageError(KvtraceError):
+    """The command line or the configuration asks for something kvtrace cannot do (exit code 2)."""
 
     exit_code = 2
+
+
+class ConfigError(UsageError):
+    """A setting (environment variable or option) has a value kvtrace cannot use."""
 
 
 class BadSetting(ConfigError):
@@ -33,16 +37,12 @@ class DatabaseBusy(KvtraceError):
     """The embedded (chDB) database is open in another process."""
 
 
-class UnknownQuery(KvtraceError):
+class UnknownQuery(UsageError):
     """``kvtrace query NAME`` names no saved query."""
 
-    exit_code = 2
 
-
-class QueryParameterError(KvtraceError):
+class QueryParameterError(UsageError):
     """A saved query's parameter is missing or malformed."""
-
-    exit_code = 2
 
 
 class UnknownRun(KvtraceError):
@@ -61,10 +61,8 @@ class EngineFailed(KvtraceError):
     """An engine process crashed or hung during one of kvtrace's own runs (experiment, demo)."""
 
 
-class UnusableInput(KvtraceError):
+class UnusableInput(UsageError):
     """An input path that names nothing kvtrace can read spans from (missing, a device, a FIFO)."""
-
-    exit_code = 2
 
 
 class UnreadableInput(KvtraceError):

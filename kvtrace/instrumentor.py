@@ -18,6 +18,7 @@ from typing import Any, Collection, Optional
 from opentelemetry.instrumentation.dependencies import DependencyConflict, get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
+import kvtrace
 from kvtrace.patches import supported_requirements
 
 
@@ -31,11 +32,7 @@ class KvtraceInstrumentor(BaseInstrumentor):
         return get_dependency_conflicts([], self.instrumentation_dependencies())
 
     def _instrument(self, **kwargs: Any) -> None:
-        import kvtrace
-
         kvtrace.instrument(kwargs.get("engines"))
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        import kvtrace
-
         kvtrace.uninstrument()

@@ -49,7 +49,7 @@ class BarProgress(Progress):
             self.out.flush()
 
     def start(self, total: int, unit: str) -> None:
-        from tqdm import tqdm
+        from tqdm import tqdm  # deferred, heavy (~0.2 s): only a terminal that shows a bar needs it
 
         self.close()
         self.out.write("\r\033[K")

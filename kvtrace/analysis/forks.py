@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 from kvtrace import queries
 from kvtrace import semconv as sc
-from kvtrace.errors import UnknownRun
+from kvtrace.errors import ConfigError, UnknownRun
 from kvtrace.jsonable import jsonable
 
 DEFAULT_NEAR_TIE = 0.05
@@ -283,15 +283,13 @@ def episode_turns(client, run_a: str, run_b: str, episode: str) -> list[Turn]:
 def gguf_detokenizer(model_path: Path) -> Detokenizer:
     """Token ids → text with the vocabulary of a GGUF model (weights are not loaded)."""
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp  # noqa: F401  (deferred, optional engine: only whether it is installed)
     except ImportError:
-        from kvtrace.errors import ConfigError
-
         raise ConfigError("--model needs llama-cpp-python (pip install 'kvtrace[llama]')") from None
     if not Path(model_path).is_file():
-        from kvtrace.errors import ConfigError
-
         raise ConfigError(f"--model {model_path}: no such file; give the GGUF the runs used")
+    # Deferred with the engine it loads: kvtrace.patches.llama_cpp brings the engine's patches, the
+    # recorder and numpy, which only --model needs (not `kvtrace diff` without it, nor `--help`).
     from kvtrace.patches.llama_cpp.repack import load_llama
 
     vocab = load_llama(model_path, vocab_only=True)  # llama.cpp's load messages go to the debug log

@@ -19,7 +19,7 @@ from string import Template
 from typing import Optional, Sequence
 
 from kvtrace import semconv as sc
-from kvtrace.analysis.forks import Detokenizer, Diff, Fork, Turn
+from kvtrace.analysis.forks import Detokenizer, Diff, Fork, Turn, episode_turns
 
 MARGIN_BINS = tuple(zip(sc.MARGIN_BIN_EDGES + (math.inf,), (f"m{i}" for i in range(len(sc.MARGIN_BIN_LABELS))),
                         sc.MARGIN_BIN_LABELS))
@@ -46,8 +46,6 @@ def margin_class(margin: float) -> str:
 
 def write_fork_view(client, diff: Diff, path: Path, detokenize: Optional[Detokenizer] = None) -> Path:
     """Render ``diff`` with the turn timelines of its forked episodes into one HTML file at ``path``."""
-    from kvtrace.analysis.forks import episode_turns
-
     timelines = {f.episode: episode_turns(client, diff.run_a, diff.run_b, f.episode) for f in diff.forks}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_diff(diff, timelines, detokenize), encoding="utf-8")

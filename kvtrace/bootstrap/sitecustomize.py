@@ -6,14 +6,13 @@ hooks), then registers kvtrace's lazy engine patches.  Failures are reported
 on stderr and never stop the wrapped program.
 """
 
+import importlib.machinery
+import importlib.util
 import os
 import sys
 
 
 def _chain_previous_sitecustomize() -> None:
-    import importlib.machinery
-    import importlib.util
-
     here = os.path.dirname(os.path.abspath(__file__))
     others = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", others)
@@ -24,7 +23,7 @@ def _chain_previous_sitecustomize() -> None:
 
 
 def _instrument() -> None:
-    import kvtrace
+    import kvtrace  # here, inside the guard below: a kvtrace that fails to import must not stop the host
 
     engines = [e for e in os.environ.get("KVTRACE_ENGINES", "").split(",") if e.strip()]
     kvtrace.instrument([e.strip() for e in engines] or None)

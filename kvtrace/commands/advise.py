@@ -5,32 +5,33 @@ setting, a paired speed probe against the baseline, and the cheapest setting wit
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 
+from kvtrace.advise import plot
+from kvtrace.advise.candidates import DEFAULT_CHANGES, parse_candidates
+from kvtrace.advise.report import build_advice, print_advice
+from kvtrace.advise.runner import AdvicePlan, run_advice
 from kvtrace.commands.arguments import count, input_file, output_file, seed
+from kvtrace.commands.common import open_database, progress_printer
 from kvtrace.commands.experiment import (_bytes_list, _list, add_pass_timeout_option, require_llama,
-                                         require_plot_extra)
+                                         require_plot_extra, write_report)
 from kvtrace.error_report import one_line
 from kvtrace.errors import ConfigError
-from kvtrace.experiment.plan import DEFAULT_CACHE_RAM, FLASH_ATTN, KV_TYPES
+from kvtrace.experiment.plan import DEFAULT_CACHE_RAM, FLASH_ATTN, KV_TYPES, EngineSettings, Plan
+from kvtrace.patches.llama_cpp.config import weight_format
+from kvtrace.testmodels.llama_gguf import QUANTS
 
 ADVISE_PASS_TIMEOUT = 120.0
 """Seconds without progress before a pass counts as hung: a request of a model worth advising on
 this way takes seconds, and a hang (the repack on an AMX CPU can hang) should not cost ten minutes."""
 
 
-def register(sub) -> None:
-    from kvtrace.advise.candidates import DEFAULT_CHANGES
-
-    p = sub.add_parser("advise", help="find the cheapest llama.cpp setting under which caching forks nothing",
-                       description="Run the experiment's cache comparison (off vs reuse, prompt-cache) on MODEL "
-                                   "under the baseline settings and under each candidate setting, time every "
-                                   "candidate against the baseline in pairs (prefill and decode, wall and CPU "
-                                   "time), and recommend the cheapest setting with no forked episode, with the "
-                                   "upper end of its 95%% interval. A candidate is a change to the baseline: "
-                                   "ubN, bN, fa-on|off, kv-f16|f32|q8_0, repack-on|off, several joined with +.")
+def add_arguments(p) -> None:
+    p.description = ("Run the experiment's cache comparison (off vs reuse, prompt-cache) on MODEL under the baseline "
+                     "settings and under each candidate setting, time every candidate against the baseline in pairs "
+                     "(prefill and decode, wall and CPU time), and recommend the cheapest setting with no forked "
+                     "episode, with the upper end of its 95% interval. A candidate is a change to the baseline: "
+                     "ubN, bN, fa-on|off, kv-f16|f32|q8_0, repack-on|off, several joined with +.")
     p.add_argument("--model", type=input_file, required=True, metavar="PATH.gguf",
                    help="the GGUF model to advise on, as it is (F32, F16, Q8_0, Q4_0, Q4_K_M or Q3_K_M)")
     p.add_argument("--settings", type=_list, default=DEFAULT_CHANGES, metavar="CHANGE[+CHANGE],...",
@@ -69,10 +70,8 @@ def register(sub) -> None:
 
 def weight_format_of(path) -> str:
     """The GGUF's weight format (``Q8_0``...); ConfigError for a file that is not a GGUF model."""
-    from kvtrace.patches.llama_cpp.config import weight_format
-
     try:
-        from gguf import GGUFReader
+        from gguf import GGUFReader  # deferred, heavy (~0.3 s): only once a model is given
 
         field = GGUFReader(str(path)).fields.get("general.file_type")
         raw = None if field is None else int(field.parts[field.data[0]][0])
@@ -83,10 +82,6 @@ def weight_format_of(path) -> str:
 
 def advice_plan(args, weight_format: str):
     """The plan from the command line; ConfigError for settings llama.cpp cannot take."""
-    from kvtrace.advise.candidates import parse_candidates
-    from kvtrace.advise.runner import AdvicePlan
-    from kvtrace.experiment.plan import EngineSettings, Plan
-
     if "off" not in args.arms or len(args.arms) < 2:
         raise ConfigError(f"--arms {','.join(args.arms)}: give off and at least one cache arm to compare with it")
     if len(args.cache_ram) != 1:
@@ -113,11 +108,6 @@ def advice_plan(args, weight_format: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtrace.advise.report import build_advice, print_advice
-    from kvtrace.advise.runner import run_advice
-    from kvtrace.commands.common import open_database, progress_printer
-    from kvtrace.testmodels.llama_gguf import QUANTS
-
     require_llama()
     if args.plot:
         require_plot_extra()
@@ -131,15 +121,5 @@ def run(args: argparse.Namespace) -> int:
     client = open_database(args)
     progress("")
     report = build_advice(client, advice, args.model, fmt)
-    if args.format == "json":
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print_advice(report, sys.stdout)
-    if args.plot:
-        from kvtrace.advise import plot
-
-        written = plot.write_plot(report, args.plot)
-        print(f"kvtrace: wrote {written}" if written else "kvtrace: no plot written: no setting has a rate and a cost",
-              file=sys.stderr)
+    write_report(args, report, print_advice, plot, "no setting has a rate and a cost")
     return 130 if advice.interrupted else 0

@@ -14,16 +14,21 @@ import traceback
 from datetime import datetime
 from pathlib import Path
 
+from kvtrace.alerts import cycle as alert_cycle
+from kvtrace.alerts.delivery import Deliverer
+from kvtrace.alerts.evaluation import Evaluation, RuleOutcome, evaluate
+from kvtrace.alerts.rules import load_rules
+from kvtrace.alerts.state import AlertState, AlertStateError, default_state_path
+from kvtrace.commands.common import open_database
 from kvtrace.error_report import one_line, traceback_requested
 from kvtrace.errors import ConfigError, KvtraceError
 
 
-def register(sub) -> None:
-    p = sub.add_parser("alert", help="evaluate alert rules on margin shift, divergence and near ties",
-                       description="Evaluate the rules of a YAML file over their time windows (saved queries "
-                                   "margin_shift, divergence_rates, near_tie_share), print firing alerts and "
-                                   "deliver them to the configured webhook / Alertmanager; cleared alerts are "
-                                   "sent as resolved. Exit code: 0 all clear, 1 firing, 2 could not evaluate.")
+def add_arguments(p) -> None:
+    p.description = ("Evaluate the rules of a YAML file over their time windows (saved queries margin_shift, "
+                     "divergence_rates, near_tie_share), print firing alerts and deliver them to the configured "
+                     "webhook / Alertmanager; cleared alerts are sent as resolved. Exit code: 0 all clear, "
+                     "1 firing, 2 could not evaluate.")
     p.add_argument("--rules", required=True, type=Path, metavar="FILE", help="alert rules (YAML)")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="evaluate every SECONDS until interrupted")
     p.add_argument("--cycles", type=int, metavar="N", help="with --watch: stop after N evaluations")
@@ -48,10 +53,6 @@ def run(args) -> int:
 
 
 def evaluate_and_deliver(args) -> int:
-    from kvtrace.alerts.delivery import Deliverer
-    from kvtrace.alerts.rules import load_rules
-    from kvtrace.alerts.state import AlertState, default_state_path
-
     if args.watch is not None and (not 0 < args.watch < math.inf or args.at):
         raise ConfigError("--watch needs a positive number of seconds and cannot be combined with --at")
     if args.cycles is not None and (args.cycles < 1 or args.watch is None):
@@ -74,14 +75,8 @@ def evaluate_and_deliver(args) -> int:
 
 def cycle(args, config, state, deliverer, at: float) -> int:
     """One evaluation with delivery and printing; never raises for database, delivery or state-file trouble."""
-    from kvtrace.alerts import cycle as alert_cycle
-    from kvtrace.alerts.evaluation import Evaluation, RuleOutcome, evaluate
-    from kvtrace.alerts.state import AlertStateError
-
     client = None
     try:
-        from kvtrace.commands.common import open_database
-
         client = open_database(args)
         evaluation = evaluate(client, config, at)
     except Exception as exc:  # unreachable database, an ingest that failed: no rule was evaluated

@@ -13,6 +13,7 @@ import math
 import os
 import stat
 from pathlib import Path
+from urllib.parse import urlsplit
 
 
 def count(text: str) -> int:
@@ -100,8 +101,6 @@ def output_file(text: str) -> Path:
 
 def http_url(text: str) -> str:
     """An http:// or https:// URL with a host (a server to talk to), without a trailing slash."""
-    from urllib.parse import urlsplit
-
     try:
         parts = urlsplit(text)
         parts.port  # a port that is not a number raises here

@@ -5,7 +5,10 @@ from __future__ import annotations
 import sys
 
 from kvtrace import progress
+from kvtrace.collectors.ingest import ingest_paths
+from kvtrace.collectors.schema import init_schema, latest_version, schema_state
 from kvtrace.config import default_database_url, default_spool_dir
+from kvtrace.db import connect
 from kvtrace.errors import KvtraceError, SchemaMissing
 from kvtrace.progress import BarProgress, Progress
 
@@ -23,9 +26,6 @@ def open_database(args, ingest: bool = True):
     shared server is the operator's decision).  Either is upgraded here when
     this kvtrace knows a newer schema version than the database has.
     """
-    from kvtrace.collectors.schema import init_schema, latest_version, schema_state
-    from kvtrace.db import connect
-
     url = default_database_url()
     client = connect(url)
     version, missing = schema_state(client)
@@ -44,8 +44,6 @@ QUERY_SIDE_WARNINGS = 5
 
 def _ingest_spool(args, client) -> None:
     """Take in the spool before a query.  Whatever goes wrong here is a warning: the query still runs."""
-    from kvtrace.collectors.ingest import ingest_paths
-
     spool = default_spool_dir()
     shown = progress_printer(args)
     try:

@@ -6,9 +6,16 @@ import json
 import sys
 from pathlib import Path
 
+from kvtrace.collectors.ingest import find_files, ingest_paths, pending_files, quarantined_lines
+from kvtrace.collectors.schema import TABLES, init_schema, latest_version, render_ddl, schema_version
+from kvtrace.commands.common import open_database, progress_printer
+from kvtrace.config import default_database_url, default_spool_dir
+from kvtrace.db import connect, describe
+from kvtrace.errors import IngestStopped
+from kvtrace.recording.stats import COUNTERS, lost, read_stats, span_totals
 
-def register(sub) -> None:
-    p = sub.add_parser("db", help="create the ClickHouse schema, ingest spool files, show status")
+
+def add_arguments(p) -> None:
     dbsub = p.add_subparsers(dest="db_command", metavar="ACTION")
     dbsub.required = True
 
@@ -38,10 +45,6 @@ def register(sub) -> None:
 
 
 def run_init(args) -> int:
-    from kvtrace.collectors.schema import init_schema, render_ddl
-    from kvtrace.config import default_database_url
-    from kvtrace.db import connect, describe
-
     if args.print:
         for statement in render_ddl(args.database or "default", args.cluster):
             print(statement + ";\n")
@@ -60,11 +63,6 @@ def run_init(args) -> int:
 
 
 def run_ingest(args) -> int:
-    from kvtrace.collectors.ingest import find_files, ingest_paths
-    from kvtrace.commands.common import open_database, progress_printer
-    from kvtrace.config import default_spool_dir
-    from kvtrace.errors import IngestStopped
-
     paths = args.paths or [default_spool_dir()]
     find_files(paths)  # a path that cannot be ingested is refused before the database is opened
     client = open_database(args, ingest=False)
@@ -96,13 +94,6 @@ def _print_warnings(args, messages: list[str]) -> None:
 
 
 def run_status(args) -> int:
-    from kvtrace.collectors.ingest import pending_files, quarantined_lines
-    from kvtrace.collectors.schema import TABLES, latest_version, schema_version
-    from kvtrace.commands.common import open_database
-    from kvtrace.config import default_database_url, default_spool_dir
-    from kvtrace.db import describe
-    from kvtrace.recording.stats import COUNTERS, lost, read_stats, span_totals
-
     client = open_database(args, ingest=False)
     counts = {}
     for table in TABLES:

@@ -11,10 +11,16 @@ import os
 import sys
 import time
 
+from kvtrace.analysis.forks import diff_runs, gguf_detokenizer
+from kvtrace.analysis.html_view import write_fork_view
 from kvtrace.commands.arguments import count, seed
-from kvtrace.commands.experiment import add_pass_timeout_option
+from kvtrace.commands.common import progress_printer
+from kvtrace.commands.diff import describe_fork
+from kvtrace.commands.experiment import add_pass_timeout_option, ingest_and_build_report, require_llama
 from kvtrace.config import data_home
-from kvtrace.errors import EngineFailed
+from kvtrace.experiment import Plan, run_experiment
+from kvtrace.experiment.models import generated_models
+from kvtrace.experiment.report import print_report
 
 DEMO_FORMATS = ("Q4_0", "Q8_0")
 DEMO_ARMS = ("off", "reuse")
@@ -23,10 +29,8 @@ DEMO_FLASH_ATTN = ("on",)
 (how kvtrace loads models), that is what makes quantized formats fork on common CPUs."""
 
 
-def register(sub) -> None:
-    p = sub.add_parser("demo", help="generate a test model, make two cache arms fork, and explain one fork",
-                       description="A self-contained demonstration on the embedded database: no model or "
-                                   "server needed.")
+def add_arguments(p) -> None:
+    p.description = "A self-contained demonstration on the embedded database: no model or server needed."
     p.add_argument("--episodes", type=count, default=120, metavar="N")
     p.add_argument("--turns", type=count, default=8, metavar="T")
     p.add_argument("--tokens", type=count, default=32, metavar="K")
@@ -36,15 +40,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvtrace.commands.common import open_database, progress_printer
-    from kvtrace.commands.diff import describe_fork
-    from kvtrace.commands.experiment import require_llama
-    from kvtrace.experiment import Plan, run_experiment
-    from kvtrace.experiment.models import generated_models
-    from kvtrace.experiment.report import build_report, print_report
-    from kvtrace.analysis.forks import diff_runs, gguf_detokenizer
-    from kvtrace.analysis.html_view import write_fork_view
-
     started = time.monotonic()
     require_llama()
     # A research run on a generated model: token ids in the clear, so the fork shows real tokens.
@@ -58,12 +53,8 @@ def run(args) -> int:
           f"arms {' vs '.join(plan.arms)}; formats {', '.join(plan.formats)}; flash attention on; "
           f"runs under {plan.prefix}/")
     outcome = run_experiment(plan, models, progress, args.pass_timeout)
-    progress("ingesting")
-    client = open_database(args)
-    progress("")
-    if outcome.failure is not None:
-        raise EngineFailed(outcome.failure.describe())
-    print_report(build_report(client, plan, outcome), sys.stdout)
+    client, report = ingest_and_build_report(args, plan, outcome, progress)
+    print_report(report, sys.stdout)
 
     for fmt in plan.formats:
         run_a, run_b = plan.run_id(plan.key(fmt, "reuse")), plan.run_id(plan.key(fmt, "off"))

@@ -7,17 +7,19 @@ import sys
 from typing import TextIO
 
 from kvtrace import semconv as sc
-from kvtrace.analysis.forks import DEFAULT_NEAR_TIE, CachePath, Diff, Fork, Side, TurnPair
+from kvtrace.analysis.forks import (DEFAULT_NEAR_TIE, CachePath, Diff, Fork, Side, TurnPair, diff_runs,
+                                   gguf_detokenizer)
+from kvtrace.analysis.html_view import write_fork_view
 from kvtrace.commands.arguments import input_file, non_negative_number, output_file, turn_pair
+from kvtrace.commands.common import open_database
 from kvtrace.error_report import one_line
 from kvtrace.errors import ConfigError, KvtraceError
+from kvtrace.replay import verdicts
 
 
-def register(sub) -> None:
-    p = sub.add_parser("diff", help="where two runs of the same episodes forked, and why",
-                       description="Compare two runs episode by episode: the first turn and token where they "
-                                   "differ, each side's cache path there, the attribution and the culprit "
-                                   "cache event with its provenance.")
+def add_arguments(p) -> None:
+    p.description = ("Compare two runs episode by episode: the first turn and token where they differ, each "
+                     "side's cache path there, the attribution and the culprit cache event with its provenance.")
     p.add_argument("run_a", metavar="RUN_A")
     p.add_argument("run_b", metavar="RUN_B")
     p.add_argument("--episode", metavar="ID", help="only this episode")
@@ -34,10 +36,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvtrace.commands.common import open_database
-    from kvtrace.analysis.forks import diff_runs
-    from kvtrace.replay import verdicts
-
     if args.turns and args.html:
         raise ConfigError("--html draws both runs' whole episodes side by side; it cannot be combined with --turns")
     turns = TurnPair(*args.turns) if args.turns else None
@@ -52,8 +50,6 @@ def run(args) -> int:
     else:
         print_diff(diff, sys.stdout)
     if args.html:
-        from kvtrace.analysis.html_view import write_fork_view
-
         write_fork_view(client, diff, args.html, detokenize)
         if not args.quiet:
             print(f"kvtrace: wrote {args.html}", file=sys.stderr)
@@ -62,8 +58,6 @@ def run(args) -> int:
 
 def model_detokenizer(path):
     """The vocabulary of ``--model``, refused before any database work when llama.cpp cannot read it."""
-    from kvtrace.analysis.forks import gguf_detokenizer
-
     try:
         return gguf_detokenizer(path)
     except KvtraceError:

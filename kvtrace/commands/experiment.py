@@ -6,11 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from kvtrace.commands.arguments import count, input_file, output_file, positive_number, seed
+from kvtrace.commands.common import open_database, progress_printer
 from kvtrace.errors import ConfigError, EngineFailed
+from kvtrace.experiment import Plan, models, plot, run_experiment
 from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT
 from kvtrace.experiment.plan import CONVERSATIONS, DEFAULT_CACHE_RAM, SCHEDULES, parse_bytes
+from kvtrace.experiment.report import build_report, print_report
 
 
 def add_pass_timeout_option(parser) -> None:
@@ -39,14 +43,12 @@ def _bytes_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def register(sub) -> None:
-    p = sub.add_parser("experiment", help="measure how often cache arms fork a multi-turn workload",
-                       description="Run N episodes x T turns of a deterministic tool-using workload, serial and "
-                                   "greedy, under each cache arm, weight format and engine setting (every "
-                                   "comma-separated value of a knob is a dimension of the grid); report "
-                                   "divergence rates over distinct episodes with 95%% intervals, fork turns, "
-                                   "cached tokens, margin shift, flip rate by margin and fork attribution. Run "
-                                   "ids: PREFIX/FORMAT/SETTINGS/ARM[-CACHE]/rREPEAT/ORDER.")
+def add_arguments(p) -> None:
+    p.description = ("Run N episodes x T turns of a deterministic tool-using workload, serial and greedy, under "
+                     "each cache arm, weight format and engine setting (every comma-separated value of a knob is "
+                     "a dimension of the grid); report divergence rates over distinct episodes with 95% intervals, "
+                     "fork turns, cached tokens, margin shift, flip rate by margin and fork attribution. Run ids: "
+                     "PREFIX/FORMAT/SETTINGS/ARM[-CACHE]/rREPEAT/ORDER.")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=input_file, metavar="PATH.gguf",
                         help="an unquantized (F32/F16/BF16) GGUF; quantized to each --formats entry")
@@ -94,11 +96,7 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def plan_from_args(args):
-    import time
-
-    from kvtrace.experiment import Plan
-
+def plan_from_args(args) -> Plan:
     try:
         return Plan(formats=args.formats, arms=args.arms, episodes=args.episodes, turns=args.turns,
                     tokens=args.tokens, repeats=args.repeats, orders=args.orders, seed=args.seed,
@@ -112,18 +110,14 @@ def plan_from_args(args):
 
 
 def prepare_models(args, plan, progress):
-    from kvtrace.experiment import models
-
     if args.model:
         return models.quantized_models(args.model, plan.formats, progress, plan.n_threads)
     return models.generated_models(args.generate, plan.formats, progress)
 
 
 def run(args) -> int:
-    from kvtrace.commands.common import progress_printer
-    from kvtrace.experiment import run_experiment
-
     if args.server:
+        # Deferred: the server experiment needs httpx and h11, the optional `proxy` extra.
         from kvtrace.commands.experiment_server import run_against_server
 
         return run_against_server(args)
@@ -137,44 +131,48 @@ def run(args) -> int:
     return report_outcome(args, plan, outcome, progress)
 
 
-def report_outcome(args, plan, outcome, progress) -> int:
-    """After the passes (in-process or against a server): ingest, fail on a dead pass, print the report
-    (text or JSON) and the plot; the exit code (130 when interrupted)."""
-    from kvtrace.commands.common import open_database
-    from kvtrace.experiment.report import build_report, print_report
-
+def ingest_and_build_report(args, plan, outcome, progress):
+    """After the passes (experiment, server experiment, demo): ingest what they recorded, fail on a dead
+    pass, and build the report; the open database and the report."""
     progress("ingesting")
     client = open_database(args)
     progress("")
     if outcome.failure is not None:
         raise EngineFailed(outcome.failure.describe())
-    report = build_report(client, plan, outcome)
+    return client, build_report(client, plan, outcome)
+
+
+def report_outcome(args, plan, outcome, progress) -> int:
+    """After the passes (in-process or against a server): ingest, fail on a dead pass, print the report
+    (text or JSON) and the plot; the exit code (130 when interrupted)."""
+    _, report = ingest_and_build_report(args, plan, outcome, progress)
+    write_report(args, report, print_report, plot, "no compared pair has a rate")
+    return 130 if outcome.interrupted else 0
+
+
+def write_report(args, report: dict, print_text, plot_module, nothing_to_plot: str) -> None:
+    """A report (experiment, advise) on stdout as JSON or text, and its plot when --plot asked for one."""
     if args.format == "json":
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print_report(report, sys.stdout)
+        print_text(report, sys.stdout)
     if args.plot:
-        from kvtrace.experiment import plot
-
-        written = plot.write_plot(report, args.plot)
-        print(f"kvtrace: wrote {written}" if written else "kvtrace: no plot written: no compared pair has a rate",
+        written = plot_module.write_plot(report, args.plot)
+        print(f"kvtrace: wrote {written}" if written else f"kvtrace: no plot written: {nothing_to_plot}",
               file=sys.stderr)
-    return 130 if outcome.interrupted else 0
 
 
 def require_plot_extra() -> None:
     """Checked before any pass runs: a plot asked for must not be found missing after an hour's run."""
-    from kvtrace.experiment.plot import INSTALL_HINT
-
     try:
-        import matplotlib  # noqa: F401  (only whether it imports)
+        import matplotlib  # noqa: F401  (deferred, optional: only whether the `plot` extra is installed)
     except ImportError:
-        raise ConfigError(f"--plot needs matplotlib ({INSTALL_HINT}), or leave --plot out") from None
+        raise ConfigError(f"--plot needs matplotlib ({plot.INSTALL_HINT}), or leave --plot out") from None
 
 
 def require_llama() -> None:
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp  # noqa: F401  (deferred, optional engine: only whether it is installed)
     except ImportError:
         raise ConfigError("the experiment needs llama-cpp-python (pip install 'kvtrace[llama]')") from None

@@ -3,15 +3,14 @@
 
 from __future__ import annotations
 
+from kvtrace.commands.common import progress_printer
+from kvtrace.commands.experiment import plan_from_args, report_outcome, require_plot_extra
 from kvtrace.errors import ConfigError
+from kvtrace.experiment import server
 from kvtrace.testmodels.llama_gguf import QUANTS
 
 
 def run_against_server(args) -> int:
-    from kvtrace.commands.common import progress_printer
-    from kvtrace.commands.experiment import plan_from_args, report_outcome, require_plot_extra
-    from kvtrace.experiment import server
-
     command, url = server.parse_target(args.server)
     if args.plot:
         require_plot_extra()

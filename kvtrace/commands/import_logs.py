@@ -8,15 +8,15 @@ from __future__ import annotations
 import sys
 
 from kvtrace.commands.arguments import input_file
+from kvtrace.commands.common import open_database
+from kvtrace.outside.importer import ImportOptions, import_files
 
 
-def register(sub) -> None:
-    p = sub.add_parser("import", help="import OpenAI-compatible request/response logs (JSON lines) as runs",
-                       description="Each line: {\"episode_id\": ..., \"request_index\": N, \"request\": {...}, "
-                                   "\"response\": {...}} with logprobs (top_logprobs >= 2 for margins); optional "
-                                   "run_id, arm, timestamp. Imported requests become kvtrace spans, so "
-                                   "`kvtrace diff` finds where two logged runs forked. Malformed lines are "
-                                   "reported with their line number; the rest is imported.")
+def add_arguments(p) -> None:
+    p.description = ("Each line: {\"episode_id\": ..., \"request_index\": N, \"request\": {...}, \"response\": "
+                     "{...}} with logprobs (top_logprobs >= 2 for margins); optional run_id, arm, timestamp. "
+                     "Imported requests become kvtrace spans, so `kvtrace diff` finds where two logged runs forked. "
+                     "Malformed lines are reported with their line number; the rest is imported.")
     p.add_argument("files", nargs="+", type=input_file, metavar="FILE")
     p.add_argument("--run-id", metavar="RUN", help="run id for lines without one (default: the file name's stem)")
     p.add_argument("--engine", default="openai-compatible",
@@ -28,8 +28,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvtrace.outside.importer import ImportOptions, import_files
-
     options = ImportOptions(run_id=args.run_id or "", engine=args.engine, weight_format=args.weight_format,
                             arm=args.arm)
     report = import_files(args.files, options)
@@ -39,7 +37,5 @@ def run(args) -> int:
     print(f"kvtrace: imported {report.imported} request(s) into run(s) {runs}; "
           f"{len(report.problems)} line(s) rejected", file=sys.stderr)
     if not args.no_ingest and report.imported:
-        from kvtrace.commands.common import open_database
-
         open_database(args).close()  # takes in the spool just written
     return 1 if report.problems else 0

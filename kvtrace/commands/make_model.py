@@ -6,16 +6,11 @@ import argparse
 import sys
 
 from kvtrace.commands.arguments import output_file, seed
+from kvtrace.testmodels.llama_gguf import QUANTS, SEED, SIZES, make_model
 
 
-def register(subparsers) -> None:
-    from kvtrace.testmodels.llama_gguf import QUANTS, SIZES
-
-    parser = subparsers.add_parser(
-        "make-model",
-        help="write a random-weight Llama-architecture GGUF (fixed seed, built-in tokenizer)",
-        description="Write a self-contained random-weight Llama GGUF model. Same arguments, same bytes.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Write a self-contained random-weight Llama GGUF model. Same arguments, same bytes."
     parser.add_argument("--out", required=True, type=output_file, metavar="PATH", help="GGUF file to write")
     parser.add_argument("--quant", default="F32", choices=QUANTS, help="weight format (default F32)")
     parser.add_argument("--size", default="tiny", choices=list(SIZES),
@@ -25,8 +20,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtrace.testmodels.llama_gguf import SEED, SIZES, make_model
-
     path = make_model(args.out, args.quant, args.size, SEED if args.seed is None else args.seed)
     if not args.quiet:
         print(f"wrote {path} ({args.size}, {args.quant}, {SIZES[args.size].n_params / 1e6:.1f}M params)",

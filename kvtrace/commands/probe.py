@@ -6,17 +6,17 @@ import sys
 import time
 
 from kvtrace.commands.arguments import count, input_file, positive_number
+from kvtrace.outside.probe import SERVER_KINDS, ProbeError, Prober, ProbeSettings, compare, detect_server, load_prompts
+from kvtrace.outside.recorder import OutsideRecorder
 
 
-def register(sub) -> None:
-    p = sub.add_parser("probe", help="probe a running OpenAI-compatible server: cold vs warm requests as spans",
-                       description="For each prompt send a cold request (prefix reuse bypassed as the server "
-                                   "allows: vLLM cache_salt, llama-server cache_prompt=false, a flush request "
-                                   "for llama-cpp-python) and warm requests, greedy with top-2 logprobs, and "
-                                   "record them as kvtrace spans (run id, episode = prompt id, turn 0 = cold). "
-                                   "Each request carries traceparent and baggage, so a server kvtrace traces "
-                                   "records it in the same trace and run. The margin_shift query and alert rules "
-                                   "then compare warm against cold; so does kvtrace diff RUN RUN --turns 0,N.")
+def add_arguments(p) -> None:
+    p.description = ("For each prompt send a cold request (prefix reuse bypassed as the server allows: vLLM "
+                     "cache_salt, llama-server cache_prompt=false, a flush request for llama-cpp-python) and warm "
+                     "requests, greedy with top-2 logprobs, and record them as kvtrace spans (run id, episode = "
+                     "prompt id, turn 0 = cold). Each request carries traceparent and baggage, so a server kvtrace "
+                     "traces records it in the same trace and run. The margin_shift query and alert rules then "
+                     "compare warm against cold; so does kvtrace diff RUN RUN --turns 0,N.")
     p.add_argument("--url", required=True, metavar="URL", help="the server's OpenAI base URL, e.g. http://host:8000/v1")
     p.add_argument("--prompts", required=True, type=input_file, metavar="FILE",
                    help='JSON lines: {"id": ..., "messages": [...]} or {"id": ..., "prompt": "..."}')
@@ -35,9 +35,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvtrace.outside.recorder import OutsideRecorder
-    from kvtrace.outside.probe import SERVER_KINDS, ProbeError, Prober, ProbeSettings, compare, detect_server, load_prompts
-
     prompts = load_prompts(args.prompts)
     base_url = args.url.rstrip("/")
     detected, first_model = detect_server(base_url, timeout_s=min(args.timeout, 30.0))

@@ -10,14 +10,12 @@ from kvtrace.errors import ConfigError
 from kvtrace.preflight import check_settings
 
 
-def register(sub) -> None:
-    p = sub.add_parser(
-        "proxy", help="a reverse proxy that records every completion request to an OpenAI-compatible server",
-        description="Forward requests to the server at --upstream and record each completion request "
-                    "(/v1/completions, /v1/chat/completions, llama-server's /completion; streamed or not) as a "
-                    "kvtrace.request span: correlation from W3C traceparent/baggage, per-token top-two margins "
-                    "(asked from the server and removed from the answer when the client asked for no logprobs), "
-                    "cache counts the server reports, the llama-server slot. Other paths pass through untouched.")
+def add_arguments(p) -> None:
+    p.description = ("Forward requests to the server at --upstream and record each completion request "
+                     "(/v1/completions, /v1/chat/completions, llama-server's /completion; streamed or not) as a "
+                     "kvtrace.request span: correlation from W3C traceparent/baggage, per-token top-two margins "
+                     "(asked from the server and removed from the answer when the client asked for no logprobs), "
+                     "cache counts the server reports, the llama-server slot. Other paths pass through untouched.")
     p.add_argument("--upstream", required=True, type=http_url, metavar="URL",
                    help="the server's base URL, e.g. http://127.0.0.1:8080 (without /v1)")
     p.add_argument("--listen", type=listen_address, default=("127.0.0.1", 8081), metavar="HOST:PORT",

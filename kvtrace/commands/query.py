@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from kvtrace import queries
+from kvtrace.analysis.tables import print_rows
+from kvtrace.commands.common import open_database
 from kvtrace.errors import QueryParameterError
 
 
-def register(sub) -> None:
-    p = sub.add_parser("query", help="run a saved query from queries/ by name",
-                       description="Run a saved query by name. `kvtrace query --list` shows them all.")
+def add_arguments(p) -> None:
+    p.description = "Run a saved query by name. `kvtrace query --list` shows them all."
     p.add_argument("name", nargs="?", help="saved query name (see --list)")
     p.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE",
                    help="bind a query parameter (repeatable)")
@@ -17,10 +19,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvtrace import queries
-    from kvtrace.analysis.tables import print_rows
-    from kvtrace.commands.common import open_database
-
     if args.list or not args.name:
         for name in queries.names():
             q = queries.load(name)

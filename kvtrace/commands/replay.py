@@ -8,21 +8,24 @@ import json
 import sys
 from pathlib import Path
 
+from kvtrace.analysis.forks import diff_runs
 from kvtrace.commands.arguments import input_file, positive_number
+from kvtrace.commands.common import open_database, progress_printer
 from kvtrace.errors import ConfigError
 from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT
+from kvtrace.experiment.models import model_cache_dir
+from kvtrace.replay import verdicts
+from kvtrace.replay.recorded import ReplayRefused, read_run
+from kvtrace.replay.reproduce import counterfactual, replay_episodes
 
 
-def register(sub) -> None:
-    p = sub.add_parser("replay", help="re-execute a run's episode on its recorded cache paths; prove a fork's cause",
-                       description="Re-execute the recorded requests of an episode in order, on the same model and "
-                                   "recorded engine configuration, each on its recorded cache path (reuse of N "
-                                   "tokens, a prompt-cache restore of a named state, or recompute), and check every "
-                                   "generated token against the record. With two runs and --counterfactual: at the "
-                                   "episode's fork, run each side's request on the other side's cache path, "
-                                   "everything else fixed; the verdict (confirmed, not_cache, not_reproduced) is "
-                                   "kept, and `kvtrace diff` shows it next to the label. Needs runs recorded with "
-                                   "KVTRACE_CAPTURE=ids.")
+def add_arguments(p) -> None:
+    p.description = ("Re-execute the recorded requests of an episode in order, on the same model and recorded engine "
+                     "configuration, each on its recorded cache path (reuse of N tokens, a prompt-cache restore of a "
+                     "named state, or recompute), and check every generated token against the record. With two runs "
+                     "and --counterfactual: at the episode's fork, run each side's request on the other side's cache "
+                     "path, everything else fixed; the verdict (confirmed, not_cache, not_reproduced) is kept, and "
+                     "`kvtrace diff` shows it next to the label. Needs runs recorded with KVTRACE_CAPTURE=ids.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="one run (reproduce) or RUN_A RUN_B (--counterfactual)")
     p.add_argument("--episode", action="append", required=True, metavar="ID",
                    help="the episode to re-execute (repeatable without --counterfactual)")
@@ -37,9 +40,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvtrace.commands.common import open_database, progress_printer
-    from kvtrace.replay.recorded import read_run
-
     if args.counterfactual and (len(args.runs) != 2 or len(args.episode) != 1):
         raise ConfigError("--counterfactual takes two runs and one --episode: kvtrace replay RUN_A RUN_B "
                           "--episode E --counterfactual")
@@ -59,9 +59,6 @@ def run(args) -> int:
 
 
 def _fork(client, args):
-    from kvtrace.analysis.forks import diff_runs
-    from kvtrace.replay.recorded import ReplayRefused
-
     run_a, run_b = args.runs
     (episode,) = args.episode
     diff = diff_runs(client, run_a, run_b, episode=episode)
@@ -73,9 +70,6 @@ def _fork(client, args):
 
 
 def _default_model(run) -> Path:
-    from kvtrace.experiment.models import model_cache_dir
-    from kvtrace.replay.recorded import ReplayRefused
-
     name = run.requests[0].configuration.model
     path = model_cache_dir() / name
     if not name or not path.is_file():
@@ -85,8 +79,6 @@ def _default_model(run) -> Path:
 
 
 def _reproduce(args, run, model: Path, progress) -> int:
-    from kvtrace.replay.reproduce import replay_episodes
-
     result = replay_episodes(run, args.episode, model, progress, args.timeout)
     if args.format == "json":
         json.dump(result.to_json(), sys.stdout, indent=2)
@@ -111,9 +103,6 @@ def _print_reproduction(result) -> None:
 
 
 def _counterfactual(args, runs, fork, model: Path, progress) -> int:
-    from kvtrace.replay import verdicts
-    from kvtrace.replay.reproduce import counterfactual
-
     verdict = counterfactual(runs[0], runs[1], fork, model, progress, args.timeout)
     verdicts.keep(verdict)
     if args.format == "json":

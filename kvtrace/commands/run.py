@@ -24,13 +24,9 @@ from kvtrace.preflight import check_settings
 BOOTSTRAP_DIR = str(Path(kvtrace.bootstrap.__file__).resolve().parent)
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "run",
-        help="run a command (e.g. python -m llama_cpp.server ...) with kvtrace instrumentation",
-        description="Run COMMAND with kvtrace's engine patches loaded at Python start-up; no code changes needed. "
-        "Example: kvtrace run -- python -m llama_cpp.server --model m.gguf --cache true",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Run COMMAND with kvtrace's engine patches loaded at Python start-up; no code changes "
+                          "needed. Example: kvtrace run -- python -m llama_cpp.server --model m.gguf --cache true")
     parser.add_argument("--run-id", default=None, help="run id for requests without baggage (env KVTRACE_RUN_ID)")
     parser.add_argument("--capture", choices=CAPTURE_MODES, default=None,
                         help="token capture policy (env KVTRACE_CAPTURE)")

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
+from kvtrace import queries
+from kvtrace.analysis.tables import print_rows
+from kvtrace.commands.common import open_database
 
-def register(sub) -> None:
-    p = sub.add_parser("runs", help="list runs with their configuration and counts",
-                       description="One line per run: engine, model, weight formats, arms, episodes, "
-                                   "requests, generated and cache-served tokens, first and last request.")
+
+def add_arguments(p) -> None:
+    p.description = ("One line per run: engine, model, weight formats, arms, episodes, "
+                     "requests, generated and cache-served tokens, first and last request.")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from kvtrace import queries
-    from kvtrace.analysis.tables import print_rows
-    from kvtrace.commands.common import open_database
-
     client = open_database(args)
     columns, rows = queries.run(client, "runs")
     print_rows(columns, rows, args.format)

@@ -17,25 +17,24 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvtrace import correlate, semconv
+from kvtrace.collectors.ingest import ingest_paths
 from kvtrace.commands.arguments import count
+from kvtrace.commands.common import open_database
+from kvtrace.config import Settings
+from kvtrace.patches.llama_cpp.repack import amx_hint
+from kvtrace.preflight import check_settings
+from kvtrace.recording.exporters.spool import SpoolExporter
+from kvtrace.recording.recorder import Recorder
+from kvtrace.recording.records import CacheEvent
 
 
-def register(sub) -> None:
-    p = sub.add_parser("selfcheck", help="record synthetic spans, ingest them and read them back (no engine needed)")
+def add_arguments(p) -> None:
     p.add_argument("--requests", type=count, default=20, help="synthetic requests to record (default 20)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from kvtrace import correlate, semconv
-    from kvtrace.collectors.ingest import ingest_paths
-    from kvtrace.commands.common import open_database
-    from kvtrace.config import Settings
-    from kvtrace.recording.records import CacheEvent
-    from kvtrace.recording.recorder import Recorder
-    from kvtrace.preflight import check_settings
-    from kvtrace.recording.exporters.spool import SpoolExporter
-
     check_settings()  # the configuration an engine would record with, before this check overrides capture
     run_id = f"selfcheck-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     rng = random.Random(0)
@@ -83,8 +82,6 @@ def run(args) -> int:
 
 
 def warn_about_amx() -> None:
-    from kvtrace.patches.llama_cpp.repack import amx_hint
-
     hint = amx_hint()
     if hint:
         print(f"kvtrace: warning: {hint} (README: 'AMX machines')", file=sys.stderr)

@@ -12,6 +12,7 @@ from typing import Callable
 
 from kvtrace.config import data_home
 from kvtrace.errors import ConfigError
+from kvtrace.testmodels.llama_gguf import make_model, quantize, shape_key
 
 
 def model_cache_dir() -> Path:
@@ -20,8 +21,6 @@ def model_cache_dir() -> Path:
 
 def generated_models(size: str, formats, progress: Callable[[str], None] = lambda m: None) -> dict[str, Path]:
     """A generated random-weight model of ``size`` in each format (made once, then cached)."""
-    from kvtrace.testmodels.llama_gguf import make_model, shape_key
-
     paths = {}
     for fmt in formats:
         path = model_cache_dir() / f"generated-{size}-{fmt}-{shape_key(size)}.gguf"
@@ -35,8 +34,6 @@ def generated_models(size: str, formats, progress: Callable[[str], None] = lambd
 def quantized_models(base: Path, formats, progress: Callable[[str], None] = lambda m: None,
                      threads: int = 1) -> dict[str, Path]:
     """``base`` (an F32/F16/BF16 GGUF) quantized to each format, cached by the base file's identity."""
-    from kvtrace.testmodels.llama_gguf import quantize
-
     base = Path(base)
     if not base.is_file():
         raise ConfigError(f"--model {base}: no such file")

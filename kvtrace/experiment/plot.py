@@ -49,6 +49,7 @@ def _bar_label(pair: dict, varying: list[int]) -> str:
 
 def divergence_figure(report: dict):
     """A matplotlib ``Figure`` (ImportError without matplotlib); None when no pair has a rate."""
+    # Deferred: matplotlib is the optional `plot` extra, and heavy.
     from matplotlib.figure import Figure
     from matplotlib.ticker import PercentFormatter
 

@@ -20,7 +20,7 @@ from kvtrace.experiment.conversation import CONVERSATIONS, Conversation
 from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT, PassDied, PassResult, PassSpec, run_isolated
 from kvtrace.experiment.plan import CACHE_ARMS, CONTROL_ARM, RESET_ARMS, PassKey, Plan, format_bytes
 from kvtrace.experiment.workload import Episode, episode_order, make_episodes
-from kvtrace.patches.llama_cpp.repack import amx_hint
+from kvtrace.patches.llama_cpp.repack import amx_hint, load_llama
 from kvtrace.progress import Progress
 
 _GGML_KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
@@ -78,8 +78,6 @@ class Outcome:
 
 
 def open_llama(model: Path, plan: Plan):
-    from kvtrace.patches.llama_cpp.repack import load_llama
-
     settings = plan.engine  # a pass's plan holds one engine setting (Plan.for_pass)
     kv_type = _GGML_KV_TYPES[settings.kv_type]
     # Threads pinned explicitly: the machine is shared, and steadier timing keeps runs comparable.

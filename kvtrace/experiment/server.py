@@ -46,6 +46,7 @@ from kvtrace.experiment.runner import Outcome
 from kvtrace.experiment.workload import episode_order, make_episodes
 from kvtrace.outside.proxy import llama_server_profile, proxy_in_thread
 from kvtrace.progress import Progress
+from kvtrace.recording.recorder import get_recorder
 
 SERVER_ARMS = ("off", "reuse", "prompt-cache")
 START_TIMEOUT_S = 180.0
@@ -189,8 +190,6 @@ def run_server_experiment(plan: Plan, command: Optional[list[str]], url: Optiona
         except KeyboardInterrupt:
             outcome.interrupted = True
         finally:
-            from kvtrace.recording.recorder import get_recorder
-
             recorder = get_recorder()
             if recorder is not None:
                 recorder.pipeline.force_flush()

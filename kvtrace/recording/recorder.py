@@ -31,7 +31,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
+from opentelemetry.trace.status import Status, StatusCode
 
+from kvtrace import __version__
 from kvtrace import semconv as sc
 from kvtrace.config import Settings, default_spool_dir
 from kvtrace.errors import KvtraceError
@@ -46,12 +48,6 @@ log = logging.getLogger("kvtrace")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
 
-def _version() -> str:
-    from kvtrace import __version__
-
-    return __version__
-
-
 class Recorder:
     """Turns :class:`RequestRecord` objects into spans.  One per process."""
 
@@ -63,7 +59,7 @@ class Recorder:
         if service_name and not os.environ.get("OTEL_SERVICE_NAME"):
             attrs["service.name"] = service_name
         self.resource = Resource.create(attrs)
-        self.scope = InstrumentationScope(sc.INSTRUMENTATION_SCOPE, _version())
+        self.scope = InstrumentationScope(sc.INSTRUMENTATION_SCOPE, __version__)
         if exporter is None:
             exporter = build_exporter(settings)
         # Counters go beside the spool this recorder writes (none for an exporter without one).
@@ -197,8 +193,6 @@ class Recorder:
         return a
 
     def _to_span(self, r: RequestRecord) -> ReadableSpan:
-        from opentelemetry.trace.status import Status, StatusCode
-
         context = SpanContext(int(r.trace_id, 16), int(r.span_id, 16), is_remote=False, trace_flags=_SAMPLED)
         status = Status(StatusCode.ERROR, r.error) if r.error else Status(StatusCode.UNSET)
         return ReadableSpan(

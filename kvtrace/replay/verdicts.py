@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from kvtrace.analysis.forks import Fork
 from kvtrace.config import data_home
-from kvtrace.replay.reproduce import Counterfactual
+
+if TYPE_CHECKING:  # only a type here; reproduce loads the engine side, which `kvtrace diff` does not need
+    from kvtrace.replay.reproduce import Counterfactual
 
 
 def verdicts_file() -> Path:

@@ -161,7 +161,7 @@ def _weights(shape: HFShape, vocab_size: int, seed: int) -> dict[str, np.ndarray
 
 def make_model(out: Path, size: str = "tiny", seed: int = SEED) -> Path:
     """Write the model directory ``out`` (created if needed) and return it."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save_file  # deferred: comes with vLLM (transformers), the only reader of these
 
     shape = SIZES[size]
     out = Path(out)

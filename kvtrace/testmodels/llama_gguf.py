@@ -176,7 +176,7 @@ def _output_std(shape: ModelShape) -> float:
 
 def write_f32(path: Path, size: str = "tiny", seed: int = SEED) -> Path:
     """Write the F32 model of ``size`` to ``path`` (the base every quant is made from)."""
-    import gguf
+    import gguf  # deferred, heavy (~0.3 s): only when a model is written
 
     shape = SIZES[size]
     path = Path(path)
@@ -218,8 +218,8 @@ def write_f32(path: Path, size: str = "tiny", seed: int = SEED) -> Path:
 
 def quantize(source: Path, target: Path, quant: str, threads: int = 1) -> Path:
     """Quantize a GGUF file with llama.cpp's own quantizer (its per-tensor lines go to the debug log)."""
-    import gguf
-    import llama_cpp
+    import gguf  # deferred, heavy: as in write_f32
+    import llama_cpp  # deferred, optional engine
 
     if quant not in QUANTS:
         raise ValueError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANTS)}")

@@ -163,7 +163,7 @@ def nonfinite_at(address: int, n: int, token: int) -> RowStats:
 
 
 def _load_compiled():
-    try:
+    try:  # imported here to catch its absence: the extension is optional (built where a C compiler was)
         from kvtrace.patches.llama_cpp import _rowstats
     except ImportError:
         return None

@@ -145,13 +145,13 @@ def test_a_spool_line_of_the_wrong_shape_never_reads_as_firing(alert, tmp_path):
 
 
 def test_an_internal_error_during_evaluation_exits_2_not_1(alert, tmp_path, monkeypatch):
-    import kvtrace.collectors.ingest
+    import kvtrace.commands.common
 
     def broken(*args, **kwargs):
         raise AttributeError("'int' object has no attribute 'get'")
 
     (tmp_path / "spool").mkdir()  # every evaluation ingests the spool first
-    monkeypatch.setattr(kvtrace.collectors.ingest, "ingest_paths", broken)
+    monkeypatch.setattr(kvtrace.commands.common, "ingest_paths", broken)
     code, _, err = alert()
     assert code == 2
     assert "could not evaluate rule margin-shift-p95: AttributeError: 'int' object has no attribute 'get'" in err
