@@ -114,7 +114,9 @@ def _host_float32(logits: Any) -> Optional[tuple[Any, int, int, int]]:
     """``(array, address of row 0, bytes between rows, vocabulary)`` of float32 logits whose rows are
     contiguous in host memory (converted when needed); ``None`` for logits on a device."""
     if isinstance(logits, np.ndarray):
-        x = logits if logits.dtype == np.float32 and logits.strides[1] == 4 else np.ascontiguousarray(logits, np.float32)
+        x = logits
+        if x.dtype != np.float32 or x.strides[1] != 4:
+            x = np.ascontiguousarray(x, np.float32)
         return x, x.ctypes.data, x.strides[0], x.shape[1]
     if logits.device.type != "cpu":
         return None
