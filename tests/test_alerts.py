@@ -6,8 +6,10 @@ shifted hits both hear it resolved.  Exit codes say firing / all clear / could n
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
+from contextlib import contextmanager
 
 import pytest
 import yaml
@@ -41,8 +43,19 @@ def recorded(tmp_path_factory):
     client = connect(url)
     init_schema(client)
     book.ingest(client)
-    yield {"url": url, "spool": str(root / "spool"), "root": root, "client": client}
-    client.close()
+    client.close()  # an embedded database is one process's at a time, and `kvtrace alert --watch` opens it in another
+    return {"url": url, "spool": str(root / "spool"), "root": root}
+
+
+@contextmanager
+def opened(recorded):
+    from kvtrace.db import connect
+
+    client = connect(recorded["url"])
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 def write_rules(path, rules, delivery=None):
@@ -66,7 +79,8 @@ def test_margin_shift_rule_fires_above_its_threshold_and_stays_quiet_below(recor
     now = time.time()
     config = parse_config({"rules": [SHIFT_RULE, {**SHIFT_RULE, "name": "lenient", "threshold": 0.3},
                                      {**SHIFT_RULE, "name": "mean", "metric": "margin_shift_mean_abs"}]})
-    strict, lenient, mean = evaluate(recorded["client"], config, now).outcomes
+    with opened(recorded) as client:
+        strict, lenient, mean = evaluate(client, config, now).outcomes
     assert [a.labels["weight_format"] for a in strict.firing] == ["Q4_K_M"]
     assert strict.firing[0].value == pytest.approx(0.25)
     assert strict.firing[0].samples == 12 and strict.rows == 2  # both formats judged, one fired
@@ -85,13 +99,14 @@ def test_filters_min_samples_and_window_scope_a_rule(recorded):
         {"name": "near-ties", "metric": "near_tie_share", "threshold": 0.2, "window": "1h"},
         {"name": "forks", "metric": "divergence_rate", "threshold": 0.5, "baseline_arm": "off", "window": "1h"},
     ]
-    outcomes = evaluate(recorded["client"], parse_config({"rules": rules}), now).outcomes
+    with opened(recorded) as client:
+        outcomes = evaluate(client, parse_config({"rules": rules}), now).outcomes
+        later = evaluate(client, parse_config({"rules": rules}), now + 7200).outcomes
     f16, too_few, ties, forks = outcomes
     assert [a.value for a in f16.firing] == [pytest.approx(0.01)]
     assert (too_few.firing, too_few.rows) == ([], 0)
     assert [(a.labels["weight_format"], a.value) for a in ties.firing] == [("F16", 0.25)]
     assert forks.firing == [] and forks.rows == 2 and not forks.error  # same tokens: no episode forked
-    later = evaluate(recorded["client"], parse_config({"rules": rules}), now + 7200).outcomes
     assert all(o.firing == [] and o.rows == 0 for o in later)
 
 
@@ -142,6 +157,31 @@ def test_failed_delivery_is_reported_retried_and_sent_later(recorded, tmp_path, 
         assert kvtrace(recorded, tmp_path, "--rules", str(rules), "--watch", "0.01", "--cycles", "2") == 1
         posts = hook.take()
         assert len(posts) == 1 and posts[0][1]["status"] == "firing"  # the pending notice, once
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_watching_for_hours_does_not_pile_up_descriptors(recorded, tmp_path, capsys):
+    """chDB keeps some threads and descriptors of every database opened and closed in a process: a watch
+    that opened it itself every cycle would run out of descriptors after some hours."""
+    with Receiver() as hook:
+        rules = write_rules(tmp_path / "rules.yaml", [SHIFT_RULE], {"webhook": {"url": hook.url}})
+        before = open_descriptors()
+        assert kvtrace(recorded, tmp_path, "--rules", str(rules), "--watch", "0.01", "--cycles", "2") == 1
+        after_2 = open_descriptors()
+        assert kvtrace(recorded, tmp_path, "--rules", str(rules), "--watch", "0.01", "--cycles", "4") == 1
+        after_6 = open_descriptors()
+        assert after_6 - after_2 <= 2 and after_2 - before <= 2, (before, after_2, after_6)
+        out = capsys.readouterr().out
+        assert out.count("FIRING   margin-shift-p95") == 6  # every cycle evaluated, in its own process
+        posts = hook.take()
+        assert [body["status"] for _, body in posts] == ["firing"]  # the state carried from cycle to cycle
+        # Two hours later (one evaluation, from cron) the same state file resolves it.
+        assert kvtrace(recorded, tmp_path, "--rules", str(rules), "--at", str(time.time() + 7200)) == 0
+        assert "RESOLVED margin-shift-p95" in capsys.readouterr().out
+        assert [body["status"] for _, body in hook.take()] == ["resolved"]
 
 
 def test_exit_codes(recorded, tmp_path, capsys):

@@ -16,10 +16,11 @@ from pathlib import Path
 
 from kvtrace.alerts import cycle as alert_cycle
 from kvtrace.alerts.delivery import Deliverer
-from kvtrace.alerts.evaluation import Evaluation, RuleOutcome, evaluate
 from kvtrace.alerts.rules import load_rules
 from kvtrace.alerts.state import AlertState, AlertStateError, default_state_path
-from kvtrace.commands.common import open_database
+from kvtrace.commands.alert_database import evaluate_database, evaluate_database_isolated
+from kvtrace.config import default_database_url
+from kvtrace.db import chdb_path
 from kvtrace.error_report import one_line, traceback_requested
 from kvtrace.errors import ConfigError, KvtraceError
 
@@ -75,18 +76,10 @@ def evaluate_and_deliver(args) -> int:
 
 def cycle(args, config, state, deliverer, at: float) -> int:
     """One evaluation with delivery and printing; never raises for database, delivery or state-file trouble."""
-    client = None
-    try:
-        client = open_database(args)
-        evaluation = evaluate(client, config, at)
-    except Exception as exc:  # unreachable database, an ingest that failed: no rule was evaluated
-        if traceback_requested(args) and not isinstance(exc, KvtraceError):
-            traceback.print_exc()
-        reason = str(exc) if isinstance(exc, KvtraceError) else one_line(exc)
-        evaluation = Evaluation(at, [RuleOutcome(rule, error=reason) for rule in config.rules])
-    finally:
-        if client is not None:
-            client.close()  # the embedded database is one process's at a time: free it between cycles
+    if args.watch is not None and chdb_path(default_database_url()):
+        evaluation = evaluate_database_isolated(args, config, at)  # chDB leaks descriptors per open/close
+    else:
+        evaluation = evaluate_database(args, config, at)
     report = alert_cycle.apply(state, evaluation, config)
     alert_cycle.deliver(state, report, config, deliverer)
     print_report(report)

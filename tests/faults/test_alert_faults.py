@@ -182,3 +182,36 @@ def test_from_cron_a_non_utf8_rules_file_is_exit_2_and_one_line(tmp_path):
                            "--rules", str(rules)], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2
     one_error_line(proc.stderr, "not UTF-8")
+
+
+@pytest.fixture
+def evaluation_process_that(tmp_path, monkeypatch):
+    """Makes every Python started from here on (the watch's evaluation process) run ``code`` first."""
+
+    def run_first(code: str) -> None:
+        hook = tmp_path / "hook"
+        hook.mkdir()
+        (hook / "sitecustomize.py").write_text(code)
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+
+    return run_first
+
+
+def test_a_watch_whose_evaluation_process_is_killed_reports_it_and_keeps_watching(alert, evaluation_process_that):
+    evaluation_process_that("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    code, out, err = alert("--watch", "0.01", "--cycles", "2")
+    assert code == 2 and "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("kvtrace: error:")]
+    assert errors == ["kvtrace: error: could not evaluate rule margin-shift-p95: "
+                      "the evaluation process died with SIGKILL"] * 2, err
+
+
+def test_a_watch_whose_evaluation_process_hangs_gives_up_on_it_after_the_timeout(alert, evaluation_process_that,
+                                                                                  monkeypatch):
+    import kvtrace.commands.alert_database
+
+    evaluation_process_that("import time\ntime.sleep(600)\n")
+    monkeypatch.setattr(kvtrace.commands.alert_database, "ISOLATED_TIMEOUT_S", 1.0)
+    code, out, err = alert("--watch", "0.01", "--cycles", "1")
+    assert code == 2 and "Traceback" not in err
+    one_error_line(err, "could not evaluate rule margin-shift-p95", "did not finish within 1 s")
