@@ -1,8 +1,8 @@
-"""The one compiled part of kvtrace: the per-token logits helper of the llama.cpp patch.
+"""The one compiled part of kvtrace: the per-token logits helper both engine patches share.
 
 Everything else is configured in pyproject.toml.  The extension is optional: where it cannot be
 built (no C compiler), the install still succeeds and kvtrace uses its pure-numpy twin, which gives
-bit-identical results (patches/llama_cpp/rowstats.py).
+bit-identical results (patches/rowstats.py).
 """
 
 from setuptools import Extension, setup
@@ -22,8 +22,8 @@ class BuildExt(build_ext):
 
 setup(
     ext_modules=[
-        Extension("kvtrace.patches.llama_cpp._rowstats", ["patches/llama_cpp/_rowstats.c"],
-                  depends=["patches/llama_cpp/_rowstats_kernels.h"], optional=True),
+        Extension("kvtrace.patches._rowstats", ["patches/_rowstats.c"],
+                  depends=["patches/_rowstats_kernels.h"], optional=True),
     ],
     cmdclass={"build_ext": BuildExt},
 )

@@ -10,7 +10,7 @@ per hook area:
   ``generate``; ``eval`` itself is not wrapped): the prompt tokens llama.cpp kept from the live KV
   cache, recomputed, or replayed;
 * :mod:`.sampling` — ``Llama.sample``: chosen id, top-1, runner-up, margin and log-probability
-  from the raw logits row, in one pass (:mod:`.rowstats`, compiled where it was built);
+  from the raw logits row, in one pass (:mod:`kvtrace.patches.rowstats`, compiled where it was built);
 * :mod:`.prompt_cache` — ``Llama.load_state`` and the ``BaseLlamaCache`` classes: lookups,
   restores, stores and evictions, each with the origin of the state;
 * :mod:`.config` — what the ``Llama`` is configured with (fingerprint, weight format, numerics);

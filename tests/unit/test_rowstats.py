@@ -12,7 +12,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from kvtrace.patches.llama_cpp import rowstats
+from kvtrace.patches import rowstats
 
 SIZES = (1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 255, 256, 257, 4096, 32000, 32001, 32007, 151936)
 """Around the vector widths (4, 8, 16), the sum's 16 lanes and the 256-logit blocks; real vocabularies."""
@@ -34,7 +34,7 @@ def rows(seed: int = 0):
 
 
 def compiled_module():
-    return pytest.importorskip("kvtrace.patches.llama_cpp._rowstats",
+    return pytest.importorskip("kvtrace.patches._rowstats",
                                reason="the compiled helper was not built (no C compiler at install)")
 
 

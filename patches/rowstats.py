@@ -164,7 +164,7 @@ def nonfinite_at(address: int, n: int, token: int) -> RowStats:
 
 def _load_compiled():
     try:  # imported here to catch its absence: the extension is optional (built where a C compiler was)
-        from kvtrace.patches.llama_cpp import _rowstats
+        from kvtrace.patches import _rowstats
     except ImportError:
         return None
     return _rowstats

@@ -1,4 +1,4 @@
-/* kvtrace.patches.llama_cpp._rowstats: the per-token numbers of one raw logits row, compiled.
+/* kvtrace.patches._rowstats: the per-token numbers of one raw logits row, compiled.
  *
  * row_stats(address, n, token) -> (top1, runner_up, margin, logprob) | None
  * row_stats_at(get_logits_ith, ctx, n, nonfinite, i, token) -> (top1, runner_up, margin, logprob)
