@@ -1,6 +1,7 @@
 """The child side of an isolated pass: ``python -m kvtrace.experiment.pass_process FD PASS_JSON``.
 
-It patches llama-cpp-python, runs the pass through this process's recorder (configured by the
+It patches llama-cpp-python (vLLM patches itself through kvtrace's plugin entry point when the
+pass starts its engine), runs the pass through this process's recorder (configured by the
 inherited ``KVTRACE_*`` environment), shuts the recorder down so every finished request is in the
 spool, and only then writes its result to FD: a result in the parent's hands means the spool is
 complete. Ctrl-C (forwarded by the parent) stops between requests, as an in-process run did.
@@ -14,7 +15,7 @@ import sys
 from typing import Optional
 
 from kvtrace.experiment.isolation import PassResult, PassSpec, progress_message, result_message
-from kvtrace.experiment.runner import run_pass
+from kvtrace.experiment import runner, vllm_pass
 from kvtrace.patches import llama_cpp as llama_patch
 from kvtrace.recording.recorder import get_recorder
 
@@ -23,7 +24,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     fd, spec_json = sys.argv[1:] if argv is None else argv
     report = os.fdopen(int(fd), "w", buffering=1)
     spec = PassSpec.from_json(spec_json)
-    llama_patch.patch()
+    if spec.plan.engine == "vllm":
+        run_engine_pass = vllm_pass.run_pass
+    else:
+        llama_patch.patch()
+        run_engine_pass = runner.run_pass
     recorder = get_recorder()
     result = PassResult()
 
@@ -31,7 +36,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         report.write(progress_message(text, result) + "\n")
 
     try:
-        run_pass(spec.plan, spec.model, spec.key, spec.run_id, result, progress)
+        run_engine_pass(spec.plan, spec.model, spec.key, spec.run_id, result, progress)
     except KeyboardInterrupt:
         result.interrupted = True
     except BrokenPipeError:
