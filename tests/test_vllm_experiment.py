@@ -8,7 +8,7 @@ recomputed every prompt while ``prefix`` reused earlier turns' blocks; and every
 counts is blamed on a cache event: for a hit against a recompute, the hit, with vLLM's block hashes
 and the earlier request of the same run that stored them.
 
-The workload is small (6 episodes x 3 turns x 16 tokens) to keep CI short: forks are rare at that
+The workload is small (5 episodes x 2 turns x 12 tokens) to keep CI short: forks are rare at that
 size (tests/test_vllm_forks.py is where forks are made to appear), so the attribution assertions
 hold for whatever forks appear. The command runs once per module, in its own process, as a user
 would run it; each pass starts its own vLLM engine (kvtrace comes in through vLLM's plugin).
@@ -30,8 +30,11 @@ from kvtrace import semconv as sc  # noqa: E402
 from kvtrace.analysis.forks import diff_runs  # noqa: E402
 from kvtrace.db import connect  # noqa: E402
 
+pytestmark = pytest.mark.timeout(900)
+"""Four passes, each starting vLLM: about a minute and a half alone, many minutes on a busy shared machine."""
+
 PREFIX = "vexp"
-EPISODES, TURNS, TOKENS = 6, 3, 16
+EPISODES, TURNS, TOKENS = 5, 2, 12
 DTYPE = "bfloat16"
 CACHE_LABELS = {sc.ATTRIBUTION_HIT_VS_RECOMPUTE, sc.ATTRIBUTION_REUSE_LENGTH, sc.ATTRIBUTION_CACHE_SOURCE}
 
@@ -55,7 +58,7 @@ def experiment(tmp_path_factory):
     home = tmp_path_factory.mktemp("vllm-experiment")
     done = kvtrace_cli(home, "experiment", "--engine", "vllm", "--generate", "fork", "--dtype", "bf16",
                        "--episodes", str(EPISODES), "--turns", str(TURNS), "--tokens", str(TOKENS), "--repeats", "2",
-                       "--prefix", PREFIX, "--format", "json", timeout=600)
+                       "--prefix", PREFIX, "--format", "json", timeout=840)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout), home / "db"
 

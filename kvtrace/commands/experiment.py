@@ -125,11 +125,12 @@ def plan_from_args(args):
 
     from kvtrace.experiment import Plan
 
-    vllm = getattr(args, "engine", "llama_cpp") == "vllm"
+    # Commands that share this parser's options may leave out the vLLM ones.
+    vllm, dtypes = getattr(args, "engine", "llama_cpp") == "vllm", getattr(args, "dtype", None)
     if vllm:
-        formats = tuple(vllm_dtype(d) for d in args.dtype or ("bf16",))
+        formats = tuple(vllm_dtype(d) for d in dtypes or ("bf16",))
     else:
-        if args.dtype:
+        if dtypes:
             raise ConfigError("--dtype is for --engine vllm; llama.cpp's weight formats are --formats")
         formats = args.formats or LLAMA_FORMATS
     try:

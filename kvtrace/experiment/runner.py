@@ -53,7 +53,7 @@ class PassFailure:
                  f"reproduce, run that pass alone")
         if isinstance(s, VllmSettings):
             return (f"{where} (kvtrace experiment --engine vllm ... --dtype {k.format} --arms {k.arm}); run it "
-                    f"with -v to see vLLM's own log")
+                    f"with VLLM_LOGGING_LEVEL=INFO to see vLLM's own log")
         cache = f" --cache-ram {format_bytes(k.cache_ram)}" if k.cache_ram is not None else ""
         return (f"{where} (kvtrace experiment ... --formats {k.format} --arms {k.arm} "
                 f"--n-batch {s.n_batch} --n-ubatch {s.n_ubatch} --flash-attn {s.flash_attn} --kv-type "

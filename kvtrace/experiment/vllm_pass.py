@@ -46,6 +46,7 @@ ENGINE_ENVIRONMENT = {
 ENGINE_ENVIRONMENT_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on the CPU backend: ~250k tokens of the test models
     "HF_HUB_OFFLINE": "1",  # a local model directory: nothing to download
+    "VLLM_LOGGING_LEVEL": "WARNING",  # not a line per request ("reset prefix cache") on the command's stderr
 }
 
 
