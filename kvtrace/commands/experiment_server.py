@@ -14,7 +14,7 @@ def run_against_server(args) -> int:
     command, url = server.parse_target(args.server)
     if args.plot:
         require_plot_extra()
-    if url is not None and args.arms == ("off", "reuse", "prompt-cache"):
+    if url is not None and args.arms is None:
         args.arms = ("off", "reuse")  # the default arms a running server can offer
     plan = plan_from_args(args)  # checked before the server is asked anything
     server.check_plan(plan, url)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from kvtrace.experiment.plan import EngineSettings, PassKey, Plan
+from kvtrace.experiment.plan import EngineSettings, PassKey, Plan, VllmSettings
 
 CHILD_MODULE = "kvtrace.experiment.pass_process"
 
@@ -54,7 +54,8 @@ class PassSpec:
     def from_json(cls, text: str) -> "PassSpec":
         data = json.loads(text)
         plan = {k: tuple(v) if isinstance(v, list) else v for k, v in data["plan"].items()}
-        key = dict(data["key"], settings=EngineSettings(**data["key"]["settings"]))
+        settings = VllmSettings if plan.get("engine") == "vllm" else EngineSettings
+        key = dict(data["key"], settings=settings(**data["key"]["settings"]))
         return cls(Plan(**plan), Path(data["model"]), PassKey(**key), data["run_id"])
 
 

@@ -1,4 +1,5 @@
-"""The weight-format grid: one base model, quantized to each format with llama.cpp's quantizer.
+"""The weight-format grid: one base model, quantized to each format with llama.cpp's quantizer (for vLLM:
+one Hugging Face directory, loaded in each dtype).
 
 Quantized files are cached in the per-user data dir, keyed by the base model's identity, so
 re-running an experiment (or the demo) does not quantize again.
@@ -56,3 +57,27 @@ def quantized_models(base: Path, formats, progress: Callable[[str], None] = lamb
         paths[fmt] = path
     return paths
 
+
+
+def generated_hf_model(size: str, progress: Callable[[str], None] = lambda m: None) -> Path:
+    """A generated random-weight Hugging Face Llama directory of ``size`` for vLLM (made once, then
+    cached; vLLM loads it in whichever dtype a pass asks for)."""
+    from kvtrace.testmodels.hf_llama import SIZES, make_model
+
+    shape = hashlib.sha256(repr(SIZES[size]).encode()).hexdigest()[:12]
+    path = model_cache_dir() / f"generated-hf-{size}-{shape}"
+    if not (path / "config.json").is_file():
+        progress(f"generating {size} model for vLLM")
+        partial = path.with_name(path.name + ".partial")
+        make_model(partial, size)
+        partial.replace(path)
+    return path
+
+
+def hf_model_directory(path: Path) -> Path:
+    """``--model`` for vLLM: a Hugging Face model directory (its ``config.json`` says what to load)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--model {path}: not a Hugging Face model directory (no config.json); vLLM loads "
+                          "a directory with config.json, weights and tokenizer")
+    return path.resolve()

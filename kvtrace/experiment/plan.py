@@ -31,6 +31,24 @@ CONTROL_ARM = "restore-replay"
 """The arm label of the restore control's replays: a check that each path is deterministic, reported
 as reproduced / checked, never as an arm of the comparison."""
 
+VLLM_ARMS = ("off", "prefix")
+"""The arms of ``--engine vllm``. off: ``reset_prefix_cache()`` before every request, so every prompt
+is computed in full by an engine configured exactly like the ``prefix`` arm's (why not
+``enable_prefix_caching=False``: see ``kvtrace.experiment.vllm_pass``); prefix: vLLM's automatic
+prefix caching, blocks kept between requests."""
+
+ENGINES = ("llama_cpp", "vllm")
+"""The engines an experiment runs in-process (``--server`` runs llama-server instead)."""
+
+VLLM_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+               "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
+"""``--dtype`` spellings → the dtype vLLM loads the weights in, spelled as vLLM records it (the
+weight format of its requests), which is how a vLLM plan names its formats."""
+
+VLLM_BLOCK_SIZE = 32
+"""Tokens per KV-cache block: vLLM's CPU attention needs a multiple of 32, and the smallest block
+makes the most prefix reusable."""
+
 ORDERS = ("canonical", "shuffled")
 
 CONVERSATIONS = ("text", "tokens")
@@ -93,11 +111,23 @@ class EngineSettings:
 
 
 @dataclass(frozen=True)
+class VllmSettings:
+    """The vLLM settings of one pass that change numerics: eager mode (no graph capture)."""
+
+    enforce_eager: bool = True
+
+    @property
+    def label(self) -> str:
+        """Its part of the run id: ``eager``."""
+        return "eager" if self.enforce_eager else "graphs"
+
+
+@dataclass(frozen=True)
 class PassKey:
     """One pass of the grid: one fresh engine running every episode once."""
 
     format: str
-    settings: EngineSettings
+    settings: "EngineSettings | VllmSettings"
     arm: str
     cache_ram: Optional[int]
     """Prompt-cache capacity in bytes for the cache arms; None for the others."""
@@ -130,9 +160,17 @@ class Plan:
     cache_ram: tuple[int, ...] = (DEFAULT_CACHE_RAM,)
     conversation: str = "text"
     schedule: str = "sequential"
+    engine: str = "llama_cpp"
+    """llama_cpp: formats are GGUF weight formats; vllm: formats are the dtypes vLLM loads the model
+    in (``VLLM_DTYPES`` values), arms ``VLLM_ARMS``, and the llama.cpp knobs do not apply."""
 
     def __post_init__(self):
-        for values, allowed, what in ((self.formats, QUANTS, "weight format"), (self.arms, ARMS, "arm"),
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}; choose from {', '.join(ENGINES)}")
+        vllm = self.engine == "vllm"
+        formats = sorted(set(VLLM_DTYPES.values())) if vllm else QUANTS
+        for values, allowed, what in ((self.formats, formats, "dtype" if vllm else "weight format"),
+                                      (self.arms, VLLM_ARMS if vllm else ARMS, "arm"),
                                       (self.orders, ORDERS, "order"),
                                       (self.flash_attn, FLASH_ATTN, "--flash-attn value"),
                                       (self.kv_type, KV_TYPES, "--kv-type"),
@@ -150,7 +188,7 @@ class Plan:
                 raise ValueError(f"{name.replace('_', '-')}: give at least one value")
         if min(self.n_batch + self.n_ubatch) < 1 or min(self.cache_ram) < 0:
             raise ValueError("--n-batch and --n-ubatch must be at least 1, --cache-ram at least 0")
-        for settings in self.engine_settings():
+        for settings in ([] if vllm else self.engine_settings()):
             if settings.n_ubatch > settings.n_batch:
                 raise ValueError(f"--n-ubatch {settings.n_ubatch} is larger than --n-batch {settings.n_batch}: "
                                  "llama.cpp splits each batch into micro-batches of at most n_batch tokens")
@@ -158,13 +196,15 @@ class Plan:
                 raise ValueError("--kv-type q8_0 needs --flash-attn on (llama.cpp quantizes the V cache only "
                                  "with flash attention)")
 
-    def engine_settings(self) -> list[EngineSettings]:
+    def engine_settings(self) -> list:
         """Every combination of the engine knobs, in the order passes run them."""
+        if self.engine == "vllm":
+            return [VllmSettings()]
         return [EngineSettings(b, ub, fa, kv, repack) for b, ub, fa, kv, repack in
                 itertools.product(self.n_batch, self.n_ubatch, self.flash_attn, self.kv_type, self.weight_repack)]
 
     @property
-    def engine(self) -> EngineSettings:
+    def pass_settings(self) -> EngineSettings:
         """The one engine setting of a single pass's plan (``for_pass``)."""
         (settings,) = self.engine_settings()
         return settings
@@ -172,6 +212,8 @@ class Plan:
     def for_pass(self, key: PassKey) -> "Plan":
         """This plan narrowed to one pass: its format, engine settings, arm, cache size and order."""
         s = key.settings
+        if self.engine == "vllm":
+            return replace(self, formats=(key.format,), arms=(key.arm,), orders=(key.order,), repeats=1)
         return replace(self, formats=(key.format,), arms=(key.arm,), orders=(key.order,), repeats=1,
                        n_batch=(s.n_batch,), n_ubatch=(s.n_ubatch,), flash_attn=(s.flash_attn,), kv_type=(s.kv_type,),
                        weight_repack=(s.weight_repack,),

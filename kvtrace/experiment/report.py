@@ -15,7 +15,7 @@ from typing import Any, Optional, TextIO
 
 from kvtrace import queries
 from kvtrace.analysis.tables import print_rows
-from kvtrace.experiment.plan import CONTROL_ARM, EngineSettings, Plan, format_bytes
+from kvtrace.experiment.plan import CONTROL_ARM, EngineSettings, Plan, VllmSettings, format_bytes
 from kvtrace.experiment.runner import Outcome
 
 BASELINE_ARM = "off"
@@ -26,9 +26,12 @@ def _num(value: Any) -> Any:
 
 
 def settings_label(numerics_settings: str) -> str:
-    """The engine settings a request recorded, spelled as in run ids (``b256.ub1.fa-off.kv-f16``)."""
+    """The engine settings a request recorded, spelled as in run ids (``b256.ub1.fa-off.kv-f16``; vLLM's
+``eager``)."""
     try:
         n = json.loads(numerics_settings)
+        if "enforce_eager" in n:  # vLLM's
+            return VllmSettings(bool(n["enforce_eager"])).label
         return EngineSettings(int(n["n_batch"]), int(n["n_ubatch"]), "on" if n["flash_attn"] == "enabled" else "off",
                               str(n["type_k"]), "on" if n.get("weight_repack") else "off").label
     except (ValueError, KeyError, TypeError):
@@ -129,7 +132,7 @@ def flip_rates(client, plan: Plan) -> list[dict]:
 
 def build_report(client, plan: Plan, outcome: Outcome) -> dict:
     return {
-        "prefix": plan.prefix, "seed": plan.seed, "formats": list(plan.formats), "arms": list(plan.arms),
+        "prefix": plan.prefix, "engine": plan.engine, "seed": plan.seed, "formats": list(plan.formats), "arms": list(plan.arms),
         "episodes": plan.episodes, "turns": plan.turns, "tokens": plan.tokens, "repeats": plan.repeats,
         "orders": list(plan.orders), "conversation": plan.conversation, "schedule": plan.schedule,
         "engine_settings": [s.label for s in plan.engine_settings()],

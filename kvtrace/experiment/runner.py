@@ -1,4 +1,5 @@
-"""Run the plan: one fresh ``Llama`` per pass, serial requests, batch size one, greedy decoding.
+"""Run the plan: one fresh engine per pass (``Llama`` here, vLLM's ``LLM`` in ``vllm_pass``), serial
+requests, batch size one, greedy decoding.
 
 Each pass runs in a process of its own (``isolation``), so a native crash or hang of the engine
 ends that pass with a clear error while the passes before it stay recorded. Every request goes
@@ -18,7 +19,7 @@ from typing import Callable, Iterator, Optional
 from kvtrace import correlate
 from kvtrace.experiment.conversation import CONVERSATIONS, Conversation
 from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT, PassDied, PassResult, PassSpec, run_isolated
-from kvtrace.experiment.plan import CACHE_ARMS, CONTROL_ARM, RESET_ARMS, PassKey, Plan, format_bytes
+from kvtrace.experiment.plan import CACHE_ARMS, CONTROL_ARM, RESET_ARMS, PassKey, Plan, VllmSettings, format_bytes
 from kvtrace.experiment.workload import Episode, episode_order, make_episodes
 from kvtrace.patches.llama_cpp.repack import amx_hint, load_llama
 from kvtrace.progress import Progress
@@ -47,10 +48,14 @@ class PassFailure:
         k, s = self.key, self.key.settings
         kept = (f"the {self.passes_kept} pass(es) before it are kept (kvtrace runs)" if self.passes_kept
                 else "no pass had finished before it")
+        where = (f"the engine {self.cause} in pass {self.run_id} (format {k.format}, arm {k.arm}, repeat "
+                 f"{k.repeat}, order {k.order}) after {self.requests} finished request(s); {kept}; to "
+                 f"reproduce, run that pass alone")
+        if isinstance(s, VllmSettings):
+            return (f"{where} (kvtrace experiment --engine vllm ... --dtype {k.format} --arms {k.arm}); run it "
+                    f"with VLLM_LOGGING_LEVEL=INFO to see vLLM's own log")
         cache = f" --cache-ram {format_bytes(k.cache_ram)}" if k.cache_ram is not None else ""
-        return (f"the engine {self.cause} in pass {self.run_id} (format {k.format}, arm {k.arm}, repeat "
-                f"{k.repeat}, order {k.order}) after {self.requests} finished request(s); {kept}; to "
-                f"reproduce, run that pass alone (kvtrace experiment ... --formats {k.format} --arms {k.arm} "
+        return (f"{where} (kvtrace experiment ... --formats {k.format} --arms {k.arm} "
                 f"--n-batch {s.n_batch} --n-ubatch {s.n_ubatch} --flash-attn {s.flash_attn} --kv-type "
                 f"{s.kv_type} --weight-repack {s.weight_repack}{cache}); {engine_crash_hint()}")
 
@@ -78,12 +83,13 @@ class Outcome:
 
 
 def open_llama(model: Path, plan: Plan):
-    settings = plan.engine  # a pass's plan holds one engine setting (Plan.for_pass)
+    settings = plan.pass_settings  # a pass's plan holds one engine setting (Plan.for_pass)
     kv_type = _GGML_KV_TYPES[settings.kv_type]
     # Threads pinned explicitly: the machine is shared, and steadier timing keeps runs comparable.
     # load_llama: the weight repack off on every CPU (same kernels everywhere; no AMX crash) unless a
     # pass asks for llama.cpp's default on purpose (its own process: a crash ends only that pass).
-    return load_llama(model, weight_repack=settings.weight_repack == "on", n_ctx=plan.n_ctx, n_batch=settings.n_batch, n_ubatch=settings.n_ubatch,
+    return load_llama(model, weight_repack=settings.weight_repack == "on", n_ctx=plan.n_ctx,
+                      n_batch=settings.n_batch, n_ubatch=settings.n_ubatch,
                       flash_attn=settings.flash_attn == "on", type_k=kv_type, type_v=kv_type, n_threads=plan.n_threads,
                       n_threads_batch=plan.n_threads, seed=plan.seed, verbose=False)
 
@@ -134,7 +140,7 @@ class _TurnCounter:
 
 
 @dataclass
-class _Agent:
+class Agent:
     """One episode in flight: its environment and its conversation so far."""
 
     episode: Episode
@@ -155,9 +161,9 @@ def run_pass(plan: Plan, model: Path, key: PassKey, run_id: str, result: PassRes
                 llm.set_cache(open_cache(key.arm, key.cache_ram, Path(cache_dir)))
             conversation = CONVERSATIONS[plan.conversation]
             episodes = make_episodes(plan.episodes, plan.seed)
-            agents = [_Agent(episodes[i], conversation(llm, episodes[i].opening()))
+            agents = [Agent(episodes[i], conversation(llm, episodes[i].opening()))
                       for i in episode_order(plan.episodes, key.order, plan.seed)]
-            for agent, turn in _schedule(agents, plan.turns, plan.schedule):
+            for agent, turn in schedule_turns(agents, plan.turns, plan.schedule):
                 progress(f"{run_id} episode {agent.episode.episode_id} turn {turn + 1}/{plan.turns}")
                 if not agent.done:
                     _turn(llm, plan, key, run_id, agent, turn, result)
@@ -169,14 +175,14 @@ def run_pass(plan: Plan, model: Path, key: PassKey, run_id: str, result: PassRes
             llm.close()
 
 
-def _schedule(agents: list[_Agent], turns: int, schedule: str) -> Iterator[tuple[_Agent, int]]:
+def schedule_turns(agents: list[Agent], turns: int, schedule: str) -> Iterator[tuple[Agent, int]]:
     """(agent, turn) in the order the server sees the requests."""
     if schedule == "interleaved":
         return ((agent, turn) for turn in range(turns) for agent in agents)
     return ((agent, turn) for agent in agents for turn in range(turns))
 
 
-def _turn(llm, plan: Plan, key: PassKey, run_id: str, agent: _Agent, turn: int, result: PassResult) -> None:
+def _turn(llm, plan: Plan, key: PassKey, run_id: str, agent: Agent, turn: int, result: PassResult) -> None:
     episode = agent.episode
     prompt = agent.conversation.prompt()
     if len(prompt) + plan.tokens > plan.n_ctx:
