@@ -413,6 +413,13 @@ def main() -> int:
     for quant in args.quants:
         path = model_path(args.model_dir, args.size, quant)
         report(quant, bench_format(path, args, patch, hook_clock, null_clock, call_through), timer_overhead)
+    print_closing_counts()
+    return 0
+
+
+
+def print_closing_counts() -> None:
+    """The load at the end and the recorder's span counts: every span stored, spooled or counted."""
     print("\nload average: %.2f %.2f %.2f" % os.getloadavg())
     recorder = get_recorder()
     if recorder is not None:
@@ -421,7 +428,6 @@ def main() -> int:
         print(f"spans spooled: {counters['spans_spooled']}, stored: {counters['spans_stored']}, "
               f"dropped: {counters['spans_dropped_queue_full']}, "
               f"instrumentation errors: {counters['instrumentation_errors']}")
-    return 0
 
 
 if __name__ == "__main__":

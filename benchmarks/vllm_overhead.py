@@ -49,7 +49,8 @@ from kvtrace.recording.recorder import Recorder, get_recorder
 from kvtrace.testmodels.hf_llama import SIZES, make_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_overhead import HookClock, HookTime, exporter_cpu_ns  # noqa: E402  (a sibling script's timers)
+from llama_overhead import (HookClock, HookTime, exporter_cpu_ns,  # noqa: E402  (a sibling script's timers)
+                            print_closing_counts)
 
 SPAN_BUILD = "recorder.finish (span build)"
 """The request's span, built inside the ``_free_request`` hook: reported apart as well."""
@@ -242,14 +243,7 @@ def main() -> int:
     print("load average: %.2f %.2f %.2f on %d CPUs" % (*os.getloadavg(), os.cpu_count() or 0))
     untraced, traced = bench(args, model, patch, hook_clock)
     report(untraced, traced, timer_overhead)
-    print("\nload average: %.2f %.2f %.2f" % os.getloadavg())
-    recorder = get_recorder()
-    if recorder is not None:
-        recorder.pipeline.force_flush()
-        counters = recorder.pipeline.counters
-        print(f"spans spooled: {counters['spans_spooled']}, stored: {counters['spans_stored']}, "
-              f"dropped: {counters['spans_dropped_queue_full']}, "
-              f"instrumentation errors: {counters['instrumentation_errors']}")
+    print_closing_counts()
     return 0
 
 

@@ -148,6 +148,27 @@ class Agent:
     done: bool = False
 
 
+def drive_episodes(plan: Plan, key: PassKey, run_id: str, result: PassResult, progress: Callable[[str], None],
+                   start_conversation: Callable, turn: Callable[["Agent", int, list[int]], None]) -> None:
+    """A pass's episodes in its order and schedule, whatever the engine: a progress message before
+    every turn (the parent's sign of life), then ``turn(agent, index, prompt)`` unless the agent is
+    done (its context full: the episode ends there, the same way in every run that got there);
+    ``result.turns`` counts both. ``start_conversation(opening)``: the engine's
+    conversation of the plan's kind."""
+    episodes = make_episodes(plan.episodes, plan.seed)
+    agents = [Agent(episodes[i], start_conversation(episodes[i].opening()))
+              for i in episode_order(plan.episodes, key.order, plan.seed)]
+    for agent, index in schedule_turns(agents, plan.turns, plan.schedule):
+        progress(f"{run_id} episode {agent.episode.episode_id} turn {index + 1}/{plan.turns}")
+        if not agent.done:
+            prompt = agent.conversation.prompt()
+            if len(prompt) + plan.tokens > plan.n_ctx:
+                agent.done = True
+            else:
+                turn(agent, index, prompt)
+        result.turns += 1
+
+
 def run_pass(plan: Plan, model: Path, key: PassKey, run_id: str, result: PassResult,
              progress: Callable[[str], None]) -> None:
     """One pass in this process (the child of ``run_isolated``); a message before every turn tells
@@ -159,15 +180,9 @@ def run_pass(plan: Plan, model: Path, key: PassKey, run_id: str, result: PassRes
         try:
             if key.arm in CACHE_ARMS:
                 llm.set_cache(open_cache(key.arm, key.cache_ram, Path(cache_dir)))
-            conversation = CONVERSATIONS[plan.conversation]
-            episodes = make_episodes(plan.episodes, plan.seed)
-            agents = [Agent(episodes[i], conversation(llm, episodes[i].opening()))
-                      for i in episode_order(plan.episodes, key.order, plan.seed)]
-            for agent, turn in schedule_turns(agents, plan.turns, plan.schedule):
-                progress(f"{run_id} episode {agent.episode.episode_id} turn {turn + 1}/{plan.turns}")
-                if not agent.done:
-                    _turn(llm, plan, key, run_id, agent, turn, result)
-                result.turns += 1
+            drive_episodes(plan, key, run_id, result, progress,
+                           lambda opening: CONVERSATIONS[plan.conversation](llm, opening),
+                           lambda agent, turn, prompt: _turn(llm, plan, key, run_id, agent, turn, prompt, result))
         finally:
             cache = getattr(llm, "cache", None)
             if hasattr(cache, "cache"):  # the disk cache's sqlite handle, before its directory goes
@@ -182,12 +197,9 @@ def schedule_turns(agents: list[Agent], turns: int, schedule: str) -> Iterator[t
     return ((agent, turn) for agent in agents for turn in range(turns))
 
 
-def _turn(llm, plan: Plan, key: PassKey, run_id: str, agent: Agent, turn: int, result: PassResult) -> None:
+def _turn(llm, plan: Plan, key: PassKey, run_id: str, agent: Agent, turn: int, prompt: list[int],
+          result: PassResult) -> None:
     episode = agent.episode
-    prompt = agent.conversation.prompt()
-    if len(prompt) + plan.tokens > plan.n_ctx:
-        agent.done = True  # context full: the episode ends here (the same way in every run that got here)
-        return
     if key.arm in RESET_ARMS:
         llm.reset()  # nothing reused in context: full recompute, or a prompt-cache restore
     snapshot = llm.save_state() if key.arm == "restore" else None

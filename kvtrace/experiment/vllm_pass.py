@@ -37,8 +37,7 @@ from typing import Any, Callable, Union
 from kvtrace import correlate
 from kvtrace.experiment.isolation import PassResult
 from kvtrace.experiment.plan import VLLM_BLOCK_SIZE, PassKey, Plan
-from kvtrace.experiment.runner import Agent, schedule_turns
-from kvtrace.experiment.workload import episode_order, make_episodes
+from kvtrace.experiment.runner import Agent, drive_episodes
 
 ENGINE_ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: its spans in this recorder
@@ -104,23 +103,14 @@ def run_pass(plan: Plan, model: Path, key: PassKey, run_id: str, result: PassRes
     the parent it is alive. ``result.turns`` counts the turns done or skipped (context full)."""
     llm = open_vllm(model, plan.for_pass(key))
     tokenizer = llm.get_tokenizer()
-    conversation = CONVERSATIONS[plan.conversation]
-    episodes = make_episodes(plan.episodes, plan.seed)
-    agents = [Agent(episodes[i], conversation(tokenizer, episodes[i].opening()))
-              for i in episode_order(plan.episodes, key.order, plan.seed)]
-    for agent, turn in schedule_turns(agents, plan.turns, plan.schedule):
-        progress(f"{run_id} episode {agent.episode.episode_id} turn {turn + 1}/{plan.turns}")
-        if not agent.done:
-            _turn(llm, plan, key, run_id, agent, turn, result)
-        result.turns += 1
+    drive_episodes(plan, key, run_id, result, progress,
+                   lambda opening: CONVERSATIONS[plan.conversation](tokenizer, opening),
+                   lambda agent, turn, prompt: _turn(llm, plan, key, run_id, agent, turn, prompt, result))
 
 
-def _turn(llm, plan: Plan, key: PassKey, run_id: str, agent: Agent, turn: int, result: PassResult) -> None:
+def _turn(llm, plan: Plan, key: PassKey, run_id: str, agent: Agent, turn: int, prompt: list[int],
+          result: PassResult) -> None:
     episode = agent.episode
-    prompt = agent.conversation.prompt()
-    if len(prompt) + plan.tokens > plan.n_ctx:
-        agent.done = True  # context full: the episode ends here (the same way in every run that got here)
-        return
     if key.arm == "off" and not llm.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset its prefix cache (a request still running?)")
     output = complete(llm, prompt, plan.tokens, run_id, key.arm, episode.episode_id, turn)
