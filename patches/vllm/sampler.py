@@ -243,8 +243,30 @@ def _logits_to_read_v1(runner: Any, args: tuple, kwargs: dict) -> Any:
     if logits is None or arg(args, kwargs, 1, "spec_decode_metadata") is not None:
         return None
     if _sampler_may_edit(logits, getattr(runner.input_batch, "sampling_metadata", None)):
-        return logits.clone()
+        return _copy_of(logits)
     return logits
+
+
+_scratch = np.empty((0, 0), dtype=np.float32)
+"""Host copies of logits reuse one buffer, grown as needed: a fresh allocation of a large vocabulary's
+rows costs page faults on every step, and torch's copy competes with vLLM's threads."""
+
+
+def _copy_of(logits: Any) -> Any:
+    """A copy of ``logits``: in the reused host buffer (valid until the next step) or on their device."""
+    global _scratch
+    if isinstance(logits, np.ndarray):
+        host = logits
+    elif logits.device.type == "cpu":
+        host = logits.detach().numpy()
+    else:
+        return logits.clone()  # queued on the device's stream, like vLLM's own work
+    rows, n = host.shape
+    if _scratch.shape[0] < rows or _scratch.shape[1] != n:
+        _scratch = np.empty((max(rows, _scratch.shape[0]), n), dtype=np.float32)
+    copy = _scratch[:rows]
+    np.copyto(copy, host)
+    return copy
 
 
 def _sampler_may_edit(logits: Any, metadata: Any) -> bool:
@@ -254,9 +276,7 @@ def _sampler_may_edit(logits: Any, metadata: Any) -> bool:
     left alone unless a processor that can move the arg-max runs (``Sampler.apply_logits_processors``);
     a sampled row is tempered and masked (``Sampler.sample``).
     """
-    import torch  # deferred like top2_stats's
-
-    if logits.dtype != torch.float32:
+    if str(logits.dtype) not in ("torch.float32", "float32"):
         return False
     try:
         if not metadata.all_greedy or not metadata.no_penalties:
