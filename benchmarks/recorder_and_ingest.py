@@ -16,7 +16,7 @@ shared: wall time is printed next to it, never instead of it):
 Rounds alternate; best and median of each figure are printed.
 
 Usage: python benchmarks/recorder_and_ingest.py [--requests 2000] [--tokens 100] [--rounds 3]
-                                               [--ingest-requests 10000]
+                                               [--ingest-requests 10000] [--ingest-only]
 """
 
 from __future__ import annotations
@@ -133,13 +133,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ingest-requests", type=int, default=10000,
                         help="requests of --tokens tokens in the spool ingested (default: 1M token rows)")
+    parser.add_argument("--ingest-only", action="store_true",
+                        help="skip the recorder measurement: only ingest and its chDB ceiling")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
     os.environ.setdefault("KVTRACE_CAPTURE", "hashed")
     os.environ.setdefault("XDG_DATA_HOME", str(work / "data"))
     try:
         per_token, engine_per_token, exporter_per_token, per_request = [], [], [], []
-        for i in range(args.rounds):
+        for i in range(0 if args.ingest_only else args.rounds):
             small = record(args.requests, 1, work / f"spool-1-{i}", seed=i)
             big = record(args.requests, args.tokens, work / f"spool-n-{i}", seed=100 + i)
             tokens = args.requests * (args.tokens - 1)
@@ -149,12 +151,13 @@ def main() -> None:
             per_request.append(sum(small) / args.requests * 1e6 - per_token[-1])
             shutil.rmtree(work / f"spool-1-{i}", ignore_errors=True)
             shutil.rmtree(work / f"spool-n-{i}", ignore_errors=True)
-        print(f"recorder + spool, capture={os.environ['KVTRACE_CAPTURE']}, CPU time per thread, "
-              f"{args.rounds} rounds of {args.requests} requests:")
-        print(f"  per generated token (both threads) us : {_best_median(per_token)}")
-        print(f"    engine thread                     us : {_best_median(engine_per_token)}")
-        print(f"    exporter thread                   us : {_best_median(exporter_per_token)}")
-        print(f"  per request (300-token prompt)    us : {_best_median(per_request)}")
+        if not args.ingest_only:
+            print(f"recorder + spool, capture={os.environ['KVTRACE_CAPTURE']}, CPU time per thread, "
+                  f"{args.rounds} rounds of {args.requests} requests:")
+            print(f"  per generated token (both threads) us : {_best_median(per_token)}")
+            print(f"    engine thread                     us : {_best_median(engine_per_token)}")
+            print(f"    exporter thread                   us : {_best_median(exporter_per_token)}")
+            print(f"  per request (300-token prompt)    us : {_best_median(per_request)}")
 
         spool = work / "spool-ingest"
         record(args.ingest_requests, args.tokens, spool, seed=999)

@@ -44,6 +44,7 @@ pretty-printed).
 from __future__ import annotations
 
 import errno
+import gc
 import hashlib
 import json
 import logging
@@ -263,6 +264,21 @@ def first_line(exc: BaseException) -> str:
 
 
 @contextmanager
+def _cycle_collection_paused():
+    """Parsing a chunk allocates millions of objects and frees none of them (every span's row is kept
+    until the chunk is stored, and storing builds its columns), which makes Python's cycle collector
+    walk the growing chunk again and again for nothing: a fifth of the parse's CPU.  JSON makes no
+    reference cycles, so the collector waits until the chunk is stored."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextmanager
 def _quiet_serializer():
     """clickhouse-connect logs a traceback for every row it cannot serialize; ingest reports those itself."""
     logger = logging.getLogger("clickhouse_connect.driver.transform")
@@ -435,12 +451,13 @@ class Ingestor:
                 continue
             carry = data[cut + 1:]
             parsed = []
-            for line in data[: cut + 1].splitlines():
-                line_no += 1
-                result.lines += 1
-                if line.strip():
-                    self._parse_line(path, line_no, line, parsed, result)
-            self._store(path, parsed, result)
+            with _cycle_collection_paused():
+                for line in data[: cut + 1].splitlines():
+                    line_no += 1
+                    result.lines += 1
+                    if line.strip():
+                        self._parse_line(path, line_no, line, parsed, result)
+                self._store(path, parsed, result)
             # Progress only after the rows are stored: a crash in between re-reads this chunk next
             # time, and the already-stored check keeps its spans from being stored twice.
             hasher.update(data[: cut + 1])

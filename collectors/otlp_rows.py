@@ -181,7 +181,11 @@ def _array_json(values: list) -> str:
     if isinstance(first, dict) and "doubleValue" in first and all(
             [type(v.get("doubleValue")) is float for v in values]):
         return _doubles_json([v["doubleValue"] for v in values])
-    return json.dumps([_raw(v) for v in values], separators=(",", ":"), ensure_ascii=False)
+    if all([type(v) is dict and type(v.get("stringValue")) is str for v in values]):  # e.g. block hashes
+        plain = [v["stringValue"] for v in values]
+    else:
+        plain = [_raw(v) for v in values]
+    return json.dumps(plain, separators=(",", ":"), ensure_ascii=False)
 
 
 def _doubles_json(values: list[float]) -> str:
@@ -248,6 +252,19 @@ def span_attributes(attributes: Any) -> tuple[dict[str, str], Optional[dict[str,
     out: dict[str, str] = {}
     arrays: Optional[dict[str, list]] = {}
     for kv in _list(attributes, "attributes"):
+        # Most attributes are text or an integer: take those without the general path's calls (per
+        # span they add up).  Every other shape, and every error, goes the general way below.
+        if type(kv) is dict:
+            key, value = kv.get("key"), kv.get("value")
+            if type(key) is str and type(value) is dict and key not in PACKED_ARRAYS:
+                if "stringValue" in value:
+                    text = value["stringValue"]
+                    if type(text) is str:
+                        out[key] = text
+                        continue
+                elif "intValue" in value:
+                    out[key] = str(_int64(value["intValue"]))
+                    continue
         key = _key(kv)
         typecode = PACKED_ARRAYS.get(key)
         if typecode is None:
