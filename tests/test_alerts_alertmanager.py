@@ -26,6 +26,7 @@ import yaml
 from diff_scenarios import CachePath, ScenarioBook
 from kvtrace import semconv as sc
 from kvtrace.cli import main
+from kvtrace.experiment.server import stop_server
 from receivers import Receiver
 
 EXAMPLE_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "alertmanager.yml"
@@ -101,12 +102,7 @@ def alertmanager(oncall, tmp_path_factory):
             time.sleep(0.1)
         yield {"url": url, "receiver": route["receiver"]}
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_server(process)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import pytest
 
 from kvtrace import semconv as sc
 from kvtrace.cli import main
+from kvtrace.experiment.server import stop_server
 
 pytest.importorskip("llama_cpp.server.app")
 
@@ -55,12 +56,7 @@ def plain_server(tiny_gguf, tmp_path):
             pytest.fail(f"server did not start:\n{log_path.read_text()[-3000:]}")
         time.sleep(0.2)
     yield base
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    stop_server(process)
 
 
 def test_probe_records_cold_and_warm_spans_that_margin_shift_compares(plain_server, tmp_path, db, spool_dir,
