@@ -40,7 +40,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, ClassVar, Iterator, Optional
 
 from kvtrace.patches import llama_cpp as patch
 from kvtrace.patches.hooks import Hook, HookTable
@@ -264,7 +264,10 @@ def exporter_cpu_ns() -> Optional[int]:
 
 @dataclass
 class Sample:
-    """Per-arm totals over a round's requests."""
+    """Per-arm totals over a round's requests (vllm_overhead.py: over a round's blocks)."""
+
+    APART: ClassVar[str] = REQUEST_END
+    """The timer reported apart and left out of the hooks' sum: here the request's end (the recorder's)."""
 
     tokens: int = 0
     wall_ns: int = 0
@@ -275,11 +278,15 @@ class Sample:
 
     @property
     def hook_ns(self) -> float:
-        """The per-token hooks and stream steps (the request's end is the recorder's, reported apart)."""
-        return sum(t.total_ns() for name, t in self.by_hook.items() if name != REQUEST_END)
+        """The hooks' own time, the timer reported apart left out."""
+        return sum(t.total_ns() for name, t in self.by_hook.items() if name != self.APART)
+
+    @property
+    def hook_calls(self) -> int:
+        return sum(t.calls + t.preempted for name, t in self.by_hook.items() if name != self.APART)
 
     def per_token_us(self, total_ns: float) -> float:
-        return total_ns / self.tokens / 1e3
+        return total_ns / self.tokens / 1e3 if self.tokens else 0.0
 
 
 def run_request(llm, prompt: list[int], tokens: int, traced: bool, hook_clock: HookClock, into: Sample) -> None:

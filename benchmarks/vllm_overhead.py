@@ -38,9 +38,8 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ClassVar
 
 from kvtrace import correlate
 from kvtrace.patches import vllm as patch
@@ -49,8 +48,8 @@ from kvtrace.recording.recorder import Recorder, get_recorder
 from kvtrace.testmodels.hf_llama import SIZES, make_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_overhead import (HookClock, HookTime, exporter_cpu_ns,  # noqa: E402  (a sibling script's timers)
-                            print_closing_counts)
+import llama_overhead  # noqa: E402  (a sibling script's timers and totals)
+from llama_overhead import HookClock, HookTime, exporter_cpu_ns, print_closing_counts  # noqa: E402
 
 SPAN_BUILD = "recorder.finish (span build)"
 """The request's span, built inside the ``_free_request`` hook: reported apart as well."""
@@ -70,27 +69,10 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-@dataclass
-class Sample:
-    """One arm's totals over a round's blocks."""
+class Sample(llama_overhead.Sample):
+    """One arm's totals over a round's blocks; the span build is reported apart."""
 
-    tokens: int = 0
-    wall_ns: int = 0
-    process_ns: int = 0
-    engine_ns: int = 0
-    exporter_ns: int = 0
-    by_hook: dict[str, HookTime] = field(default_factory=dict)
-
-    def per_token_us(self, total_ns: float) -> float:
-        return total_ns / self.tokens / 1e3 if self.tokens else 0.0
-
-    @property
-    def hook_ns(self) -> float:
-        return sum(t.total_ns() for name, t in self.by_hook.items() if name != SPAN_BUILD)
-
-    @property
-    def hook_calls(self) -> int:
-        return sum(t.calls + t.preempted for name, t in self.by_hook.items() if name != SPAN_BUILD)
+    APART: ClassVar[str] = SPAN_BUILD
 
 
 def install_hook_timers(patch, hook_clock: HookClock) -> None:
