@@ -21,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 from kvtrace import correlate, semconv as sc  # noqa: E402
+from vllm_fork_workload import vllm_block_hashes  # noqa: E402
 
 BLOCK = 32
 SHARED = "the agent opens the file and reads the first line of the configuration " * 3
@@ -61,19 +62,6 @@ def generate(llm, text: str, turn: int, max_tokens: int = 8, logprobs=None):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     with correlate(run_id="vllm-test", episode_id="e0", turn=turn):
         return llm.generate([text], params, use_tqdm=False)[0]
-
-
-def vllm_block_hashes(llm, token_ids: list[int]) -> list[str]:
-    """Chained block hashes computed independently with vLLM's own hash_block_tokens."""
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core import kv_cache_utils
-
-    hash_fn = get_hash_fn_by_name(llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo)
-    parent, hashes = None, []
-    for start in range(0, len(token_ids) - BLOCK + 1, BLOCK):
-        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, token_ids[start:start + BLOCK], None)
-        hashes.append(bytes(parent).hex())
-    return hashes
 
 
 def test_a_shared_prefix_hits_blocks_named_by_vllms_own_hashes(llm, memory_recorder):

@@ -64,14 +64,16 @@ def random_prompts(tokenizer, episodes: int, seed: int) -> dict[str, list[int]]:
 
 
 def vllm_block_hashes(llm, token_ids: list[int]) -> list[str]:
-    """The prompt's chained block hashes as vLLM computes them (hex of the bare hash)."""
+    """The prompt's chained block hashes as vLLM computes them (hex of the bare hash), computed
+    independently of kvtrace with vLLM's own ``hash_block_tokens`` and the engine's block size."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
 
-    hash_fn = get_hash_fn_by_name(llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo)
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    hash_fn, block = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo), cache_config.block_size
     parent, hashes = None, []
-    for start in range(0, len(token_ids) - BLOCK_SIZE + 1, BLOCK_SIZE):
-        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, token_ids[start:start + BLOCK_SIZE], None)
+    for start in range(0, len(token_ids) - block + 1, block):
+        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, token_ids[start:start + block], None)
         hashes.append(bytes(parent).hex())
     return hashes
 
