@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvtrace.advise.report import RANK_CLOCK
+from kvtrace.experiment.plot import interval_extents
 
 
 def _points(report: dict) -> list[tuple[dict, dict]]:
@@ -38,11 +39,9 @@ def advice_figure(report: dict):
     recommended = report["recommendation"]["name"]
     for s, arm in points:
         x, rate = s["cost"]["request_time_ratio"][RANK_CLOCK], arm["rate"]
-        low, high = arm["ci95"]
+        below, above = interval_extents(arm)
         color = "tab:green" if s["name"] == recommended else "tab:blue"
-        ax.errorbar([x], [rate], yerr=[[rate - (low if low is not None else rate)],
-                                       [(high if high is not None else rate) - rate]],
-                    fmt="o", color=color, capsize=4, elinewidth=1)
+        ax.errorbar([x], [rate], yerr=[[below], [above]], fmt="o", color=color, capsize=4, elinewidth=1)
         ax.annotate(f"{s['name']} {arm['n_forked']}/{arm['n_episodes']}", (x, rate), xytext=(5, 4),
                     textcoords="offset points", fontsize=8)
     ax.axvline(1.0, color="gray", linewidth=0.8, linestyle=":")

@@ -33,6 +33,13 @@ def compared_pairs(report: dict) -> dict[tuple[str, str], list[dict]]:
     return {key: panels[key] for key in sorted(panels, key=rank)}
 
 
+def interval_extents(rated: dict) -> tuple[float, float]:
+    """How far a rate's 95 % interval reaches below and above it (an error bar's extents); an end the
+    interval lacks reaches nowhere."""
+    rate, (low, high) = rated["rate"], rated["ci95"]
+    return rate - (low if low is not None else rate), (high if high is not None else rate) - rate
+
+
 def _varying_settings(report: dict) -> list[int]:
     """Which parts of the engine-settings label differ between the report's settings (shown on the axis)."""
     labels = [label.split(".") for label in report.get("engine_settings", [])]
@@ -75,8 +82,7 @@ def divergence_figure(report: dict):
     for i, (ax, ((arm_a, arm_b), pairs)) in enumerate(zip(axes, panels.items())):
         bars = sorted(pairs, key=order)
         rates = [p["rate"] for p in bars]
-        low = [p["rate"] - (p["ci95"][0] if p["ci95"][0] is not None else p["rate"]) for p in bars]
-        high = [(p["ci95"][1] if p["ci95"][1] is not None else p["rate"]) - p["rate"] for p in bars]
+        low, high = zip(*(interval_extents(p) for p in bars))
         ax.bar(range(len(bars)), rates, yerr=[low, high], capsize=4, color="tab:blue", error_kw={"elinewidth": 1})
         for x, (p, above) in enumerate(zip(bars, high)):
             ax.annotate(f"{p['n_forked']}/{p['n_episodes']}", (x, p["rate"] + above), xytext=(0, 3),
