@@ -1,8 +1,9 @@
-"""The one compiled part of kvtrace: the per-token logits helper both engine patches share.
+"""kvtrace's two compiled parts: the per-token logits helper both engine patches share, and the
+recorder's hashing of token ids in their place.
 
-Everything else is configured in pyproject.toml.  The extension is optional: where it cannot be
-built (no C compiler), the install still succeeds and kvtrace uses its pure-numpy twin, which gives
-bit-identical results (patches/rowstats.py).
+Everything else is configured in pyproject.toml.  Both extensions are optional: where they cannot
+be built (no C compiler), the install still succeeds and kvtrace uses their pure-numpy twins, which
+give bit-identical results (patches/rowstats.py, kvtrace/recording/capture.py).
 """
 
 from setuptools import Extension, setup
@@ -24,6 +25,7 @@ setup(
     ext_modules=[
         Extension("kvtrace.patches._rowstats", ["patches/_rowstats.c"],
                   depends=["patches/_rowstats_kernels.h"], optional=True),
+        Extension("kvtrace.recording._placehash", ["kvtrace/recording/_placehash.c"], optional=True),
     ],
     cmdclass={"build_ext": BuildExt},
 )

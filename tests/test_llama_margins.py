@@ -48,7 +48,7 @@ def test_margins_equal_margins_recomputed_from_engine_logits(llama_patched, memo
     assert generated > 0
     assert attrs[sc.OUTPUT_TOP1_IDS] == top1.tolist()
     assert attrs[sc.OUTPUT_RUNNER_UP_IDS] == runner_up.tolist()
-    assert attrs[sc.OUTPUT_MARGINS] == margins.tolist()  # exact: same float32 inputs
+    assert list(attrs[sc.OUTPUT_MARGINS]) == margins.tolist()  # exact: same float32 inputs
     assert attrs[sc.OUTPUT_TOKEN_IDS] == top1.tolist()  # greedy, no penalties
     chosen = log_softmax[np.arange(generated), np.asarray(attrs[sc.OUTPUT_TOKEN_IDS])]
     np.testing.assert_allclose(attrs[sc.OUTPUT_LOGPROBS], chosen, rtol=0, atol=1e-5)
@@ -108,7 +108,7 @@ def test_a_broken_hook_never_reaches_the_engine(llama_patched, memory_recorder, 
     errors = memory_recorder.pipeline.counters["instrumentation_errors"]
     assert errors >= 1
     *_, (attrs, _, _) = finished_requests(memory_recorder)
-    assert attrs[sc.OUTPUT_MARGINS] == [] and attrs[sc.CACHE_RECOMPUTED_TOKENS] > 0  # the rest is still recorded
+    assert not attrs[sc.OUTPUT_MARGINS] and attrs[sc.CACHE_RECOMPUTED_TOKENS] > 0  # the rest is still recorded
 
     llm.reset()
     monkeypatch.setattr(llama_patched.config, "static_config", broken)  # now the request cannot even start

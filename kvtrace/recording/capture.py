@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from array import array
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -50,8 +51,10 @@ _TOKEN_BYTES = 8
 # runner-up, measured), and SipHash written in numpy ~100-600 µs per request in ufunc overhead.
 # Here the secret part is one call of a standard PRF per request (SHAKE256 keyed by prefix, the
 # construction of KMAC; its output is a prefix-stable stream, so position i gets the same keys
-# whatever the output length), and the per-token part is ~15 numpy operations over all three
-# arrays at once: ~20 µs per request plus ~0.3 µs per output token.
+# whatever the output length), and the per-token part is a few integer operations: in the compiled
+# twin (``_placehash.c``, one call over all three arrays) ~0.1 µs per output token, most of it
+# SHAKE's 24 bytes; in numpy (where it was not built) ~15 array operations, ~20 µs per request plus
+# ~0.25 µs per output token.
 #
 # Why it is safe: every (context, position) has its own unpredictable 192-bit key, used only for
 # the few ids that occur there (chosen, top-1 and runner-up, and the same ids again when the same
@@ -87,11 +90,12 @@ def _mix(z: np.ndarray, scratch: np.ndarray) -> None:
 
 
 class OutputTokenIds(NamedTuple):
-    """A request's generated ids as they may leave the process (parallel lists)."""
+    """A request's generated ids as they may leave the process (parallel sequences of ints: lists with
+    ``ids`` capture, ``array('q')`` when hashed, which the spool packs without touching an element)."""
 
-    chosen: list[int]
-    top1: list[int]
-    runner_up: list[int]
+    chosen: Sequence[int]
+    top1: Sequence[int]
+    runner_up: Sequence[int]
 
 
 class CapturePolicy:
@@ -157,17 +161,34 @@ class CapturePolicy:
             return None
         return OutputTokenIds(*self.hash_at_positions(context, (chosen, top1, runner_up)))
 
-    def hash_at_positions(self, context: str, arrays: Sequence[Sequence[int]]) -> list[list[int]]:
-        """Each array's i-th id hashed under the key of (``context``, i); see the comment above."""
+    def hash_at_positions(self, context: str, arrays: Sequence[Sequence[int]]) -> list[array]:
+        """Each array's i-th id hashed under the key of (``context``, i), as ``array('q')``; see the
+        comment above."""
         length = max((len(a) for a in arrays), default=0)
         if length == 0:
-            return [[] for _ in arrays]
+            return [array("q") for _ in arrays]
         stream = self._place_stream.copy()
         stream.update(context.encode())
-        keys = np.frombuffer(stream.digest(8 * (_ROUNDS + 1) * length), dtype="<u8").reshape(length, _ROUNDS + 1).T
-        if all(len(a) == length for a in arrays):
-            return _encrypt(np.array(arrays, dtype=np.int64), keys).tolist()
-        return [_encrypt(np.array(a, dtype=np.int64), keys[:, : len(a)]).tolist() if len(a) else [] for a in arrays]
+        keys = stream.digest(8 * (_ROUNDS + 1) * length)
+        if COMPILED is not None:
+            return [_int64_array(hashed) for hashed in COMPILED.encrypt_ids(keys, arrays)]
+        return encrypt_numpy(keys, arrays)
+
+
+def encrypt_numpy(keys: bytes, arrays: Sequence[Sequence[int]]) -> list[array]:
+    """``_placehash.encrypt_ids`` in numpy, as ``array('q')``: the same bits (tests hold them equal)."""
+    length = len(keys) // (8 * (_ROUNDS + 1))
+    per_position = np.frombuffer(keys, dtype="<u8").reshape(length, _ROUNDS + 1).T
+    if all(len(a) == length for a in arrays):  # the common case: one pass over all of them
+        return [_int64_array(row.tobytes()) for row in _encrypt(np.array(arrays, dtype=np.int64), per_position)]
+    return [_int64_array(_encrypt(np.array(a, dtype=np.int64), per_position[:, : len(a)]).tobytes()) if len(a)
+            else array("q") for a in arrays]
+
+
+def _int64_array(native: bytes) -> array:
+    values = array("q")
+    values.frombytes(native)
+    return values
 
 
 def _encrypt(ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -183,6 +204,19 @@ def _encrypt(ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
     if missing.any():
         hashed[missing] = _MISSING
     return hashed
+
+
+def _load_compiled():
+    try:
+        # Deferred: an optional extension; where it was not built (no C compiler) numpy does the same.
+        from kvtrace.recording import _placehash
+    except ImportError:
+        return None
+    return _placehash
+
+
+COMPILED = _load_compiled()
+"""The compiled twin of :func:`encrypt_numpy`, ``None`` where it was not built."""
 
 
 def _pack(tokens: Sequence[int]) -> bytes:

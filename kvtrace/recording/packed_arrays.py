@@ -49,6 +49,8 @@ _BIG_ENDIAN = sys.byteorder == "big"
 
 def pack(values: Sequence, typecode: str) -> Optional[bytes]:
     """``values`` as little-endian int64 / float64 bytes; ``None`` when they do not all fit the type."""
+    if isinstance(values, array) and values.typecode == typecode and not _BIG_ENDIAN:
+        return values.tobytes()  # already packed (hashed token ids): one copy, no element touched
     try:
         packed = array(typecode, values)
     except (TypeError, OverflowError, ValueError):

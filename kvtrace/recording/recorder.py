@@ -24,6 +24,7 @@ import os
 import random
 import threading
 import time
+from array import array
 from typing import Any, Optional
 
 from opentelemetry import baggage, trace
@@ -186,8 +187,9 @@ class Recorder:
             a[sc.OUTPUT_TOKEN_IDS] = ids.chosen
             a[sc.OUTPUT_TOP1_IDS] = ids.top1
             a[sc.OUTPUT_RUNNER_UP_IDS] = ids.runner_up
-        a[sc.OUTPUT_MARGINS] = r.margins
-        a[sc.OUTPUT_LOGPROBS] = r.logprobs
+        # float64 arrays: what the spool packs without touching an element (see add_token).
+        a[sc.OUTPUT_MARGINS] = array("d", r.margins)
+        a[sc.OUTPUT_LOGPROBS] = array("d", r.logprobs)
         if r.finish_reason:
             a[sc.OUTPUT_FINISH_REASON] = r.finish_reason
         return a

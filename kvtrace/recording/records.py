@@ -105,12 +105,14 @@ class RequestRecord:
     error: Optional[str] = None
 
     def add_token(self, chosen: int, top1: int, runner_up: int, margin: float, logprob: float) -> None:
-        # Coerce here (numpy scalars, ints passed as margins): span arrays must be homogeneous.
-        self.output_token_ids.append(int(chosen))
-        self.top1_ids.append(int(top1))
-        self.runner_up_ids.append(int(runner_up))
-        self.margins.append(float(margin))
-        self.logprobs.append(float(logprob))
+        # Appended as given, on the engine's thread once per token: the recorder makes the span's
+        # arrays homogeneous (int64, float64) in one C call per array when the request finishes,
+        # and a numpy scalar or an int passed as a margin converts there like int()/float().
+        self.output_token_ids.append(chosen)
+        self.top1_ids.append(top1)
+        self.runner_up_ids.append(runner_up)
+        self.margins.append(margin)
+        self.logprobs.append(logprob)
 
     def origin(self) -> StateOrigin:
         """The provenance others should cite when they reuse state this request stores."""

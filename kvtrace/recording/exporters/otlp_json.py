@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+from array import array
 from typing import Any, Iterable, Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
@@ -41,7 +42,7 @@ def encode_value(value: Any) -> str:
         return '{"doubleValue":%s}' % _double(value)
     if isinstance(value, str):
         return '{"stringValue":%s}' % _dumps(value)
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple, array)):
         return '{"arrayValue":{"values":[%s]}}' % _encode_array_items(value)
     if isinstance(value, bytes):
         return '{"bytesValue":"%s"}' % base64.b64encode(value).decode()
@@ -54,7 +55,7 @@ def _encode_array_items(values: Sequence[Any]) -> str:
     first = values[0]
     # Homogeneous arrays are the common case (per-token arrays): format them in one pass.
     # (map(str)/map(repr) + join run in C: ~5x faster than formatting element by element.)
-    if type(first) is int and all(type(v) is int for v in values):
+    if (type(first) is int and all(type(v) is int for v in values)) or getattr(values, "typecode", "") == "q":
         return '{"intValue":"' + '"},{"intValue":"'.join(map(str, values)) + '"}'
     if type(first) is float and all(type(v) is float for v in values):
         if all(map(math.isfinite, values)):
@@ -78,7 +79,7 @@ def _encode_packed_attributes(attributes: Any) -> str:
     parts = []
     for key, value in attributes.items():
         typecode = PACKED_ARRAYS.get(key)
-        packed = pack(value, typecode) if typecode is not None and isinstance(value, (list, tuple)) else None
+        packed = pack(value, typecode) if typecode is not None and isinstance(value, (list, tuple, array)) else None
         if packed is None:
             parts.append('{"key":%s,"value":%s}' % (_dumps(key), encode_value(value)))
         else:
