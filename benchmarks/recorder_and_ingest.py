@@ -5,8 +5,9 @@ shared: wall time is printed next to it, never instead of it):
 
 * recorder: the engine thread's CPU in start_request / add_token / finish, and the exporter
   thread's CPU (the whole thread: batching, encoding, writing the spool), each request with
-  fresh token draws; requests of 1 and of N tokens, and a two-point fit splits the cost into
-  per request and per token;
+  fresh token draws; requests of 1 and of N tokens, recorded by one recorder in alternating
+  blocks (ABBA, each block flushed before its clocks stop, so drift hits both alike), and a
+  two-point fit splits the cost into per request and per token;
 * ingest: ``kvtrace db ingest`` of a spool of >= 1M token rows into a fresh embedded chDB, until
   ``kvtrace_tokens`` answers a count (end to end: spool file → rows a query sees), process CPU
   (chDB runs in this process) next to wall time;
@@ -43,15 +44,11 @@ def _thread_cpu(thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def record(requests: int, tokens: int, spool: Path, seed: int) -> tuple[float, float]:
-    """CPU seconds of the engine thread and of the exporter thread for ``requests`` requests."""
-    recorder = Recorder(Settings.from_env(), exporter=SpoolExporter(spool))
-    worker = recorder.pipeline._worker
-    rng = random.Random(seed)
+def _record_block(recorder: Recorder, requests: int, tokens: int, rng: random.Random, first: int) -> float:
+    """Record ``requests`` requests of ``tokens`` tokens; the engine thread's CPU seconds in kvtrace."""
     prompt = [rng.randrange(32000) for _ in range(300)]
     engine_cpu = 0.0
-    exporter_start = _thread_cpu(worker)
-    for i in range(requests):
+    for i in range(first, first + requests):
         # Fresh draws per request, made outside the timed part: the engine computed them, not kvtrace.
         draws = [(rng.randrange(32000), rng.randrange(32000), rng.random() * 8, -rng.random() * 3)
                  for _ in range(tokens)]
@@ -67,10 +64,33 @@ def record(requests: int, tokens: int, spool: Path, seed: int) -> tuple[float, f
             engine_cpu += time.thread_time() - t
         if len(recorder.pipeline._queue) > 1000:
             recorder.pipeline.force_flush()
-    recorder.pipeline.force_flush()
-    exporter_cpu = _thread_cpu(worker) - exporter_start
+    return engine_cpu
+
+
+def record_paired(requests: int, tokens: int, spool: Path, seed: int, block: int = 250) -> dict[int, tuple[float, float]]:
+    """Engine- and exporter-thread CPU seconds per request, for requests of 1 token and of ``tokens``
+    tokens (``requests`` of each, rounded to whole blocks), recorded by one recorder in alternating
+    blocks (ABBA), each block flushed before its clocks stop: {tokens: (engine CPU, exporter CPU)}."""
+    recorder = Recorder(Settings.from_env(), exporter=SpoolExporter(spool))
+    worker = recorder.pipeline._worker
+    rng = random.Random(seed)
+    totals = {1: [0.0, 0.0], tokens: [0.0, 0.0]}
+    blocks = max(1, requests // block)
+    for b in range(blocks):
+        for n in ((1, tokens) if b % 2 == 0 else (tokens, 1)):
+            exporter_start = _thread_cpu(worker)
+            totals[n][0] += _record_block(recorder, block, n, rng, first=b * block)
+            recorder.pipeline.force_flush()
+            totals[n][1] += _thread_cpu(worker) - exporter_start
     recorder.shutdown()
-    return engine_cpu, exporter_cpu
+    return {n: (engine / (blocks * block), exporter / (blocks * block)) for n, (engine, exporter) in totals.items()}
+
+
+def write_spool(requests: int, tokens: int, spool: Path, seed: int) -> None:
+    recorder = Recorder(Settings.from_env(), exporter=SpoolExporter(spool))
+    _record_block(recorder, requests, tokens, random.Random(seed), first=0)
+    recorder.pipeline.force_flush()
+    recorder.shutdown()
 
 
 def ingest_round(spool: Path, db: Path) -> tuple[float, float, int, int]:
@@ -142,15 +162,13 @@ def main() -> None:
     try:
         per_token, engine_per_token, exporter_per_token, per_request = [], [], [], []
         for i in range(0 if args.ingest_only else args.rounds):
-            small = record(args.requests, 1, work / f"spool-1-{i}", seed=i)
-            big = record(args.requests, args.tokens, work / f"spool-n-{i}", seed=100 + i)
-            tokens = args.requests * (args.tokens - 1)
-            engine_per_token.append((big[0] - small[0]) / tokens * 1e6)
-            exporter_per_token.append((big[1] - small[1]) / tokens * 1e6)
+            measured = record_paired(args.requests, args.tokens, work / f"spool-{i}", seed=i)
+            small, big = measured[1], measured[args.tokens]
+            engine_per_token.append((big[0] - small[0]) / (args.tokens - 1) * 1e6)
+            exporter_per_token.append((big[1] - small[1]) / (args.tokens - 1) * 1e6)
             per_token.append(engine_per_token[-1] + exporter_per_token[-1])
-            per_request.append(sum(small) / args.requests * 1e6 - per_token[-1])
-            shutil.rmtree(work / f"spool-1-{i}", ignore_errors=True)
-            shutil.rmtree(work / f"spool-n-{i}", ignore_errors=True)
+            per_request.append(sum(small) * 1e6 - per_token[-1])
+            shutil.rmtree(work / f"spool-{i}", ignore_errors=True)
         if not args.ingest_only:
             print(f"recorder + spool, capture={os.environ['KVTRACE_CAPTURE']}, CPU time per thread, "
                   f"{args.rounds} rounds of {args.requests} requests:")
@@ -160,7 +178,7 @@ def main() -> None:
             print(f"  per request (300-token prompt)    us : {_best_median(per_request)}")
 
         spool = work / "spool-ingest"
-        record(args.ingest_requests, args.tokens, spool, seed=999)
+        write_spool(args.ingest_requests, args.tokens, spool, seed=999)
         size = sum(f.stat().st_size for f in spool.glob("*.jsonl"))
         rates, cpu_rates, ceiling, ceiling_cpu = [], [], [], []
         for i in range(args.rounds):
