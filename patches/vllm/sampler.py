@@ -127,8 +127,13 @@ def _host_rows(host: tuple[Any, int, int, int, int], ids: Any, skip: Any) -> lis
     else:
         if not ids.is_cpu:  # an address on a device must never be read on the host
             raise ValueError("sampled ids on a device, logits on the host")
-        ids_size = _torch_id_sizes()[ids.dtype]
+        ids_size = _torch_id_sizes().get(ids.dtype)
+        if ids_size is None:
+            raise TypeError(f"sampled ids of dtype {ids.dtype}")
         ids_address, ids_stride = ids.data_ptr(), ids.stride(0) * ids_size
+    shape = ids.shape
+    if shape[0] < rows or (rows and 0 in shape):  # the helper reads the first id of each of ``rows`` rows
+        raise ValueError(f"sampled ids of shape {tuple(shape)} for {rows} logits rows")
     return _read_rows(address, rows, n, row_stride, ids_address, ids_stride, ids_size, skip)
 
 
