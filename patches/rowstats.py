@@ -20,9 +20,9 @@ over the row, one call from Python) where it was built, and with :func:`row_stat
 otherwise.  :func:`context_reader` does the same for the row llama.cpp's ``llama_get_logits_ith``
 returns, calling that function from the compiled helper: no Python frame and no ctypes call per
 token.  :func:`sampled_rows_reader` does it for a sampler's whole step (vLLM's batch of rows and
-sampled ids, given by address) in one call.  The definition fixes every float operation and the order of the sum, so both give
-bit-identical results on every machine: a recorded log-probability does not depend on how kvtrace
-was installed.
+sampled ids, given by address) in one call.  The definition fixes every float operation and the
+order of the sum, so both give bit-identical results on every machine: a recorded log-probability
+does not depend on how kvtrace was installed.
 """
 
 from __future__ import annotations
