@@ -43,7 +43,7 @@ from kvtrace.patches.vllm.live_requests import LIVE
 class SampledRow(NamedTuple):
     """What the sampler did for one request at one step, with the raw logits' top two.
 
-    Computed on the host by :func:`host_rows`, or on the device as one float32 row per request
+    Computed on the host by :func:`_host_rows`, or on the device as one float32 row per request
     (:func:`top2_stats` stacks the columns in this order); a worker process ships a row to the
     engine core as its plain list of numbers, read back with ``SampledRow._make(values)``.
     """
