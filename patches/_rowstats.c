@@ -2,6 +2,8 @@
  *
  * row_stats(address, n, token) -> (top1, runner_up, margin, logprob) | None
  * row_stats_at(get_logits_ith, ctx, n, nonfinite, i, token) -> (top1, runner_up, margin, logprob)
+ * sampled_rows(nonfinite, row_type, address, rows, n, row_stride, ids_address, ids_stride, ids_size, skip)
+ *     -> [row_type (chosen, top1, runner_up, margin, logprob, sampled)]
  *
  * Reads the n float32 logits at `address` (llama.cpp's row for the step just decoded; never
  * written) in two vectorised passes: the maximum with one maximum per block of BLOCK logits, then
@@ -10,7 +12,9 @@
  * None for a row with a NaN or infinite logit (the caller computes those with numpy's own
  * semantics).  row_stats_at finds the row itself, by calling llama.cpp's llama_get_logits_ith
  * through its address: no Python frame and no ctypes call per token; it hands a non-finite row to
- * `nonfinite`.
+ * `nonfinite`.  sampled_rows does a sampler's whole step in one call (vLLM: every request's row,
+ * the sampled ids read from their tensor's memory, rows that sampled nothing skipped): right after a
+ * model step each call from Python costs microseconds of cold caches, whatever it computes.
  *
  * Bit-identical on every machine and with the numpy twin: every element goes through the same
  * IEEE float32 operations (no fused multiply-add: -ffp-contract=off; no reassociation: no
@@ -117,22 +121,22 @@ static Py_ssize_t find_value(const float *x, Py_ssize_t start, Py_ssize_t end, f
     return -1;
 }
 
-/* The numbers of the finite row x[0..n) for `token`; None for a row with a NaN or infinite logit. */
-static PyObject *stats_of_row(const float *x, Py_ssize_t n, Py_ssize_t token) {
-    if (token < 0 || token >= n) {
-        PyErr_Format(PyExc_IndexError, "token %zd is outside the row of %zd logits", token, n);
-        return NULL;
-    }
+/* The numbers of the row x[0..n) for `token` (0 <= token < n): 1 for a finite row, 0 for a row with
+ * a NaN or infinite logit (nothing set), -1 with an exception set. */
+static int compute_row(const float *x, Py_ssize_t n, Py_ssize_t token, Py_ssize_t *top1_out, Py_ssize_t *runner_up_out,
+                       double *margin_out, double *logprob_out) {
     Py_ssize_t blocks = (n + BLOCK - 1) / BLOCK;
     float stack_max[STACK_BLOCKS];
     float *block_max = blocks <= STACK_BLOCKS ? stack_max : PyMem_Malloc(blocks * sizeof(float));
-    if (block_max == NULL) return PyErr_NoMemory();
-
+    if (block_max == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     float peak = current->block_maxima(x, n, block_max);
     double total = current->exp_sum(x, n, peak);
     if (!isfinite(peak) || !isfinite(total)) {
         if (block_max != stack_max) PyMem_Free(block_max);
-        Py_RETURN_NONE;
+        return 0;
     }
     /* top-1: the first occurrence of the peak, in the first block that holds it */
     Py_ssize_t top_block = 0;
@@ -154,8 +158,29 @@ static PyObject *stats_of_row(const float *x, Py_ssize_t n, Py_ssize_t token) {
     }
     if (block_max != stack_max) PyMem_Free(block_max);
 
-    double margin = (double)peak - (runner_up >= 0 ? (double)x[runner_up] : -INFINITY);
-    double logprob = ((double)x[token] - (double)peak) - log(total);
+    *top1_out = top1;
+    *runner_up_out = runner_up;
+    *margin_out = (double)peak - (runner_up >= 0 ? (double)x[runner_up] : -INFINITY);
+    *logprob_out = ((double)x[token] - (double)peak) - log(total);
+    return 1;
+}
+
+static int check_token(Py_ssize_t token, Py_ssize_t n) {
+    if (token < 0 || token >= n) {
+        PyErr_Format(PyExc_IndexError, "token %zd is outside the row of %zd logits", token, n);
+        return -1;
+    }
+    return 0;
+}
+
+/* The numbers of the finite row x[0..n) for `token`; None for a row with a NaN or infinite logit. */
+static PyObject *stats_of_row(const float *x, Py_ssize_t n, Py_ssize_t token) {
+    if (check_token(token, n) < 0) return NULL;
+    Py_ssize_t top1, runner_up;
+    double margin, logprob;
+    int finite = compute_row(x, n, token, &top1, &runner_up, &margin, &logprob);
+    if (finite < 0) return NULL;
+    if (finite == 0) Py_RETURN_NONE;
     return Py_BuildValue("(nndd)", top1, runner_up, margin, logprob);
 }
 
@@ -231,6 +256,155 @@ static PyObject *row_stats_at(PyObject *module, PyObject *const *args, Py_ssize_
     return result;
 }
 
+/* Whether a buffer's struct format is one of `codes` in native byte order ("?", "@?", "=?"; "<?" here). */
+static int native_format(const char *format, const char *codes) {
+    if (format == NULL) format = "B";
+    if (*format == '@' || *format == '=') format++;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    else if (*format == '<') format++;
+#endif
+    return format[0] != '\0' && format[1] == '\0' && strchr(codes, format[0]) != NULL;
+}
+
+/* tuple.__new__(row_type, (chosen, top1, runner_up, margin, logprob, sampled)) */
+static PyObject *make_sampled_row(PyTypeObject *row_type, Py_ssize_t chosen, Py_ssize_t top1, Py_ssize_t runner_up,
+                                  double margin, double logprob, double sampled) {
+    PyObject *values[6] = {PyLong_FromSsize_t(chosen), PyLong_FromSsize_t(top1), PyLong_FromSsize_t(runner_up),
+                           PyFloat_FromDouble(margin), PyFloat_FromDouble(logprob), PyFloat_FromDouble(sampled)};
+    PyObject *row = NULL;
+    if (values[0] && values[1] && values[2] && values[3] && values[4] && values[5])
+        row = row_type->tp_alloc(row_type, 6);
+    if (row == NULL) {
+        for (int k = 0; k < 6; k++) Py_XDECREF(values[k]);
+        return NULL;
+    }
+    for (int k = 0; k < 6; k++) PyTuple_SET_ITEM(row, k, values[k]);
+    return row;
+}
+
+/* The row at x that has a NaN or infinite logit, by nonfinite(address, n, token) -> (top1, runner_up,
+ * margin, logprob); 0, or -1 with an exception set. */
+static int nonfinite_row(PyObject *nonfinite, const float *x, Py_ssize_t n, Py_ssize_t token, Py_ssize_t *top1,
+                         Py_ssize_t *runner_up, double *margin, double *logprob) {
+    PyObject *address = PyLong_FromVoidPtr((void *)x);
+    PyObject *n_obj = PyLong_FromSsize_t(n);
+    PyObject *token_obj = PyLong_FromSsize_t(token);
+    PyObject *stats = NULL;
+    if (address && n_obj && token_obj) {
+        PyObject *call_args[3] = {address, n_obj, token_obj};
+        stats = PyObject_Vectorcall(nonfinite, call_args, 3, NULL);
+    }
+    Py_XDECREF(address);
+    Py_XDECREF(n_obj);
+    Py_XDECREF(token_obj);
+    if (stats == NULL) return -1;
+    int ok = -1;
+    PyObject *items = PySequence_Fast(stats, "nonfinite() must return (top1, runner_up, margin, logprob)");
+    if (items != NULL && PySequence_Fast_GET_SIZE(items) == 4) {
+        PyObject **item = PySequence_Fast_ITEMS(items);
+        *top1 = PyLong_AsSsize_t(item[0]);
+        *runner_up = PyLong_AsSsize_t(item[1]);
+        *margin = PyFloat_AsDouble(item[2]);
+        *logprob = PyFloat_AsDouble(item[3]);
+        ok = PyErr_Occurred() ? -1 : 0;
+        if (ok == 0 && (*top1 < 0 || *top1 >= n)) {
+            PyErr_Format(PyExc_ValueError, "nonfinite() gave top-1 %zd outside the row of %zd logits", *top1, n);
+            ok = -1;
+        }
+    } else if (items != NULL) {
+        PyErr_SetString(PyExc_ValueError, "nonfinite() must return (top1, runner_up, margin, logprob)");
+    }
+    Py_XDECREF(items);
+    Py_DECREF(stats);
+    return ok;
+}
+
+static PyObject *sampled_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "sampled_rows(nonfinite, row_type, address, rows, n, row_stride, ids_address, "
+                                         "ids_stride, ids_size, skip) takes 10 arguments");
+        return NULL;
+    }
+    PyObject *nonfinite = args[0], *skip_obj = args[9];
+    if (!PyType_Check(args[1]) || !PyType_IsSubtype((PyTypeObject *)args[1], &PyTuple_Type) ||
+        ((PyTypeObject *)args[1])->tp_basicsize != PyTuple_Type.tp_basicsize) {
+        PyErr_SetString(PyExc_TypeError, "row_type must be a tuple subclass without fields of its own (a NamedTuple)");
+        return NULL;
+    }
+    PyTypeObject *row_type = (PyTypeObject *)args[1];
+    const char *logits = PyLong_AsVoidPtr(args[2]);
+    if (logits == NULL && PyErr_Occurred()) return NULL;
+    Py_ssize_t rows = PyLong_AsSsize_t(args[3]);
+    if (rows == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t n;
+    if (positive_size(args[4], &n) < 0) return NULL;
+    Py_ssize_t row_stride = PyLong_AsSsize_t(args[5]);
+    if (row_stride == -1 && PyErr_Occurred()) return NULL;
+    const char *ids = PyLong_AsVoidPtr(args[6]);
+    if (ids == NULL && PyErr_Occurred()) return NULL;
+    Py_ssize_t ids_stride = PyLong_AsSsize_t(args[7]);
+    if (ids_stride == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t ids_size = PyLong_AsSsize_t(args[8]);
+    if (ids_size == -1 && PyErr_Occurred()) return NULL;
+    if (rows < 0) {
+        PyErr_SetString(PyExc_ValueError, "rows must not be negative");
+        return NULL;
+    }
+    if (ids_size != 4 && ids_size != 8) {
+        PyErr_SetString(PyExc_ValueError, "sampled ids must be int32 or int64 (ids_size 4 or 8)");
+        return NULL;
+    }
+    if (rows > 0 && (logits == NULL || ids == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "no logits or no sampled ids (NULL address)");
+        return NULL;
+    }
+    Py_buffer skip;
+    int have_skip = 0;
+    if (skip_obj != Py_None) {
+        if (PyObject_GetBuffer(skip_obj, &skip, PyBUF_RECORDS_RO) < 0) return NULL;
+        have_skip = 1;
+        if (skip.ndim != 1 || skip.itemsize != 1 || !native_format(skip.format, "?bB") || skip.shape[0] < rows) {
+            PyErr_SetString(PyExc_ValueError, "skip must be a bool array with at least one entry per logits row");
+            PyBuffer_Release(&skip);
+            return NULL;
+        }
+    }
+    PyObject *out = PyList_New(rows);
+    for (Py_ssize_t i = 0; out != NULL && i < rows; i++) {
+        const float *x = (const float *)(logits + i * row_stride);
+        Py_ssize_t token, top1, runner_up;
+        double margin, logprob;
+        if (ids_size == 4) {
+            int32_t id;
+            memcpy(&id, ids + i * ids_stride, sizeof id);
+            token = id;
+        } else {
+            int64_t id;
+            memcpy(&id, ids + i * ids_stride, sizeof id);
+            token = (Py_ssize_t)id;
+        }
+        PyObject *row = NULL;
+        if (have_skip && *((const char *)skip.buf + i * skip.strides[0])) {
+            row = make_sampled_row(row_type, token, -1, -1, 0.0, 0.0, 0.0);
+        } else if (check_token(token, n) == 0) {
+            int finite = compute_row(x, n, token, &top1, &runner_up, &margin, &logprob);
+            if (finite == 0) finite = nonfinite_row(nonfinite, x, n, token, &top1, &runner_up, &margin, &logprob) + 1;
+            if (finite > 0) {
+                if (token != top1 && x[token] == x[top1]) { /* a random sampler took a token tied with the maximum */
+                    runner_up = top1;
+                    top1 = token;
+                }
+                row = make_sampled_row(row_type, token, top1, runner_up, margin, logprob, 1.0);
+            }
+        }
+        if (row == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, row);
+    }
+    if (have_skip) PyBuffer_Release(&skip);
+    return out;
+}
+
 static PyObject *kernels(PyObject *module, PyObject *unused) {
     (void)module;
     (void)unused;
@@ -271,6 +445,10 @@ static PyMethodDef methods[] = {
      "row_stats_at(get_logits_ith, ctx, n, nonfinite, i, token) -> (top1, runner_up, margin, logprob):\n"
      "the row llama_get_logits_ith(ctx, i) points to (function and context as addresses);\n"
      "nonfinite(address, n, token) answers for a row with a NaN or infinite logit."},
+    {"sampled_rows", (PyCFunction)(void (*)(void))sampled_rows, METH_FASTCALL,
+     "sampled_rows(nonfinite, row_type, address, rows, n, row_stride, ids_address, ids_stride, ids_size, skip)\n"
+     "-> [row_type (chosen, top1, runner_up, margin, logprob, sampled)]: a sampler's step, one row per logits row\n"
+     "(see rowstats.sampled_rows_numpy)."},
     {"kernels", kernels, METH_NOARGS, "Names of the vector kernels this CPU runs, widest first."},
     {"use_kernel", use_kernel, METH_O,
      "use_kernel(name) -> the previous kernel's name: compute with another kernel (for tests; all give the same bits)."},

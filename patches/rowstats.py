@@ -19,9 +19,10 @@ A row holding a NaN or an infinite logit gets numpy's argmax and exp semantics i
 over the row, one call from Python) where it was built, and with :func:`row_stats_numpy`
 otherwise.  :func:`context_reader` does the same for the row llama.cpp's ``llama_get_logits_ith``
 returns, calling that function from the compiled helper: no Python frame and no ctypes call per
-token.  The definition fixes every float operation and the order of the sum, so both give
-bit-identical results on every machine: a recorded log-probability does not depend on how kvtrace
-was installed.
+token.  :func:`sampled_rows_reader` does it for a sampler's whole step (vLLM's batch of rows and
+sampled ids, given by address) in one call.  The definition fixes every float operation and the
+order of the sum, so both give bit-identical results on every machine: a recorded log-probability
+does not depend on how kvtrace was installed.
 """
 
 from __future__ import annotations
@@ -162,6 +163,53 @@ def nonfinite_at(address: int, n: int, token: int) -> RowStats:
     return nonfinite_row_stats(row_view(address, n), token)
 
 
+def sampled_rows_numpy(nonfinite: Callable[[int, int, int], RowStats], row_type: type, address: int, rows: int,
+                       n: int, row_stride: int, ids_address: int, ids_stride: int, ids_size: int,
+                       skip: Optional[np.ndarray]) -> list:
+    """``_rowstats.sampled_rows`` in numpy: a sampler's step over ``rows`` logits rows, one row each.
+
+    Row ``i`` of the logits is the ``n`` float32 logits at ``address + i * row_stride``, and its
+    sampled token the signed integer of ``ids_size`` bytes (4 or 8) at ``ids_address + i *
+    ids_stride``; ``skip`` is ``None`` or a bool array whose true entries (at least ``rows`` of them)
+    mark the rows that sampled no token.  Row ``i`` gives ``tuple.__new__(row_type, (chosen, top1,
+    runner_up, margin, logprob, 1.0))`` by :func:`row_stats` (``row_type`` is a tuple subclass such as
+    a NamedTuple), except that a chosen token tied with the maximum (a random sampler's draw) is the
+    top-1 itself and the runner-up the lowest id holding the maximum; a skipped row gives
+    ``(chosen, -1, -1, 0.0, 0.0, 0.0)`` and is not read.  A row with a NaN or infinite logit goes to
+    ``nonfinite(address, n, token)``.
+    """
+    if not (isinstance(row_type, type) and issubclass(row_type, tuple)
+            and row_type.__basicsize__ == tuple.__basicsize__):
+        raise TypeError("row_type must be a tuple subclass without fields of its own (a NamedTuple)")
+    if n <= 0:
+        raise ValueError("the row is empty")
+    if rows < 0:
+        raise ValueError("rows must not be negative")
+    if ids_size not in (4, 8):
+        raise ValueError("sampled ids must be int32 or int64 (ids_size 4 or 8)")
+    if rows > 0 and (not address or not ids_address):
+        raise ValueError("no logits or no sampled ids (NULL address)")
+    if skip is not None:
+        skip = np.asarray(skip)
+        if skip.ndim != 1 or skip.itemsize != 1 or skip.dtype.kind not in "biu" or skip.shape[0] < rows:
+            raise ValueError("skip must be a bool array with at least one entry per logits row")
+    id_type = ctypes.c_int32 if ids_size == 4 else ctypes.c_int64
+    out = []
+    for i in range(rows):
+        token = id_type.from_address(ids_address + i * ids_stride).value
+        if skip is not None and skip[i]:
+            out.append(tuple.__new__(row_type, (token, -1, -1, 0.0, 0.0, 0.0)))
+            continue
+        row_address = address + i * row_stride
+        stats = row_stats_numpy(row_address, n, token) or nonfinite(row_address, n, token)
+        top1, runner_up, margin, logprob = stats
+        row = row_view(row_address, n)
+        if token != top1 and row[token] == row[top1]:  # a random sampler took a token tied with the maximum
+            top1, runner_up = token, top1
+        out.append(tuple.__new__(row_type, (token, top1, runner_up, float(margin), float(logprob), 1.0)))
+    return out
+
+
 def _load_compiled():
     try:  # imported here to catch its absence: the extension is optional (built where a C compiler was)
         from kvtrace.patches import _rowstats
@@ -171,10 +219,11 @@ def _load_compiled():
 
 
 COMPILED = _load_compiled()
-"""The compiled helper (``row_stats``, ``row_stats_at``), ``None`` where it was not built."""
+"""The compiled helper (``row_stats``, ``row_stats_at``, ``sampled_rows``), ``None`` where it was not built."""
 
 _row_stats = COMPILED.row_stats if COMPILED is not None else row_stats_numpy
 _row_stats_at = COMPILED.row_stats_at if COMPILED is not None else row_stats_at_numpy
+_sampled_rows = COMPILED.sampled_rows if COMPILED is not None else sampled_rows_numpy
 
 
 def row_stats(address: int, n: int, token: int) -> RowStats:
@@ -194,3 +243,15 @@ def context_reader(get_logits_ith: int, ctx: int, n: int) -> Callable[[int, int]
     no row ``i`` and ``IndexError`` for a token outside it.
     """
     return functools.partial(_row_stats_at, get_logits_ith, ctx, n, nonfinite_at)
+
+
+def sampled_rows_reader(row_type: type) -> Callable[..., list]:
+    """``read(address, rows, n, row_stride, ids_address, ids_stride, ids_size, skip)``: a sampler's step,
+    one ``row_type`` (chosen, top1, runner_up, margin, logprob, sampled) per logits row, in one call
+    (:func:`sampled_rows_numpy` says what each argument and number is).
+
+    The memory the addresses point into must stay valid during the call.  ``read`` raises
+    ``ValueError`` for a NULL address or an ``ids_size`` other than 4 or 8 and ``IndexError`` for a
+    sampled token outside its row.
+    """
+    return functools.partial(_sampled_rows, nonfinite_at, row_type)

@@ -91,12 +91,14 @@ class LiveRequests:
         with self._lock:
             self._engine_events.append(event)
 
-    def add_rows(self, rows: Iterable[tuple[str, SampledRow]]) -> None:
-        """Append each live request's sampled row (rows of requests not recorded here are dropped)."""
+    def add_rows(self, req_ids: Iterable[str], rows: Iterable[SampledRow]) -> None:
+        """Append to each live request its row of a step, the rows in ``req_ids``' order (the longer
+        of the two is cut); rows that sampled no token and rows of requests not recorded here are dropped."""
         with self._lock:
-            for internal_id, row in rows:
-                live = self._live.get(internal_id)
-                if live is not None:
+            live_requests = self._live
+            for internal_id, row in zip(req_ids, rows):
+                live = live_requests.get(internal_id)
+                if live is not None and row.sampled_a_token:
                     live.sampled_rows.append(row)
 
     def finish(self, internal_id: str) -> Optional[LiveRequest]:

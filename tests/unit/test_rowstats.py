@@ -133,3 +133,125 @@ def test_where_the_helper_is_not_built_the_numpy_twin_answers_the_same(monkeypat
     monkeypatch.setattr(rowstats, "_row_stats", rowstats.row_stats_numpy)
     assert rowstats.row_stats(row.ctypes.data, row.size, 11) == with_helper
     assert compiled.row_stats(row.ctypes.data, row.size, 11) == tuple(with_helper)
+
+
+# --- a sampler's step: every row of a batch in one call (vLLM) ------------------------------------
+
+
+class Row(tuple):
+    """A NamedTuple-like row type, as vLLM's patch passes its own."""
+
+    __slots__ = ()
+
+
+def a_batch(n: int, rows: int, seed: int, ids_dtype=np.int32, padding: int = 0):
+    """``rows`` logits rows of ``n`` (inside a wider array when ``padding``: the rows are not
+    back to back), the sampled ids as vLLM gives them ([rows, 1]) and a skip mask longer than the batch."""
+    rng = np.random.default_rng(seed)
+    wide = (rng.standard_normal((rows, n + padding)) * 4).astype(np.float32)
+    logits = wide[:, :n]
+    ids = rng.integers(n, size=(rows, 1)).astype(ids_dtype)
+    skip = np.zeros(rows + 3, dtype=bool)
+    return logits, ids, skip
+
+
+def step_arguments(logits: np.ndarray, ids: np.ndarray, skip) -> tuple:
+    return (logits.ctypes.data, logits.shape[0], logits.shape[1], logits.strides[0],
+            ids.ctypes.data, ids.strides[0], ids.itemsize, skip)
+
+
+def every_step_reader(monkeypatch):
+    """The compiled helper with each kernel this CPU runs, then the numpy twin (as where it was not built)."""
+    compiled = compiled_module()
+    kernels = compiled.kernels()
+    try:
+        for kernel in kernels:
+            compiled.use_kernel(kernel)
+            yield kernel, rowstats.sampled_rows_reader(Row)
+    finally:
+        compiled.use_kernel(kernels[0])
+    with monkeypatch.context() as patched:
+        patched.setattr(rowstats, "_sampled_rows", rowstats.sampled_rows_numpy)
+        yield "numpy", rowstats.sampled_rows_reader(Row)
+
+
+def test_a_samplers_step_gives_every_rows_numbers_in_one_call_the_same_on_every_path(monkeypatch):
+    batches = []
+    for seed, (n, rows) in enumerate(((960, 1), (32000, 3), (257, 5), (151936, 2), (33, 4))):
+        logits, ids, skip = a_batch(n, rows, seed, ids_dtype=(np.int32, np.int64)[seed % 2], padding=seed * 5)
+        if rows > 2:
+            skip[1] = True  # a partial prefill: sampled nothing
+            logits[2, [3, 7]] = logits[2].max() + 1  # a tie for top-1 ...
+            ids[2, 0] = 7  # ... and a random sampler drew the higher id
+        if rows > 3:
+            logits[3, 11] = np.nan
+        batches.append((logits, ids, skip))
+    expected = None
+    for path, read in every_step_reader(monkeypatch):
+        got = [read(*step_arguments(*batch)) for batch in batches]
+        assert all(type(row) is Row for step in got for row in step), path
+        if expected is None:
+            expected = got
+        np.testing.assert_equal(got, expected, err_msg=path)  # NaN == NaN: the same bits on every path
+
+    for (logits, ids, skip), step in zip(batches, expected):
+        for i, row in enumerate(step):
+            token = int(ids[i, 0])
+            if skip[i]:
+                assert row == (token, -1, -1, 0.0, 0.0, 0.0)
+                continue
+            contiguous = np.ascontiguousarray(logits[i])
+            top1, runner_up, margin, logprob = rowstats.row_stats(contiguous.ctypes.data, contiguous.size, token)
+            if token != top1 and contiguous[token] == contiguous[top1]:
+                top1, runner_up = token, top1
+            np.testing.assert_equal(row, (token, top1, runner_up, margin, logprob, 1.0))
+    tied = expected[2][2]
+    assert tied[:4] == (7, 7, 3, 0.0)  # the drawn token tied with the maximum is the top-1
+
+
+def test_a_greedy_step_over_a_batch_equals_an_independent_float64_recomputation():
+    logits, ids, skip = a_batch(4096, 6, seed=7)
+    ids[:, 0] = logits.argmax(axis=1)
+    step = rowstats.sampled_rows_reader(Row)(*step_arguments(logits, ids, None))
+    for i, (chosen, top1, runner_up, margin, logprob, sampled) in enumerate(step):
+        ref_top1, ref_runner_up, ref_margin, ref_logprob = reference(logits[i], int(ids[i, 0]))
+        assert (chosen, top1, runner_up, sampled) == (ref_top1, ref_top1, ref_runner_up, 1.0)
+        assert margin == ref_margin
+        assert logprob == pytest.approx(ref_logprob, abs=1e-6)
+
+
+def test_a_skipped_row_is_not_read(monkeypatch):
+    logits, ids, skip = a_batch(64, 2, seed=8)
+    ids[1, 0] = 10**6  # a partial prefill's placeholder id: outside the row, and never looked at
+    skip[1] = True
+    for path, read in every_step_reader(monkeypatch):
+        step = read(*step_arguments(logits, ids, skip))
+        assert step[1] == (10**6, -1, -1, 0.0, 0.0, 0.0), path
+        assert read(*step_arguments(logits[:0], ids, skip)) == [], path  # an empty step
+
+
+def test_a_bad_step_is_an_error_not_a_read(monkeypatch):
+    logits, ids, skip = a_batch(64, 2, seed=9)
+    for path, read in every_step_reader(monkeypatch):
+        address, rows, n, row_stride, ids_address, ids_stride, ids_size, _ = step_arguments(logits, ids, skip)
+        outside = ids.copy()
+        outside[0, 0] = 64
+        with pytest.raises(IndexError):
+            read(*step_arguments(logits, outside, skip))
+        with pytest.raises(ValueError):
+            read(0, rows, n, row_stride, ids_address, ids_stride, ids_size, skip)  # no logits
+        with pytest.raises(ValueError):
+            read(address, rows, n, row_stride, 0, ids_stride, ids_size, skip)  # no sampled ids
+        with pytest.raises(ValueError):
+            read(address, rows, n, row_stride, ids_address, ids_stride, 2, skip)  # int16 ids
+        with pytest.raises(ValueError):
+            read(address, rows, 0, row_stride, ids_address, ids_stride, ids_size, skip)  # an empty row
+        with pytest.raises(ValueError):
+            read(address, rows, n, row_stride, ids_address, ids_stride, ids_size, skip[:1])  # a short mask
+        with pytest.raises(ValueError):
+            read(address, rows, n, row_stride, ids_address, ids_stride, ids_size, skip.astype(np.int32))
+        with pytest.raises(TypeError):
+            rowstats.sampled_rows_reader(list)(*step_arguments(logits, ids, skip))
+    for row_type in (list, dict):
+        with pytest.raises(TypeError):
+            rowstats.sampled_rows_numpy(rowstats.nonfinite_at, row_type, *step_arguments(logits, ids, skip))

@@ -172,10 +172,13 @@ class GPUModelRunner:
 
     def step(self, logits: dict[str, list[float]], partial_prefills: tuple[str, ...] = (),
              draws: Optional[dict[str, int]] = None, temperature: float = 0.0) -> None:
+        metadata = self.input_batch.sampling_metadata
+        if list(logits) != self.input_batch.req_ids or metadata is None or metadata.temperature != temperature:
+            # a batch update: vLLM builds new metadata (the fields of vLLM's SamplingMetadata read)
+            self.input_batch.sampling_metadata = SimpleNamespace(
+                all_greedy=temperature == 0.0, no_penalties=True, allowed_token_ids_mask=None, bad_words_token_ids={},
+                logitsprocs=SimpleNamespace(non_argmax_invariant=[]), temperature=temperature)
         self.input_batch.req_ids = list(logits)
-        self.input_batch.sampling_metadata = SimpleNamespace(  # the fields of vLLM's SamplingMetadata read
-            all_greedy=temperature == 0.0, no_penalties=True, allowed_token_ids_mask=None,
-            bad_words_token_ids={}, logitsprocs=SimpleNamespace(non_argmax_invariant=[]), temperature=temperature)
         self.discard_request_mask.np[:] = False
         self.discard_request_mask.np[[i for i, r in enumerate(logits) if r in partial_prefills]] = True
         self.draws = draws or {}
@@ -346,6 +349,27 @@ def test_a_tempered_draw_records_the_raw_logits_not_the_ones_the_sampler_divided
     assert list(attributes[sc.OUTPUT_MARGINS]) == [0.75]  # not 1.5, the margin of the logits over 0.5
     x = np.array(logits, dtype=np.float64)
     assert list(attributes[sc.OUTPUT_LOGPROBS]) == pytest.approx([x[2] - np.log(np.exp(x).sum())], abs=1e-6)
+
+
+def test_a_batch_that_turns_to_tempered_sampling_is_read_from_a_copy_again(engine, memory_recorder,
+                                                                          finished_requests):
+    """The check whether the sampler may edit the logits is made once per sampling metadata: a greedy
+    step's answer must not outlive the metadata vLLM replaces when the batch changes."""
+    runner = GPUModelRunner()
+    request = Request("turns-00000017", [1, 2, 3])
+    engine.admit(request)
+    greedy, tempered = [0.5, 2.0, 1.25, -1.0], [3.0, 1.0, 2.5, 0.0]
+    runner.step({"turns-00000017": greedy})
+    metadata = runner.input_batch.sampling_metadata
+    runner.step({"turns-00000017": greedy})  # the same batch: the same metadata, the same answer
+    assert runner.input_batch.sampling_metadata is metadata
+    runner.step({"turns-00000017": tempered}, draws={"turns-00000017": 2}, temperature=0.25)
+    engine.finish(request, [1, 1, 2])
+
+    ((attributes, _),) = spans(memory_recorder, finished_requests).values()
+    assert list(attributes[sc.OUTPUT_MARGINS]) == [0.75, 0.75, 0.5]  # the last not 2.0, over the temperature
+    x = np.array(tempered, dtype=np.float64)
+    assert list(attributes[sc.OUTPUT_LOGPROBS])[2] == pytest.approx(x[2] - np.log(np.exp(x).sum()), abs=1e-6)
 
 
 def test_rows_a_worker_shipped_reach_the_request_in_the_engine_core(engine, memory_recorder, finished_requests):
