@@ -7,7 +7,7 @@
  * with P SplitMix64's output function.  Integer arithmetic only, so both give the same bits on
  * every machine.  What it saves is the per-element Python work around numpy (a list to an array,
  * the array back to a list of ints, ~15 array operations): ids are read straight from the lists
- * the recorder keeps and the hashes written as native int64, ready to be packed for the spool.
+ * the recorder keeps and the hashes written as little-endian int64, the spool's packed form.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,7 +30,11 @@ static inline uint64_t little_endian_u64(const unsigned char *p) {
     return v;
 }
 
-/* One sequence of ids (ints, or anything with __index__) → native int64 hashes as bytes. */
+static inline void store_little_endian_u64(unsigned char *p, uint64_t v) {
+    for (int b = 0; b < 8; b++, v >>= 8) p[b] = (unsigned char)v;
+}
+
+/* One sequence of ids (ints, or anything with __index__) → little-endian int64 hashes as bytes. */
 static PyObject *encrypt_one(PyObject *ids, const unsigned char *keys, Py_ssize_t positions) {
     PyObject *fast = PySequence_Fast(ids, "token ids must be a sequence");
     if (fast == NULL) return NULL;
@@ -45,7 +49,7 @@ static PyObject *encrypt_one(PyObject *ids, const unsigned char *keys, Py_ssize_
         Py_DECREF(fast);
         return NULL;
     }
-    int64_t *hashes = (int64_t *)PyBytes_AS_STRING(out);
+    unsigned char *hashes = (unsigned char *)PyBytes_AS_STRING(out);
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < n; i++) {
         long long id = PyLong_AsLongLong(items[i]);
@@ -55,13 +59,13 @@ static PyObject *encrypt_one(PyObject *ids, const unsigned char *keys, Py_ssize_
             return NULL;
         }
         if (id < 0) {
-            hashes[i] = -1;
+            store_little_endian_u64(hashes + 8 * i, UINT64_MAX); /* -1 */
             continue;
         }
         const unsigned char *k = keys + (size_t)i * KEYS_PER_POSITION * 8;
         uint64_t z = (uint64_t)id ^ little_endian_u64(k);
         for (int r = 1; r <= ROUNDS; r++) z = mix(z) ^ little_endian_u64(k + 8 * r);
-        hashes[i] = (int64_t)(z & LOW_63);
+        store_little_endian_u64(hashes + 8 * i, z & LOW_63);
     }
     Py_DECREF(fast);
     return out;
@@ -94,7 +98,7 @@ static PyObject *encrypt_ids(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 static PyMethodDef methods[] = {
     {"encrypt_ids", (PyCFunction)(void (*)(void))encrypt_ids, METH_FASTCALL,
-     "encrypt_ids(keys, arrays) -> one bytes of native int64 hashes per array of ids: id i hashed\n"
+     "encrypt_ids(keys, arrays) -> one bytes of little-endian int64 hashes per array of ids: id i hashed\n"
      "under the three little-endian uint64 keys at keys[24*i:24*i+24]; a negative id gives -1."},
     {NULL, NULL, 0, NULL},
 };

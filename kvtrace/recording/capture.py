@@ -33,6 +33,7 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 
 from kvtrace import semconv as sc
+from kvtrace.recording.packed_arrays import INT64, unpack
 
 _HASH_BYTES = 8
 _TOKEN_BYTES = 8
@@ -166,12 +167,12 @@ class CapturePolicy:
         comment above."""
         length = max((len(a) for a in arrays), default=0)
         if length == 0:
-            return [array("q") for _ in arrays]
+            return [array(INT64) for _ in arrays]
         stream = self._place_stream.copy()
         stream.update(context.encode())
         keys = stream.digest(8 * (_ROUNDS + 1) * length)
         if COMPILED is not None:
-            return [_int64_array(hashed) for hashed in COMPILED.encrypt_ids(keys, arrays)]
+            return [unpack(hashed, INT64) for hashed in COMPILED.encrypt_ids(keys, arrays)]
         return encrypt_numpy(keys, arrays)
 
 
@@ -180,15 +181,9 @@ def encrypt_numpy(keys: bytes, arrays: Sequence[Sequence[int]]) -> list[array]:
     length = len(keys) // (8 * (_ROUNDS + 1))
     per_position = np.frombuffer(keys, dtype="<u8").reshape(length, _ROUNDS + 1).T
     if all(len(a) == length for a in arrays):  # the common case: one pass over all of them
-        return [_int64_array(row.tobytes()) for row in _encrypt(np.array(arrays, dtype=np.int64), per_position)]
-    return [_int64_array(_encrypt(np.array(a, dtype=np.int64), per_position[:, : len(a)]).tobytes()) if len(a)
-            else array("q") for a in arrays]
-
-
-def _int64_array(native: bytes) -> array:
-    values = array("q")
-    values.frombytes(native)
-    return values
+        return [array(INT64, row) for row in _encrypt(np.array(arrays, dtype=np.int64), per_position).tolist()]
+    return [array(INT64, _encrypt(np.array(a, dtype=np.int64), per_position[:, : len(a)]).tolist()) if len(a)
+            else array(INT64) for a in arrays]
 
 
 def _encrypt(ids: np.ndarray, keys: np.ndarray) -> np.ndarray:

@@ -58,7 +58,7 @@ def test_the_compiled_helper_and_numpy_give_the_same_bits():
             ids = [rng.choice([-1, 0, rng.randrange(2**15), rng.randrange(2**63)]) for _ in range(n)]
             arrays.append(np.array(ids, dtype=np.int64) if case % 5 == 0 else ids)  # numpy ints too
         expected = [list(a) for a in encrypt_numpy(keys, arrays)]
-        assert [np.frombuffer(b, dtype=np.int64).tolist() for b in compiled.encrypt_ids(keys, arrays)] == expected
+        assert [np.frombuffer(b, dtype="<i8").tolist() for b in compiled.encrypt_ids(keys, arrays)] == expected
 
 
 def test_bad_ids_raise_a_python_error_not_a_crash():
