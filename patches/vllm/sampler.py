@@ -89,15 +89,24 @@ def top2_stats(logits: Any, chosen: Any, valid: Any) -> Any:
 _read_rows = sampled_rows_reader(SampledRow)
 
 
-def _host_float32(logits: Any) -> Optional[tuple[Any, int, int, int, int]]:
-    """``(owner, address of row 0, rows, vocabulary, bytes between rows)`` of float32 logits whose rows
-    are contiguous in host memory: the logits' own memory (``owner is logits``) when they already are,
-    else a converted copy's; ``None`` for logits on a device.  ``owner`` holds the memory."""
+class HostLogits(NamedTuple):
+    """A step's float32 logits in host memory, rows contiguous, as the compiled row helper reads them."""
+
+    owner: Any  # the array or tensor that holds the memory ``address`` points into
+    address: int  # of row 0
+    rows: int
+    n: int  # the vocabulary
+    row_stride: int  # bytes between rows
+
+
+def _host_float32(logits: Any) -> Optional[HostLogits]:
+    """``logits`` as :class:`HostLogits`: their own memory (``owner is logits``) when they already are
+    float32 with contiguous rows, else a converted copy's; ``None`` for logits on a device."""
     if isinstance(logits, np.ndarray):
         x = logits
         if x.dtype != np.float32 or x.strides[1] != 4:
             x = np.ascontiguousarray(x, np.float32)
-        return x, x.ctypes.data, x.shape[0], x.shape[1], x.strides[0]
+        return HostLogits(x, x.ctypes.data, x.shape[0], x.shape[1], x.strides[0])
     if not logits.is_cpu:
         return None
     x = logits if logits.dtype == _torch_float32() else logits.float()  # bf16 and f16 convert exactly
@@ -106,10 +115,10 @@ def _host_float32(logits: Any) -> Optional[tuple[Any, int, int, int, int]]:
         x = x.contiguous()
         row_stride = x.stride(0)
     rows, n = x.shape
-    return x, x.data_ptr(), rows, n, row_stride * 4
+    return HostLogits(x, x.data_ptr(), rows, n, row_stride * 4)
 
 
-def _host_rows(host: tuple[Any, int, int, int, int], ids: Any, skip: Any) -> list[SampledRow]:
+def _host_rows(host: HostLogits, ids: Any, skip: Any) -> list[SampledRow]:
     """One :class:`SampledRow` per row of host logits (as :func:`_host_float32` gives them), in one
     call into the compiled row helper (:mod:`~kvtrace.patches.rowstats`).
 
@@ -276,7 +285,7 @@ def _logits_to_read_v1(runner: Any, args: tuple, kwargs: dict) -> Any:
         if logits.dtype == _torch_float32() and _sampler_may_edit(runner.input_batch.sampling_metadata):
             return logits.clone()  # queued on the device's stream, like vLLM's own work
         return logits
-    if host[0] is logits and _sampler_may_edit(runner.input_batch.sampling_metadata):
+    if host.owner is logits and _sampler_may_edit(runner.input_batch.sampling_metadata):
         return _copy_of(host)
     return host
 
@@ -286,7 +295,7 @@ _scratch = np.empty((0, 0), dtype=np.float32)
 rows costs page faults on every step."""
 
 
-def _copy_of(host: tuple[Any, int, int, int, int]) -> tuple[Any, int, int, int, int]:
+def _copy_of(host: HostLogits) -> HostLogits:
     """A copy of host logits in the reused buffer (valid until the next step), described the same way."""
     global _scratch
     owner, _, rows, n, _ = host
@@ -295,7 +304,7 @@ def _copy_of(host: tuple[Any, int, int, int, int]) -> tuple[Any, int, int, int, 
         _scratch = np.empty((max(rows, _scratch.shape[0]), n), dtype=np.float32)
     copy = _scratch[:rows]
     np.copyto(copy, source)
-    return copy, copy.ctypes.data, rows, n, copy.strides[0]
+    return HostLogits(copy, copy.ctypes.data, rows, n, copy.strides[0])
 
 
 _unedited: Any = None
@@ -356,7 +365,7 @@ def _idle_state(processor: Any) -> str:
 
 
 def _on_sample_v1(output: Any, logits: Any, runner: Any) -> None:
-    if type(logits) is tuple:  # host logits: one call for the whole step
+    if type(logits) is HostLogits:  # one call for the whole step
         # partial prefills sample nothing (vLLM's discard mask: its first rows are this step's)
         rows = _host_rows(logits, output.sampled_token_ids, runner.discard_request_mask.np)
         _hand_over(runner.input_batch.req_ids, rows)
