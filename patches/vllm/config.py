@@ -12,6 +12,7 @@ from typing import Any
 from kvtrace import semconv as sc
 from kvtrace.patches.hooks import observing
 from kvtrace.patches.vllm.common import FAILURES, VERSION, arg
+from kvtrace.patches.vllm.worker import receive_rows
 from kvtrace.recording.recorder import get_recorder
 
 _SAMPLING_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "presence_penalty",
@@ -74,9 +75,12 @@ SETTINGS = EngineSettings()
 def _on_scheduler_init(result: Any, scheduler: Any, args: tuple, kwargs: dict) -> None:
     """``Scheduler.__init__(vllm_config, ...)``: also makes this engine core's recorder now, while vLLM
     starts up, rather than inside the first request's admission (tens of ms: the SDK resource, the
-    exporter thread, the spool file)."""
-    SETTINGS.read(arg(args, kwargs, 0, "vllm_config"))
+    exporter thread, the spool file), and lets the scheduler of an ``mp`` executor take the rows its
+    worker ships (:func:`~kvtrace.patches.vllm.worker.receive_rows`)."""
+    vllm_config = arg(args, kwargs, 0, "vllm_config")
+    SETTINGS.read(vllm_config)
     get_recorder()
+    receive_rows(scheduler, vllm_config)
 
 
 scheduler_init = observing(FAILURES, "scheduler init", _on_scheduler_init)
