@@ -271,23 +271,24 @@ def _sample_v1(wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
 
 def _logits_to_read_v1(runner: Any, args: tuple, kwargs: dict) -> Any:
     """The step's raw logits as they will be read after the call (``None`` when the step records
-    nothing): host logits as :func:`_host_float32` gives them, logits on a device as a tensor.  A copy
-    when the sampler may edit them in place, else the logits themselves."""
+    nothing): the logits themselves when the sampler leaves them alone (the common case: nothing
+    about them is read before the call, where a model step has just left every cache cold), else
+    a copy taken now: host logits as :func:`_host_float32` gives them, logits on a device as a tensor."""
     if len(args) == 2 and not kwargs:
         logits, spec_decode_metadata = args
     else:
         logits, spec_decode_metadata = arg(args, kwargs, 0, "logits"), arg(args, kwargs, 1, "spec_decode_metadata")
     if logits is None or spec_decode_metadata is not None:
         return None
+    if not _sampler_may_edit(runner.input_batch.sampling_metadata):
+        return logits
     # The sampler converts other dtypes to float32 first and edits only its own conversion.
     host = _host_float32(logits)
     if host is None:  # on a device
-        if logits.dtype == _torch_float32() and _sampler_may_edit(runner.input_batch.sampling_metadata):
+        if logits.dtype == _torch_float32():
             return logits.clone()  # queued on the device's stream, like vLLM's own work
         return logits
-    if host.owner is logits and _sampler_may_edit(runner.input_batch.sampling_metadata):
-        return _copy_of(host)
-    return host
+    return _copy_of(host) if host.owner is logits else host
 
 
 _scratch = np.empty((0, 0), dtype=np.float32)
@@ -365,9 +366,11 @@ def _idle_state(processor: Any) -> str:
 
 
 def _on_sample_v1(output: Any, logits: Any, runner: Any) -> None:
-    if type(logits) is HostLogits:  # one call for the whole step
+    """``logits`` as :func:`_logits_to_read_v1` gave them (read only now when they are the step's own)."""
+    host = logits if type(logits) is HostLogits else _host_float32(logits)
+    if host is not None:  # one call for the whole step
         # partial prefills sample nothing (vLLM's discard mask: its first rows are this step's)
-        rows = _host_rows(logits, output.sampled_token_ids, runner.discard_request_mask.np)
+        rows = _host_rows(host, output.sampled_token_ids, runner.discard_request_mask.np)
         _hand_over(runner.input_batch.req_ids, rows)
         return
     rows = logits.shape[0]
