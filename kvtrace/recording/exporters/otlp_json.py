@@ -69,12 +69,21 @@ def _encode_array_items(values: Sequence[Any]) -> str:
     return ",".join([encode_value(v) for v in values])
 
 
+def _attribute(key: str, value: Any) -> str:
+    """One ``KeyValue`` as JSON text.  Strings and integers, most of a span's attributes, are written
+    here without a call into ``encode_value``: an exported span has dozens of attributes."""
+    kind = type(value)
+    if kind is str:
+        return '{"key":%s,"value":{"stringValue":%s}}' % (_string(key), _string(value))
+    if kind is int:
+        return '{"key":%s,"value":{"intValue":"%d"}}' % (_string(key), value)
+    return '{"key":%s,"value":%s}' % (_string(key), encode_value(value))
+
+
 def encode_attributes(attributes: Any) -> str:
     if not attributes:
         return "[]"
-    return "[%s]" % ",".join(
-        ['{"key":%s,"value":%s}' % (_string(k), encode_value(v)) for k, v in attributes.items()]
-    )
+    return "[%s]" % ",".join([_attribute(k, v) for k, v in attributes.items()])
 
 
 def _encode_packed_attributes(attributes: Any) -> str:
@@ -86,7 +95,7 @@ def _encode_packed_attributes(attributes: Any) -> str:
         typecode = PACKED_ARRAYS.get(key)
         packed = pack(value, typecode) if typecode is not None and isinstance(value, (list, tuple, array)) else None
         if packed is None:
-            parts.append('{"key":%s,"value":%s}' % (_string(key), encode_value(value)))
+            parts.append(_attribute(key, value))
         else:
             parts.append('{"key":"%s","value":{"bytesValue":"%s"}}' % (key, base64.b64encode(packed).decode()))
     return "[%s]" % ",".join(parts)
