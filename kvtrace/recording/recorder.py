@@ -154,7 +154,7 @@ class Recorder:
         for key, value in r.config.items():
             if value is None:
                 continue
-            a[key] = json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+            a[key] = settings_text(value) if isinstance(value, dict) else value
         prompt = r.prompt_token_ids
         if prompt is not None:
             a[sc.PROMPT_HASH] = capture.hash_tokens(prompt)
@@ -213,6 +213,12 @@ class Recorder:
 
     def shutdown(self) -> None:
         self.provider.shutdown()
+
+
+def settings_text(settings: dict) -> str:
+    """A settings object (``config`` values that are dicts) as the span attribute's JSON text; a patch
+    whose settings rarely change may hand the text over itself."""
+    return json.dumps(settings, sort_keys=True)
 
 
 def _origin_attributes(o: StateOrigin) -> dict[str, Any]:

@@ -63,7 +63,6 @@ HOOKS = HookTable(ENGINE, (
     Hook(_KV_CACHE_MANAGER, "KVCacheManager.record_prefix_cache_stats", engine_core.record_prefix_cache_stats),
     Hook(_SCHEDULER, "Scheduler._free_request", engine_core.free_request),
     # engine core: the block pool
-    Hook(_KV_CACHE_MANAGER, "KVCacheManager.allocate_slots", block_pool.allocate_slots),
     Hook(_BLOCK_POOL, "BlockPool.cache_full_blocks", block_pool.cache_full_blocks),
     Hook(_BLOCK_POOL, "BlockPool._maybe_evict_cached_block", block_pool.evict_cached_block),
     Hook(_BLOCK_POOL, "BlockPool.reset_prefix_cache", block_pool.reset_prefix_cache),
@@ -73,7 +72,6 @@ HOOKS = HookTable(ENGINE, (
     # a worker process's rows to the engine core
     Hook(_WORKER_PROC, "WorkerProc._execute_worker_rpc", worker.execute_worker_rpc),
     Hook(_WORKER_PROC, "WorkerProc.handle_output", worker.handle_output),
-    Hook(_SCHEDULER, "Scheduler.update_from_output", worker.update_from_output),
 ), FAILURES)
 """Each hook is applied when (and if) vLLM imports its module, in whichever process that is."""
 
@@ -116,7 +114,9 @@ def unpatch() -> None:
 
 
 def _forget_requests() -> None:
-    """Drop every in-flight request, waiting row and block provenance of this process."""
+    """Drop every in-flight request, waiting row and block provenance of this process, and stop
+    taking shipped rows."""
+    worker.stop_receiving()
     LIVE.clear()
     block_pool.PROVENANCE.clear()
     sampler.PENDING.clear()

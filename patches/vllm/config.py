@@ -6,13 +6,15 @@ The engine configuration is read once, when the engine core makes its scheduler
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
 from kvtrace import semconv as sc
 from kvtrace.patches.hooks import observing
 from kvtrace.patches.vllm.common import FAILURES, VERSION, arg
-from kvtrace.recording.recorder import get_recorder
+from kvtrace.patches.vllm.worker import receive_rows
+from kvtrace.recording.recorder import get_recorder, settings_text
 
 _SAMPLING_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "ignore_eos", "logprobs")
@@ -26,7 +28,8 @@ class EngineSettings:
 
     def __init__(self) -> None:
         self.attributes: dict[str, Any] = {}
-        """Keyed by ``semconv`` names; copied into every request's configuration."""
+        """Keyed by ``semconv`` names; copied into every request's configuration (settings objects as
+        their JSON text already: made once here, not once per request)."""
         self.model = ""
         """The served model name."""
 
@@ -46,20 +49,20 @@ class EngineSettings:
             sc.ENGINE_VERSION: VERSION.installed(),
             sc.MODEL_WEIGHT_FORMAT: str(quantization or dtype),
             sc.KV_CACHE_TYPE: str(getattr(cache, "cache_dtype", "auto")),
-            sc.CACHE_SETTINGS: {
+            sc.CACHE_SETTINGS: settings_text({
                 "prefix_caching": bool(getattr(cache, "enable_prefix_caching", False)),
                 "block_size": block_size,
                 "hash_algorithm": str(getattr(cache, "prefix_caching_hash_algo", "")),
                 "num_blocks": getattr(cache, "num_gpu_blocks", None),
-            },
-            sc.NUMERICS_SETTINGS: {
+            }),
+            sc.NUMERICS_SETTINGS: settings_text({
                 "dtype": dtype,
                 "quantization": quantization,
                 "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"),
                 "enforce_eager": bool(getattr(model, "enforce_eager", False)),
                 "tensor_parallel_size": getattr(getattr(vllm_config, "parallel_config", None),
                                                 "tensor_parallel_size", 1),
-            },
+            }),
         }
         if block_size:
             attributes[sc.PROMPT_BLOCK_SIZE] = block_size
@@ -74,9 +77,12 @@ SETTINGS = EngineSettings()
 def _on_scheduler_init(result: Any, scheduler: Any, args: tuple, kwargs: dict) -> None:
     """``Scheduler.__init__(vllm_config, ...)``: also makes this engine core's recorder now, while vLLM
     starts up, rather than inside the first request's admission (tens of ms: the SDK resource, the
-    exporter thread, the spool file)."""
-    SETTINGS.read(arg(args, kwargs, 0, "vllm_config"))
+    exporter thread, the spool file), and lets the scheduler of an ``mp`` executor take the rows its
+    worker ships (:func:`~kvtrace.patches.vllm.worker.receive_rows`)."""
+    vllm_config = arg(args, kwargs, 0, "vllm_config")
+    SETTINGS.read(vllm_config)
     get_recorder()
+    receive_rows(scheduler, vllm_config)
 
 
 scheduler_init = observing(FAILURES, "scheduler init", _on_scheduler_init)
@@ -87,8 +93,20 @@ def sampling_attributes(params: Any) -> dict[str, Any]:
     if params is None:
         return {}
     settings = {name: getattr(params, name, None) for name in _SAMPLING_SETTINGS}
-    attributes: dict[str, Any] = {sc.SAMPLING_SETTINGS: {k: v for k, v in settings.items() if v is not None}}
+    given = tuple((name, type(value), value) for name, value in settings.items() if value is not None)
+    try:
+        text = _sampling_text(given)
+    except TypeError:  # a value that cannot be a cache key (a list, in some future vLLM)
+        text = settings_text({name: value for name, _, value in given})
+    attributes: dict[str, Any] = {sc.SAMPLING_SETTINGS: text}
     for key, name in _GEN_AI_REQUEST:
         if settings.get(name) is not None:
             attributes[key] = settings[name]
     return attributes
+
+
+@functools.lru_cache(maxsize=256)
+def _sampling_text(settings: tuple) -> str:
+    """The settings' JSON text, once per distinct settings (the type is part of the key: 1 and 1.0
+    are equal, their texts are not)."""
+    return settings_text({name: value for name, _, value in settings})

@@ -130,11 +130,16 @@ def _on_finish(request: Any) -> None:
         return
     record = live.record
     try:
-        outputs = [int(t) for t in getattr(request, "output_token_ids", [])]
+        outputs = list(map(int, getattr(request, "output_token_ids", [])))
         rows = live.sampled_rows
         if len(rows) >= len(outputs) and outputs:
-            for token, row in zip(outputs, rows):
-                record.add_token(token, int(row.top1), int(row.runner_up), row.margin, row.chosen_logprob)
+            # column by column (the rows' order is SampledRow's), not a call per token
+            _, top1, runner_up, margins, logprobs, _ = zip(*rows[:len(outputs)])
+            record.output_token_ids = outputs
+            record.top1_ids = list(map(int, top1))
+            record.runner_up_ids = list(map(int, runner_up))
+            record.margins = list(margins)
+            record.logprobs = list(logprobs)
         else:  # no rows reached this process (an executor that does not ship them): ids only
             record.output_token_ids = outputs
         reason = request.get_finished_reason() if hasattr(request, "get_finished_reason") else None

@@ -28,7 +28,6 @@ never both, so no row is counted twice.
 
 from __future__ import annotations
 
-import functools
 from collections import deque
 from typing import Any, NamedTuple, Optional
 
@@ -109,13 +108,14 @@ def _host_float32(logits: Any) -> Optional[HostLogits]:
         return HostLogits(x, x.ctypes.data, x.shape[0], x.shape[1], x.strides[0])
     if not logits.is_cpu:
         return None
-    x = logits if logits.dtype == _torch_float32() else logits.float()  # bf16 and f16 convert exactly
+    x = logits if logits.dtype is _TORCH.float32 else logits.float()  # bf16 and f16 convert exactly
     row_stride, column_stride = x.stride()
     if column_stride != 1:
         x = x.contiguous()
         row_stride = x.stride(0)
     rows, n = x.shape
-    return HostLogits(x, x.data_ptr(), rows, n, row_stride * 4)
+    # tuple.__new__: the NamedTuple's own constructor is a Python function, µs a step here
+    return tuple.__new__(HostLogits, (x, x.data_ptr(), rows, n, row_stride * 4))
 
 
 def _host_rows(host: HostLogits, ids: Any, skip: Any) -> list[SampledRow]:
@@ -136,7 +136,7 @@ def _host_rows(host: HostLogits, ids: Any, skip: Any) -> list[SampledRow]:
     else:
         if not ids.is_cpu:  # an address on a device must never be read on the host
             raise ValueError("sampled ids on a device, logits on the host")
-        ids_size = _torch_id_sizes().get(ids.dtype)
+        ids_size = _TORCH.id_sizes.get(ids.dtype)
         if ids_size is None:
             raise TypeError(f"sampled ids of dtype {ids.dtype}")
         ids_address, ids_stride = ids.data_ptr(), ids.stride(0) * ids_size
@@ -146,18 +146,19 @@ def _host_rows(host: HostLogits, ids: Any, skip: Any) -> list[SampledRow]:
     return _read_rows(address, rows, n, row_stride, ids_address, ids_stride, ids_size, skip)
 
 
-@functools.cache
-def _torch_float32() -> Any:
-    import torch  # deferred like top2_stats's: loaded whenever a tensor reaches this module
+class _TorchTypes:
+    """torch's dtypes this module compares with, read every step: attributes, not a call, loaded on
+    first use (importing this module must not load torch; a tensor reaching it means torch is there)."""
 
-    return torch.float32
+    def __getattr__(self, name: str) -> Any:  # only until loaded: then the instance has the attributes
+        import torch
+
+        self.float32 = torch.float32
+        self.id_sizes = {torch.int32: 4, torch.int64: 8}
+        return getattr(self, name)
 
 
-@functools.cache
-def _torch_id_sizes() -> dict:
-    import torch
-
-    return {torch.int32: 4, torch.int64: 8}
+_TORCH: Any = _TorchTypes()
 
 
 class StepRows:
@@ -226,7 +227,7 @@ SHIPMENT = Shipment()
 def _hand_over(req_ids: list[str], rows: list[SampledRow]) -> None:
     """A step's host rows, of the first ``len(rows)`` of ``req_ids``: for this process's live
     requests, or (worker process) for the RPC's output."""
-    (SHIPMENT if SHIPMENT.active else PENDING).put(req_ids[:len(rows)], rows)
+    (SHIPMENT if SHIPMENT.active else PENDING)._steps.append((req_ids[:len(rows)], rows, None))  # put(), inlined
 
 
 def _queue(req_ids: list[str], stats: Any) -> None:
@@ -271,23 +272,24 @@ def _sample_v1(wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
 
 def _logits_to_read_v1(runner: Any, args: tuple, kwargs: dict) -> Any:
     """The step's raw logits as they will be read after the call (``None`` when the step records
-    nothing): host logits as :func:`_host_float32` gives them, logits on a device as a tensor.  A copy
-    when the sampler may edit them in place, else the logits themselves."""
+    nothing): the logits themselves when the sampler leaves them alone (the common case: nothing
+    about them is read before the call, where a model step has just left every cache cold), else
+    a copy taken now: host logits as :func:`_host_float32` gives them, logits on a device as a tensor."""
     if len(args) == 2 and not kwargs:
         logits, spec_decode_metadata = args
     else:
         logits, spec_decode_metadata = arg(args, kwargs, 0, "logits"), arg(args, kwargs, 1, "spec_decode_metadata")
     if logits is None or spec_decode_metadata is not None:
         return None
+    if not _sampler_may_edit(runner.input_batch.sampling_metadata):
+        return logits
     # The sampler converts other dtypes to float32 first and edits only its own conversion.
     host = _host_float32(logits)
     if host is None:  # on a device
-        if logits.dtype == _torch_float32() and _sampler_may_edit(runner.input_batch.sampling_metadata):
+        if logits.dtype is _TORCH.float32:
             return logits.clone()  # queued on the device's stream, like vLLM's own work
         return logits
-    if host.owner is logits and _sampler_may_edit(runner.input_batch.sampling_metadata):
-        return _copy_of(host)
-    return host
+    return _copy_of(host) if host.owner is logits else host
 
 
 _scratch = np.empty((0, 0), dtype=np.float32)
@@ -365,9 +367,11 @@ def _idle_state(processor: Any) -> str:
 
 
 def _on_sample_v1(output: Any, logits: Any, runner: Any) -> None:
-    if type(logits) is HostLogits:  # one call for the whole step
+    """``logits`` as :func:`_logits_to_read_v1` gave them (read only now when they are the step's own)."""
+    host = logits if type(logits) is HostLogits else _host_float32(logits)
+    if host is not None:  # one call for the whole step
         # partial prefills sample nothing (vLLM's discard mask: its first rows are this step's)
-        rows = _host_rows(logits, output.sampled_token_ids, runner.discard_request_mask.np)
+        rows = _host_rows(host, output.sampled_token_ids, runner.discard_request_mask.np)
         _hand_over(runner.input_batch.req_ids, rows)
         return
     rows = logits.shape[0]

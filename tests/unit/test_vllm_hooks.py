@@ -372,7 +372,13 @@ def test_a_batch_that_turns_to_tempered_sampling_is_read_from_a_copy_again(engin
     assert list(attributes[sc.OUTPUT_LOGPROBS])[2] == pytest.approx(x[2] - np.log(np.exp(x).sum()), abs=1e-6)
 
 
+MP_CONFIG = SimpleNamespace(**{**vars(VLLM_CONFIG), "parallel_config": SimpleNamespace(
+    tensor_parallel_size=1, distributed_executor_backend="mp")})
+"""The engine core of vLLM's multiprocess executor: its worker ships the sampler rows."""
+
+
 def test_rows_a_worker_shipped_reach_the_request_in_the_engine_core(engine, memory_recorder, finished_requests):
+    engine = Scheduler(MP_CONFIG)
     request = Request("served-00000013", [1, 2, 3])
     engine.admit(request)
     prefill_chunk = (["served-00000013"], [[9.0, 9.0, 1.0, 8.0, -0.1, 0.0]])
@@ -383,6 +389,16 @@ def test_rows_a_worker_shipped_reach_the_request_in_the_engine_core(engine, memo
 
     ((attributes, _),) = spans(memory_recorder, finished_requests).values()
     assert list(attributes[sc.OUTPUT_MARGINS]) == [0.75] and list(attributes[sc.OUTPUT_LOGPROBS]) == [-0.5]
+
+
+def test_only_a_scheduler_whose_worker_ships_rows_is_wrapped_each_step(engine):
+    # In-process executors sample in the engine core: a wrapper on every step would do nothing there.
+    assert "update_from_output" not in vars(engine)
+    served = Scheduler(MP_CONFIG)
+    assert "update_from_output" in vars(served)
+    vllm_patch._forget_requests()  # what unpatch() does after restoring the class-wide hooks
+    assert "update_from_output" not in vars(served)
+    assert served.update_from_output(None, None) == {}
 
 
 # --- never break the engine ------------------------------------------------------------------

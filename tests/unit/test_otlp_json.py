@@ -1,0 +1,37 @@
+"""The spool's OTLP/JSON: every string, in an attribute or an array of them, reads back as it was, and
+every scalar keeps its OTLP type."""
+
+from __future__ import annotations
+
+import json
+from array import array
+
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.trace import SpanContext, TraceFlags
+
+from kvtrace.recording.exporters.otlp_json import encode_request
+
+AWKWARD = ['plain', 'a "quoted" word', "back\\slash", "new\nline\ttab", "\x00\x1f control", "é ü ß", "日本語",
+           "emoji \U0001F600"]
+
+
+def test_strings_and_arrays_of_strings_survive_the_encoding():
+    span = ReadableSpan(
+        name="kvtrace.request", context=SpanContext(1, 2, is_remote=False, trace_flags=TraceFlags(1)),
+        attributes={"one": AWKWARD[1], "many": AWKWARD, "hashes": ["ba24e594dfc183aa", "0f"],
+                    "ints": array("q", [1, -2]), "key \"with\" quotes": "x", "flag": True, "n": -5, "x": 0.25},
+        events=[Event("kvtrace.cache.store", {"kvtrace.cache.block_hashes": AWKWARD}, timestamp=5)],
+        start_time=1, end_time=2)
+
+    decoded = json.loads(encode_request([span], packed=True))["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    attributes = {kv["key"]: kv["value"] for kv in decoded["attributes"]}
+
+    assert attributes["one"] == {"stringValue": AWKWARD[1]}
+    assert [v["stringValue"] for v in attributes["many"]["arrayValue"]["values"]] == AWKWARD
+    assert [v["stringValue"] for v in attributes["hashes"]["arrayValue"]["values"]] == ["ba24e594dfc183aa", "0f"]
+    assert [v["intValue"] for v in attributes["ints"]["arrayValue"]["values"]] == ["1", "-2"]
+    assert attributes['key "with" quotes'] == {"stringValue": "x"}
+    assert (attributes["flag"], attributes["n"], attributes["x"]) == (
+        {"boolValue": True}, {"intValue": "-5"}, {"doubleValue": 0.25})
+    (event,) = decoded["events"]
+    assert [v["stringValue"] for v in event["attributes"][0]["value"]["arrayValue"]["values"]] == AWKWARD
