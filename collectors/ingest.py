@@ -620,7 +620,7 @@ class Ingestor:
         if not typed:
             return
         try:
-            self.client.insert(TYPED_REQUESTS_TABLE, [_typed_row(row) for row in typed], column_names=TYPED_COLUMNS,
+            self.client.insert(TYPED_REQUESTS_TABLE, [request_span_row(row) for row in typed], column_names=TYPED_COLUMNS,
                                settings={"log_comment": TYPED_INGEST_COMMENT})
         except Exception as exc:  # noqa: BLE001 - the spans go the Collector's way instead
             if database_refuses_writes(exc):
@@ -695,7 +695,7 @@ class Ingestor:
         return {tuple(ident) for ident in stored}
 
 
-def _typed_row(row: SpanRow) -> list:
+def request_span_row(row: SpanRow) -> list:
     """The ``kvtrace_request_spans`` row of a request span: its ``otel_traces`` row and its arrays packed."""
     arrays = row.arrays
     return [*row, *[pack(arrays[key], typecode) if key in arrays else b"" for key, typecode in _PACKED]]
