@@ -456,12 +456,12 @@ class Ingestor:
                 for line in data[: cut + 1].splitlines():
                     line_no += 1
                     result.lines += 1
-                    if line.strip():
+                    if line and not line.isspace():
                         self._parse_line(path, line_no, line, parsed, result)
                 self._store(path, parsed, result)
             # Progress only after the rows are stored: a crash in between re-reads this chunk next
             # time, and the already-stored check keeps its spans from being stored twice.
-            hasher.update(data[: cut + 1])
+            hasher.update(memoryview(data)[: cut + 1])
             offset += cut + 1
             self._save(path, head_key, hasher, offset, before, result, complete=False)
             self.progress(f"{path.name}: {result.spans} spans")
