@@ -643,7 +643,7 @@ class Ingestor:
         except Exception as exc:  # noqa: BLE001 - same boundary as the insert itself
             if database_refuses_writes(exc):
                 raise IngestStopped(f"the database stopped accepting spans: {first_line(exc)}") from None
-            result.messages.append(f"{path}: could not check the views of {len(stored)} span(s) stored before: "
+            result.messages.append(f"{path}: could not complete the rows of {len(stored)} span(s) stored before: "
                                    f"{first_line(exc)}")
             completed = half_stored = 0
         if not stored:
@@ -667,11 +667,12 @@ class Ingestor:
         candidates = [row for row in rows if row.arrays is not None and (row[_TRACE_ID], row[_SPAN_ID]) not in stored]
         half = self._stored_spans(candidates, REQUESTS_TABLE) if candidates else set()
         if half:
+            # Stored, whatever happens next: inserting them again would store their request rows twice.
+            stored |= half
             # Their request rows are there: the JSON view must pass them over, as in the insert that stopped.
             self.client.insert(TABLE, [collector_row(row) for row in candidates
                                        if (row[_TRACE_ID], row[_SPAN_ID]) in half],
                                column_names=COLUMNS, settings={"log_comment": TYPED_INGEST_COMMENT})
-            stored |= half
         completed = complete_views(self.client, [span_id for _, span_id in stored]) if stored else 0
         return completed, len(half)
 
