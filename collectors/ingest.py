@@ -26,15 +26,19 @@
   one line.  Everything stored until then is kept and the next pass goes on
   from there.
 
-* **Typed request arrays.**  ``otel_traces`` gets every span as the
-  Collector's exporter would write it.  Request spans whose per-token arrays
-  are plain numbers (always so in this version's spool, which packs them) also
-  go to ``kvtrace_request_arrays`` with the arrays typed, in the same pass; the
-  ``otel_traces`` insert names itself (``log_comment``) so the JSON view passes
-  them over.  ``otel_traces`` is written first: a stop in between leaves spans
-  whose view rows ``view_completion`` writes on the next pass, through the JSON
-  view, to the same values.  Databases on a cluster, or whose views predate
-  this, get the JSON view alone.
+* **Request spans through the database's own formatting.**  ``otel_traces``
+  gets every span as the Collector's exporter would write it.  Request spans
+  whose per-token arrays are plain numbers (always so in this version's spool,
+  which packs them) are handed over once, arrays packed, to the Null table
+  ``kvtrace_request_spans``: its views write the ``otel_traces`` row (the
+  database makes the arrays' JSON text) and the ``kvtrace_requests`` row (the
+  arrays as numbers); the insert names itself (``log_comment``) so the JSON
+  view passes those spans over.  The two views run in no set order, so a stop
+  in between can leave a span in either table alone: in ``otel_traces``,
+  ``view_completion`` writes its missing view rows through the JSON view, to
+  the same values; in ``kvtrace_requests`` alone, its ``otel_traces`` row is
+  written from Python.  Databases on a cluster, or whose schema predates this,
+  get every span through ``otel_traces`` and the JSON view, its text made here.
 
 Accepts kvtrace spool files and OTLP/JSON written by other tools (the
 Collector's file exporter: one request per line; or one request per file,
@@ -56,14 +60,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from kvtrace import semconv as sc
-from kvtrace.collectors.otlp_rows import COLUMNS, MalformedSpan, SpanRow, rows_from_request
-from kvtrace.collectors.schema import TYPED_INGEST_COMMENT, TYPED_REQUESTS_TABLE
+from kvtrace.collectors.otlp_rows import COLUMNS, MalformedSpan, SpanRow, collector_row, rows_from_request
+from kvtrace.collectors.schema import TYPED_INGEST_COMMENT, TYPED_REQUESTS_TABLE, TYPED_REQUESTS_VIEWS
 from kvtrace.collectors.view_completion import complete_views
 from kvtrace.config import default_spool_dir
 from kvtrace.errors import IngestStopped, UnreadableInput, UnusableInput
 from kvtrace.recording.exporters.spool import SPOOL_SUFFIX, spool_host, writer_of
-from kvtrace.recording.packed_arrays import PACKED_ARRAYS, TOKEN_ARRAYS
+from kvtrace.recording.packed_arrays import PACKED_ARRAYS, TOKEN_ARRAYS, pack
 
 CHUNK_BYTES = 32 * 1024 * 1024
 """Bytes read, parsed and inserted at a time: each insert fires the views once, so fewer is cheaper."""
@@ -74,18 +77,16 @@ STORED_CHECK_BATCH = 4000
 """Span ids per already-stored query (they travel as one bound array parameter)."""
 
 _TIMESTAMP, _TRACE_ID, _SPAN_ID = COLUMNS.index("Timestamp"), COLUMNS.index("TraceId"), COLUMNS.index("SpanId")
-_SPAN_NAME = COLUMNS.index("SpanName")
 
-TYPED_COLUMNS = ["Timestamp", "TraceId", "SpanId", "ParentSpanId", "SpanName", "ServiceName", "SpanAttributes",
-                 "Duration", "StatusCode", *TOKEN_ARRAYS.values()]
-_FROM_OTEL_ROW = [COLUMNS.index(c) for c in TYPED_COLUMNS[:9]]
-_SPAN_ATTRIBUTES, _TYPED_ATTRIBUTES = COLUMNS.index("SpanAttributes"), TYPED_COLUMNS.index("SpanAttributes")
+TYPED_COLUMNS = [*COLUMNS, *(f"packed_{column}" for column in TOKEN_ARRAYS.values())]
+"""Columns of ``kvtrace_request_spans``: ``otel_traces``' own and each per-token array packed."""
+REQUESTS_TABLE = "kvtrace_requests"
 _TYPED_VIEW_SQL = (
     "SELECT name, engine, as_select FROM system.tables WHERE database = currentDatabase() "
-    "AND name IN ('kvtrace_requests', 'kvtrace_requests_mv', {typed:String})")
+    "AND (name IN ('kvtrace_requests', 'kvtrace_requests_mv', {typed:String}) OR has({views:Array(String)}, name))")
 
 STORED_SPANS_SQL = (
-    f"SELECT TraceId, SpanId FROM {TABLE} "
+    "SELECT TraceId, SpanId FROM {table:Identifier} "
     "WHERE Timestamp >= fromUnixTimestamp64Nano({earliest:Int64}) "
     "AND Timestamp <= fromUnixTimestamp64Nano({latest:Int64}) "
     "AND SpanId IN (SELECT arrayJoin({span_ids:Array(String)}))"
@@ -455,12 +456,12 @@ class Ingestor:
                 for line in data[: cut + 1].splitlines():
                     line_no += 1
                     result.lines += 1
-                    if line.strip():
+                    if line and not line.isspace():
                         self._parse_line(path, line_no, line, parsed, result)
                 self._store(path, parsed, result)
             # Progress only after the rows are stored: a crash in between re-reads this chunk next
             # time, and the already-stored check keeps its spans from being stored twice.
-            hasher.update(data[: cut + 1])
+            hasher.update(memoryview(data)[: cut + 1])
             offset += cut + 1
             self._save(path, head_key, hasher, offset, before, result, complete=False)
             self.progress(f"{path.name}: {result.spans} spans")
@@ -540,7 +541,7 @@ class Ingestor:
             return
         result.lines = 1
         try:
-            rows = rows_from_request(request)
+            rows = rows_from_request(request, packed=self.typed_requests)
         except MalformedSpan as exc:
             self._quarantine(path, 1, data, f"not an OTLP/JSON trace request: {exc}", result)
         else:
@@ -554,7 +555,7 @@ class Ingestor:
             self._quarantine(path, line_no, line, f"not JSON: {exc}", result)
             return
         try:
-            rows = rows_from_request(request)
+            rows = rows_from_request(request, packed=self.typed_requests)
         except MalformedSpan as exc:
             self._quarantine(path, line_no, line, f"not an OTLP/JSON trace request: {exc}", result)
             return
@@ -610,49 +611,73 @@ class Ingestor:
         result.spans += len(rows)
 
     def _insert_rows(self, path: Path, rows: list[SpanRow], result: FileResult) -> None:
-        """Store ``rows``: request spans with typed arrays through ``kvtrace_request_arrays``, the rest
-        through the views of ``otel_traces`` alone."""
-        typed = [row for row in rows if row.arrays is not None] if self.typed_requests else []
+        """Store ``rows``: request spans with packed arrays through ``kvtrace_request_spans``, the rest
+        through ``otel_traces`` and its views."""
+        typed = [row for row in rows if row.arrays is not None]
+        plain = [row for row in rows if row.arrays is None] if typed else rows
+        if plain:
+            self.client.insert(TABLE, plain, column_names=COLUMNS)
         if not typed:
-            self.client.insert(TABLE, rows, column_names=COLUMNS)
             return
-        left_to_view = [row for row in rows if row.arrays is None and row[_SPAN_NAME] == sc.SPAN_REQUEST]
-        marked = rows if not left_to_view else [row for row in rows if row.arrays is not None
-                                                 or row[_SPAN_NAME] != sc.SPAN_REQUEST]
-        self.client.insert(TABLE, marked, column_names=COLUMNS, settings={"log_comment": TYPED_INGEST_COMMENT})
         try:
-            self.client.insert(TYPED_REQUESTS_TABLE, [_typed_row(row) for row in typed], column_names=TYPED_COLUMNS)
-        except Exception as exc:  # noqa: BLE001 - the spans are stored; their request rows come from the view
+            self.client.insert(TYPED_REQUESTS_TABLE, [request_span_row(row) for row in typed], column_names=TYPED_COLUMNS,
+                               settings={"log_comment": TYPED_INGEST_COMMENT})
+        except Exception as exc:  # noqa: BLE001 - the spans go the Collector's way instead
             if database_refuses_writes(exc):
                 raise IngestStopped(f"the database stopped accepting spans: {first_line(exc)}") from None
-            complete_views(self.client, [row[_SPAN_ID] for row in typed])
-            result.messages.append(f"{path}: {len(typed)} request span(s) got their rows from the JSON view: the "
-                                   f"typed insert failed: {first_line(exc)}")
-        if left_to_view:
-            self.client.insert(TABLE, left_to_view, column_names=COLUMNS)
+            # Whatever part of the insert was stored is completed; the rest goes through the JSON view.
+            stored = self._stored_spans(typed)
+            self._make_whole(typed, stored)
+            rest = [collector_row(row) for row in typed if (row[_TRACE_ID], row[_SPAN_ID]) not in stored]
+            if rest:
+                self.client.insert(TABLE, rest, column_names=COLUMNS)
+            result.messages.append(f"{path}: {len(typed)} request span(s) got their rows through the JSON view: "
+                                   f"the insert with packed arrays failed: {first_line(exc)}")
 
     def _drop_stored(self, path: Path, lines: list[_Line], result: FileResult) -> None:
-        """Drop rows whose span is stored already, after making sure its view rows are there too."""
-        stored = self._already_stored([row for line in lines for row in line.rows])
+        """Drop rows whose span is stored already, after making sure its rows in every table are there too."""
+        rows = [row for line in lines for row in line.rows]
+        stored = self._stored_spans(rows)
+        try:
+            completed, half_stored = self._make_whole(rows, stored)
+        except Exception as exc:  # noqa: BLE001 - same boundary as the insert itself
+            if database_refuses_writes(exc):
+                raise IngestStopped(f"the database stopped accepting spans: {first_line(exc)}") from None
+            result.messages.append(f"{path}: could not complete the rows of {len(stored)} span(s) stored before: "
+                                   f"{first_line(exc)}")
+            completed = half_stored = 0
         if not stored:
             return
         for line in lines:
             kept = [row for row in line.rows if (row[_TRACE_ID], row[_SPAN_ID]) not in stored]
             result.duplicates += len(line.rows) - len(kept)
             line.rows = kept
-        try:
-            completed = complete_views(self.client, [span_id for _, span_id in stored])
-        except Exception as exc:  # noqa: BLE001 - same boundary as the insert itself
-            if database_refuses_writes(exc):
-                raise IngestStopped(f"the database stopped accepting spans: {first_line(exc)}") from None
-            result.messages.append(f"{path}: could not check the views of {len(stored)} span(s) stored before: "
-                                   f"{first_line(exc)}")
-            return
+        if half_stored:
+            result.messages.append(f"{path}: {half_stored} request span(s) an ingest stopped mid-insert had stored in "
+                                   "kvtrace_requests alone got their otel_traces rows now")
         if completed:
             result.messages.append(f"{path}: {completed} span(s) stored by an ingest that stopped mid-insert got "
                                    "their view rows now")
 
-    def _already_stored(self, rows: list[list]) -> set[tuple[str, str]]:
+    def _make_whole(self, rows: list[SpanRow], stored: set[tuple[str, str]]) -> tuple[int, int]:
+        """Complete the spans of ``rows`` stored already: those in ``otel_traces`` (``stored``) get their
+        missing view rows; those in ``kvtrace_requests`` alone (an insert into ``kvtrace_request_spans``
+        that stopped halfway can leave one) get their ``otel_traces`` row first, and join ``stored``.
+        Returns how many spans got view rows, and how many an ``otel_traces`` row."""
+        candidates = [row for row in rows if row.arrays is not None and (row[_TRACE_ID], row[_SPAN_ID]) not in stored]
+        half = self._stored_spans(candidates, REQUESTS_TABLE) if candidates else set()
+        if half:
+            # Stored, whatever happens next: inserting them again would store their request rows twice.
+            stored |= half
+            # Their request rows are there: the JSON view must pass them over, as in the insert that stopped.
+            self.client.insert(TABLE, [collector_row(row) for row in candidates
+                                       if (row[_TRACE_ID], row[_SPAN_ID]) in half],
+                               column_names=COLUMNS, settings={"log_comment": TYPED_INGEST_COMMENT})
+        completed = complete_views(self.client, [span_id for _, span_id in stored]) if stored else 0
+        return completed, len(half)
+
+    def _stored_spans(self, rows: list[list], table: str = TABLE) -> set[tuple[str, str]]:
+        """(TraceId, SpanId) of the spans of ``rows`` that ``table`` holds."""
         candidates = [row for row in rows if row[_SPAN_ID]]
         stored: set[tuple[str, str]] = set()
         for start in range(0, len(candidates), STORED_CHECK_BATCH):
@@ -660,6 +685,7 @@ class Ingestor:
             wanted = {(row[_TRACE_ID], row[_SPAN_ID]) for row in batch}
             try:
                 found = self.client.query(STORED_SPANS_SQL, parameters={
+                    "table": table,
                     "earliest": min(row[_TIMESTAMP] for row in batch),
                     "latest": max(row[_TIMESTAMP] for row in batch),
                     "span_ids": sorted({ident[1] for ident in wanted}),
@@ -670,27 +696,28 @@ class Ingestor:
         return {tuple(ident) for ident in stored}
 
 
-def _typed_row(row: SpanRow) -> list:
-    """The ``kvtrace_request_arrays`` row of a request span: its columns, the other attributes, the arrays."""
-    attributes = row[_SPAN_ATTRIBUTES]
-    out = [row[i] for i in _FROM_OTEL_ROW]
-    # The arrays travel typed; the view reads every other attribute as the JSON view does.
-    out[_TYPED_ATTRIBUTES] = {key: value for key, value in attributes.items() if key not in PACKED_ARRAYS}
+def request_span_row(row: SpanRow) -> list:
+    """The ``kvtrace_request_spans`` row of a request span: its ``otel_traces`` row and its arrays packed."""
     arrays = row.arrays
-    out.extend([arrays.get(key, ()) for key in TOKEN_ARRAYS])
-    return out
+    return [*row, *[pack(arrays[key], typecode) if key in arrays else b"" for key, typecode in _PACKED]]
+
+
+_PACKED = [(key, PACKED_ARRAYS[key]) for key in TOKEN_ARRAYS]
 
 
 def typed_requests_available(client) -> bool:
-    """Whether request spans can go in typed: the table is there, the JSON view knows to pass them over
-    (a database whose views predate this keeps the JSON view alone), and no Distributed table is in
-    between (a forwarded insert need not carry its ``log_comment`` to the shards)."""
+    """Whether request spans can go through ``kvtrace_request_spans``: the table and both its views are
+    there, the JSON view knows to pass them over (a database whose schema predates this keeps the JSON
+    view alone), and no Distributed table is in between (a forwarded insert need not carry its
+    ``log_comment`` to the shards)."""
     try:
         found = {name: (engine, select) for name, engine, select in client.query(
-            _TYPED_VIEW_SQL, parameters={"typed": TYPED_REQUESTS_TABLE}).result_rows}
+            _TYPED_VIEW_SQL, parameters={"typed": TYPED_REQUESTS_TABLE,
+                                         "views": list(TYPED_REQUESTS_VIEWS)}).result_rows}
     except Exception:  # noqa: BLE001 - then the view path, which needs nothing of this
         return False
-    return (TYPED_REQUESTS_TABLE in found and found.get("kvtrace_requests", ("",))[0] != "Distributed"
+    return (TYPED_REQUESTS_TABLE in found and all(view in found for view in TYPED_REQUESTS_VIEWS)
+            and found.get("kvtrace_requests", ("",))[0] != "Distributed"
             and TYPED_INGEST_COMMENT in found.get("kvtrace_requests_mv", ("", ""))[1])
 
 

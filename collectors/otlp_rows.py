@@ -8,11 +8,13 @@ shortest round-trip form, so float margins survive bit-exact.
 kvtrace's per-token arrays arrive either as standard arrays (a Collector's
 file, a spool of an older kvtrace) or packed (``kvtrace/recording/packed_arrays.py``,
 the spool of this version); both become the same JSON text in ``otel_traces``.
-Each row of a ``kvtrace.request`` span also carries the arrays as numbers
-(``SpanRow.arrays``), so ingest can insert them typed instead of having the
-view parse that text again; ``None`` when any of them is not a plain array of
-finite numbers of its type (such a span is left to the view, which decides what
-it makes of it).
+With ``packed=True`` (ingest into a database that has ``kvtrace_request_spans``),
+a ``kvtrace.request`` span whose per-token arrays are plain finite numbers of
+their type, standing side by side in ``TOKEN_ARRAYS`` order, keeps them as
+numbers (``SpanRow.arrays``) and leaves their values in ``SpanAttributes``
+empty: the database writes that text (``17_kvtrace_request_spans_otel_traces_mv.sql``),
+and ``collector_row`` writes it here where the database cannot.  Any other span
+gets its text here, and ``SpanRow.arrays`` is ``None``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import base64
 import binascii
 import json
 import math
+import sys
+from array import array
 from decimal import Decimal
 from typing import Any, Optional
 
@@ -39,6 +43,7 @@ COLUMNS = [
 SPAN_KINDS = ("SPAN_KIND_UNSPECIFIED", "SPAN_KIND_INTERNAL", "SPAN_KIND_SERVER", "SPAN_KIND_CLIENT",
               "SPAN_KIND_PRODUCER", "SPAN_KIND_CONSUMER")
 STATUS_CODES = ("STATUS_CODE_UNSET", "STATUS_CODE_OK", "STATUS_CODE_ERROR")
+_SPAN_ATTRIBUTES = COLUMNS.index("SpanAttributes")
 
 
 class MalformedSpan(ValueError):
@@ -46,14 +51,27 @@ class MalformedSpan(ValueError):
 
 
 class SpanRow(list):
-    """One ``otel_traces`` row (values in ``COLUMNS`` order) and, for a request span whose per-token
-    arrays are plain numbers, those arrays by attribute key (``TOKEN_ARRAYS``; a missing one is empty)."""
+    """One ``otel_traces`` row (values in ``COLUMNS`` order) and, for a request span read with
+    ``packed=True`` whose per-token arrays are plain numbers, those arrays by attribute key (the keys of
+    ``TOKEN_ARRAYS`` the span has; their values in SpanAttributes are left empty)."""
 
     __slots__ = ("arrays",)
 
-    def __init__(self, values, arrays: Optional[dict[str, list]] = None):
+    def __init__(self, values, arrays: Optional[dict[str, array]] = None):
         super().__init__(values)
         self.arrays = arrays
+
+
+def collector_row(row: SpanRow) -> SpanRow:
+    """``row`` as the Collector's exporter writes it: the text of its per-token arrays in SpanAttributes."""
+    if row.arrays is None:
+        return row
+    attributes = dict(row[_SPAN_ATTRIBUTES])  # same keys, same order: only the empty values change
+    for key, numbers in row.arrays.items():
+        attributes[key] = _numbers_json(numbers)
+    complete = SpanRow(row)
+    complete[_SPAN_ATTRIBUTES] = attributes
+    return complete
 
 
 def format_double(value: float) -> str:
@@ -183,6 +201,8 @@ def _array_json(values: list) -> str:
         return _doubles_json([v["doubleValue"] for v in values])
     if all([type(v) is dict and type(v.get("stringValue")) is str for v in values]):  # e.g. block hashes
         plain = [v["stringValue"] for v in values]
+        if "".join(plain).isalnum() and "".join(plain).isascii():  # hex and the like: nothing to escape
+            return '["' + '","'.join(plain) + '"]'
     else:
         plain = [_raw(v) for v in values]
     return json.dumps(plain, separators=(",", ":"), ensure_ascii=False)
@@ -197,46 +217,48 @@ def _doubles_json(values: list[float]) -> str:
     return "[" + (text + ",").replace(".0,", ",")[:-1] + "]"
 
 
-def _number_array(value: Any, typecode: str) -> tuple[str, Optional[list]]:
-    """A per-token array attribute: the JSON text the Collector stores, and its elements as Python
-    numbers when they are plain finite numbers of ``typecode`` (else ``None``: the view decides)."""
+if sys.version_info >= (3, 11):
+    def _b64decode(data: str) -> bytes:
+        return binascii.a2b_base64(data, strict_mode=True)  # what validate=True checks, in one C call
+else:
+    def _b64decode(data: str) -> bytes:
+        return base64.b64decode(data, validate=True)
+
+
+def _number_array(value: Any, typecode: str) -> tuple[Optional[str], Optional[array]]:
+    """A per-token array attribute: its elements when they are plain finite numbers of ``typecode``
+    (``(None, numbers)``), else the JSON text the Collector stores (``(text, None)``: the view decides)."""
     value = _object(value, "attribute value")
     if "bytesValue" in value:
         data = _text(value["bytesValue"], "bytesValue")
         try:
-            elements = unpack(base64.b64decode(data, validate=True), typecode).tolist()
+            numbers = unpack(_b64decode(data), typecode)
         except (binascii.Error, ValueError):
             raise MalformedSpan(f"packed array {data[:40]!r} is not base64 of whole 8-byte numbers") from None
-        if typecode == INT64:
-            return "[" + ",".join(map(str, elements)) + "]", elements
-        text = ",".join(map(repr, elements))
-        if "n" in text:  # nan or inf: the text the standard encoding of the same doubles becomes
-            return _array_json([{"doubleValue": _non_finite(v)} for v in elements]), None
-        json_text = _doubles_json(elements) if "e" in text else "[" + (text + ",").replace(".0,", ",")[:-1] + "]"
-        return json_text, _as_parsed(elements)
+        if typecode == FLOAT64 and not math.isfinite(sum(numbers)):  # a finite sum has no nan or inf in it
+            if not all(map(math.isfinite, numbers)):  # nan or inf: the text their standard encoding becomes
+                return _array_json([{"doubleValue": _non_finite(v)} for v in numbers]), None
+        return None, numbers
     if "arrayValue" not in value:
         return value_as_string(value), None
     values = _array_values(value)
-    text = _array_json(values)
-    if not values:
-        return text, []
-    if typecode == INT64:
-        if all([type(v) is dict and "intValue" in v for v in values]):
-            return text, [int(v["intValue"]) for v in values]
-        return text, None
+    if typecode == INT64 and all([type(v) is dict and "intValue" in v for v in values]):
+        numbers = list(map(int, [v["intValue"] for v in values]))
+        if numbers and (min(numbers) < INT64_MIN or max(numbers) > INT64_MAX):
+            raise MalformedSpan("intValue in an array is outside the 64-bit integer range")
+        return None, array(INT64, numbers)
     if typecode == FLOAT64 and all([type(v) is dict and type(v.get("doubleValue")) is float for v in values]):
         doubles = [v["doubleValue"] for v in values]
         if all(map(math.isfinite, doubles)):
-            return text, _as_parsed(doubles)
-    return text, None
+            return None, array(FLOAT64, doubles)
+    return _array_json(values), None
 
 
-def _as_parsed(doubles: list[float]) -> list[float]:
-    """The doubles as ClickHouse reads them back from their JSON text: a negative zero, written "-0", reads
-    as 0 (the view's JSONExtract), so the typed path gives 0 too."""
-    if 0.0 in doubles:  # either zero (== compares them equal); one scan in C
-        return [v + 0.0 for v in doubles]  # -0.0 + 0.0 is 0.0; every other double is unchanged
-    return doubles
+def _numbers_json(numbers: array) -> str:
+    """Plain numbers (an ``array`` of int64 or float64) as the Collector's JSON text."""
+    if numbers.typecode == INT64:
+        return "[" + ",".join(map(str, numbers)) + "]"
+    return _doubles_json(numbers.tolist())
 
 
 def _non_finite(value: float) -> Any:
@@ -246,11 +268,13 @@ def _non_finite(value: float) -> Any:
     return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
-def span_attributes(attributes: Any) -> tuple[dict[str, str], Optional[dict[str, list]]]:
-    """A span's attributes as ``attributes_map`` gives them, and its per-token arrays as numbers
-    (``None`` when any of them is not plain numbers)."""
+def span_attributes(attributes: Any, packed: bool = False) -> tuple[dict[str, str], Optional[dict[str, array]]]:
+    """A span's attributes as ``attributes_map`` gives them, and (with ``packed``) its per-token arrays as
+    numbers, their values in the map left empty; ``None`` when any of them is not plain numbers, or they
+    do not stand side by side in ``TOKEN_ARRAYS`` order (then every text is in the map)."""
     out: dict[str, str] = {}
-    arrays: Optional[dict[str, list]] = {}
+    arrays: Optional[dict[str, array]] = {} if packed else None
+    numbered: dict[str, array] = {}
     for kv in _list(attributes, "attributes"):
         # Most attributes are text or an integer: take those without the general path's calls (per
         # span they add up).  Every other shape, and every error, goes the general way below.
@@ -270,12 +294,25 @@ def span_attributes(attributes: Any) -> tuple[dict[str, str], Optional[dict[str,
         if typecode is None:
             out[key] = value_as_string(kv.get("value"))
             continue
-        out[key], elements = _number_array(kv.get("value"), typecode)
-        if key in TOKEN_ARRAYS and arrays is not None:
-            if elements is None:
+        text, numbers = _number_array(kv.get("value"), typecode)
+        if numbers is None:
+            out[key] = text
+            numbered.pop(key, None)  # a repeated key: the last value counts
+            if key in TOKEN_ARRAYS:
                 arrays = None
-            else:
-                arrays[key] = elements
+        else:
+            out[key] = ""
+            numbered[key] = numbers
+    present = [key for key in TOKEN_ARRAYS if key in numbered] if arrays is not None else []
+    if present:
+        keys = list(out)
+        first = keys.index(present[0])
+        if keys[first:first + len(present)] == present:  # where the database puts their text back
+            arrays = {key: numbered.pop(key) for key in present}
+        else:
+            arrays = None
+    for key, numbers in numbered.items():
+        out[key] = _numbers_json(numbers)
     return out, arrays
 
 
@@ -341,8 +378,11 @@ def _nanos(value: Any, what: str) -> int:
         raise MalformedSpan(str(exc)) from None
 
 
-def rows_from_request(request: Any) -> list[SpanRow]:
+def rows_from_request(request: Any, packed: bool = False) -> list[SpanRow]:
     """One ``otel_traces`` row (values in ``COLUMNS`` order) per span of an export request.
+
+    With ``packed``, the rows of request spans whose per-token arrays can go to the database as numbers
+    carry them (``SpanRow.arrays``, see the module doc); every other row is complete.
 
     Anything that does not fit the table (a wrong shape or type, an id that is not 8/16 bytes, an
     integer outside int64, a time outside what ``DateTime64(9)`` holds) raises ``MalformedSpan``
@@ -365,7 +405,7 @@ def rows_from_request(request: Any) -> list[SpanRow]:
                                                                                           "scope.version")
                 for span in _list(scope_spans.get("spans"), "spans"):
                     rows.append(_span_row(_object(span, "span"), service, resource_attrs, scope_name,
-                                          scope_version))
+                                          scope_version, packed))
     except MalformedSpan:
         raise
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
@@ -374,14 +414,15 @@ def rows_from_request(request: Any) -> list[SpanRow]:
     return rows
 
 
-def _span_row(span: dict, service: str, resource_attrs: dict, scope_name: str, scope_version: str) -> list:
+def _span_row(span: dict, service: str, resource_attrs: dict, scope_name: str, scope_version: str,
+              packed: bool) -> SpanRow:
     start = _nanos(span.get("startTimeUnixNano"), "startTimeUnixNano")
     end = _nanos(span.get("endTimeUnixNano"), "endTimeUnixNano") or start
     events = [_object(e, "events[]") for e in _list(span.get("events"), "events")]
     links = [_object(link, "links[]") for link in _list(span.get("links"), "links")]
     status = _object(span.get("status"), "status")
     name = _text(span.get("name"), "name")
-    attributes, arrays = span_attributes(span.get("attributes"))
+    attributes, arrays = span_attributes(span.get("attributes"), packed and name == sc.SPAN_REQUEST)
     return SpanRow([
         start,
         _hex_id(span.get("traceId"), 16, "traceId"),
@@ -405,4 +446,4 @@ def _span_row(span: dict, service: str, resource_attrs: dict, scope_name: str, s
         [_hex_id(link.get("spanId"), 8, "links[].spanId") for link in links],
         [_text(link.get("traceState"), "links[].traceState") for link in links],
         [attributes_map(link.get("attributes"), "links[].attributes") for link in links],
-    ], arrays if name == sc.SPAN_REQUEST else None)
+    ], arrays)

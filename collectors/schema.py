@@ -20,7 +20,7 @@ existing database needs (a new column) also gets a numbered migration,
 
 * creates a database that has no kvtrace tables at the latest version;
 * takes one whose kvtrace tables predate recorded versions to be at version 1;
-* runs each missing migration in order, then the current DDL (objects new
+* runs each migration it has not recorded, in order, then the current DDL (objects new
   since then); then points every materialized view at its current SELECT with
   ``ALTER TABLE … MODIFY QUERY`` (the views write TO their tables: no stored
   row is touched, and no insert meets a missing view); in cluster mode it adds
@@ -46,13 +46,15 @@ from kvtrace.errors import SchemaUpgradeFailed
 TABLES = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens",
           "kvtrace_cache_events", "kvtrace_ingest_files")
 VERSIONS_TABLE = "kvtrace_schema_migrations"
+TYPED_REQUESTS_TABLE = "kvtrace_request_spans"
+"""Null table to which ingest hands request spans with packed per-token arrays (never holds rows)."""
+TYPED_REQUESTS_VIEWS = ("kvtrace_request_spans_otel_traces_mv", "kvtrace_request_spans_mv")
+"""Its views: into ``otel_traces`` (the arrays' text) and into ``kvtrace_requests`` (the arrays as numbers)."""
 VIEWS = ("otel_traces_trace_id_ts_mv", "kvtrace_requests_mv", "kvtrace_tokens_mv", "kvtrace_cache_events_mv",
-         "kvtrace_request_arrays_mv")
-TYPED_REQUESTS_TABLE = "kvtrace_request_arrays"
-"""Null table through which ingest inserts request spans with typed per-token arrays (never holds rows)."""
+         *TYPED_REQUESTS_VIEWS)
 TYPED_INGEST_COMMENT = "kvtrace typed ingest"
-"""``log_comment`` of an ``otel_traces`` insert whose request spans go to ``TYPED_REQUESTS_TABLE`` as well:
-the JSON view passes them over."""
+"""``log_comment`` of ingest's inserts into ``TYPED_REQUESTS_TABLE``: the JSON view passes over the rows they
+write into ``otel_traces``."""
 # Tables that get a Distributed table in front of them in cluster mode.
 DISTRIBUTED = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
 # The table whose presence says a database has a kvtrace schema at all.
@@ -227,7 +229,12 @@ def init_schema(client, database: str | None = None, cluster: str | None = None)
     tables, recorded = _inspect(client, database)
     before = _version(tables, recorded)
     everything = migrations()
-    to_apply = [m for m in everything if m.version > before] if before else []
+    if not before:
+        to_apply = []  # a new database: the current DDL is the latest schema
+    elif recorded:
+        to_apply = [m for m in everything if m.version not in recorded]
+    else:
+        to_apply = [m for m in everything if m.version > 1]  # the first release recorded no version
 
     def execute(step: str, statements: list[str]) -> None:
         for statement in statements:

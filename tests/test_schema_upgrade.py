@@ -15,13 +15,16 @@ from pathlib import Path
 import pytest
 
 from diff_scenarios import CachePath, ScenarioBook
+from kvtrace import correlate
 from kvtrace import semconv as sc
 from kvtrace.cli import main
 from kvtrace.collectors import schema
+from kvtrace.collectors.ingest import ingest_paths, typed_requests_available
 from kvtrace.collectors.otlp_rows import COLUMNS, rows_from_request
 from kvtrace.db import connect
 
 FIRST_RELEASE_DDL = Path(__file__).parent / "fixtures" / "schema_v1.sql"
+VERSION_3_DDL = Path(__file__).parent / "fixtures" / "schema_v3.sql"
 SOURCE_COLUMNS = ("prompt_hash_source", "reused_tokens_source", "token_id_source")
 A, B = "before-A", "before-B"
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -138,26 +141,62 @@ def test_a_first_release_database_is_upgraded_on_open_and_keeps_its_runs(kvtrace
     client.close()
 
     assert main(["-q", "db", "status", "--format", "json"]) == 0
-    assert json.loads(capsys.readouterr().out)["schema_version"] == schema.latest_version() == 3
+    assert json.loads(capsys.readouterr().out)["schema_version"] == schema.latest_version() == 4
     assert main(["db", "init"]) == 0
-    assert "schema version 3, nothing to upgrade" in capsys.readouterr().out
+    assert "schema version 4, nothing to upgrade" in capsys.readouterr().out
     client = open_db()
-    assert client.query("SELECT count() FROM kvtrace_schema_migrations").result_rows == [(3,)]
+    assert client.query("SELECT count() FROM kvtrace_schema_migrations").result_rows == [(4,)]
 
 
 def test_an_upgraded_database_has_exactly_the_schema_of_a_new_one(open_db):
     upgraded = open_db("upgraded", first_release=True)
     change = schema.init_schema(upgraded)
-    assert (change.version_before, change.version, change.applied) == (1, 3, ("0002_outside_recording_sources", "0003_typed_request_arrays"))
+    assert (change.version_before, change.version, change.applied) == (
+        1, 4, ("0002_outside_recording_sources", "0003_typed_request_arrays", "0004_request_spans_text_in_database"))
     upgraded_shape = schema_shape(upgraded)
     upgraded.close()
 
     new = open_db("new")
     change = schema.init_schema(new)
-    assert (change.version_before, change.version, change.applied) == (0, 3, ())
-    assert schema.schema_version(new) == 3
+    assert (change.version_before, change.version, change.applied) == (0, 4, ())
+    assert schema.schema_version(new) == 4
     assert schema_shape(new) == upgraded_shape
     assert any(column[1] == "reused_tokens_source" for column in upgraded_shape["columns"])
+
+
+def test_a_version_3_database_hands_request_spans_over_once_after_its_upgrade(open_db, spool_recorder, spool_dir,
+                                                                            tmp_path):
+    # Version 3 sent request spans twice: to otel_traces with the arrays' text, and to kvtrace_request_arrays.
+    client = open_db("version-3")
+    for statement in schema.split_statements(VERSION_3_DDL.read_text()):
+        client.command(statement)
+    client.insert(schema.VERSIONS_TABLE, [[1, "baseline"], [2, "outside_recording_sources"], [3, "typed_request_arrays"]],
+                  column_names=["version", "name"])
+    assert schema.schema_version(client) == 3
+    assert not typed_requests_available(client)  # its Null table is not the one this ingest hands spans to
+
+    assert schema.init_schema(client).applied == ("0004_request_spans_text_in_database",)
+    names = {row[0] for row in client.query("SELECT name FROM system.tables WHERE database = currentDatabase()")
+             .result_rows}
+    assert not names & {"kvtrace_request_arrays", "kvtrace_request_arrays_mv"}
+    assert typed_requests_available(client)
+    with correlate(run_id="after-upgrade", episode_id="e", turn=0):
+        rec = spool_recorder.start_request("test_engine")
+    for i, margin in enumerate([0.25, 1e21, -0.0]):
+        rec.add_token(i, i, i + 1, margin, -1.5)
+    spool_recorder.finish(rec)
+    spool_recorder.pipeline.force_flush()
+    assert ingest_paths(client, [spool_dir], quarantine_dir=tmp_path / "q").spans == 1
+    assert client.query("SELECT margins, token_ids FROM kvtrace_requests").result_rows == [([0.25, 1e21, 0.0], [0, 1, 2])]
+    assert client.query("SELECT count() FROM kvtrace_tokens").result_rows == [(3,)]
+    assert client.query(f"SELECT SpanAttributes['{sc.OUTPUT_MARGINS}'] FROM otel_traces").result_rows == [
+        ("[0.25,1e+21,-0]",)]
+    upgraded_shape = schema_shape(client)
+    client.close()
+
+    new = open_db("new")
+    schema.init_schema(new)
+    assert schema_shape(new) == upgraded_shape
 
 
 def test_an_interrupted_upgrade_is_finished_by_the_next_open_and_a_double_record_is_one_version(open_db):
@@ -167,11 +206,12 @@ def test_an_interrupted_upgrade_is_finished_by_the_next_open_and_a_double_record
         client.command(statement)
     assert schema.schema_version(client) == 1
     assert schema.init_schema(client).applied == ("0002_outside_recording_sources",  # runs it again, harmlessly
-                                                  "0003_typed_request_arrays")
+                                                  "0003_typed_request_arrays", "0004_request_spans_text_in_database")
     # ... then it records the versions as well: the same versions twice.
     client.insert(schema.VERSIONS_TABLE, [[1, "baseline"], [2, "outside_recording_sources"],
-                                          [3, "typed_request_arrays"]], column_names=["version", "name"])
-    assert schema.schema_version(client) == 3
+                                          [3, "typed_request_arrays"], [4, "request_spans_text_in_database"]],
+                  column_names=["version", "name"])
+    assert schema.schema_version(client) == 4
     assert schema.init_schema(client).applied == ()
     columns = [row[0] for row in client.query("DESCRIBE TABLE kvtrace_requests").result_rows]
     assert [c for c in columns if c.endswith("_source")] == ["prompt_hash_source", "reused_tokens_source",
@@ -188,7 +228,7 @@ def test_a_failed_migration_says_which_and_records_nothing(open_db, capsys):
     client.close()
     assert main(["-q", "runs"]) == 1
     err = capsys.readouterr().err
-    assert "from schema version 1 to 3: migration 0002_outside_recording_sources failed" in err
+    assert "from schema version 1 to 4: migration 0002_outside_recording_sources failed" in err
     assert "Traceback" not in err
     assert schema.schema_version(open_db()) == 1
 

@@ -1,6 +1,7 @@
 -- Explodes kvtrace.request spans of otel_traces into kvtrace_requests (attributes arrive as strings).
--- An insert by `kvtrace db ingest` that carries the request spans' arrays as numbers names itself in
--- log_comment; those spans reach kvtrace_requests through 17_kvtrace_request_arrays_mv.sql instead.
+-- `kvtrace db ingest` hands its request spans with packed arrays to kvtrace_request_spans, naming the insert
+-- in log_comment: the rows that table's view writes into otel_traces are passed over here, as those spans
+-- reach kvtrace_requests through 18_kvtrace_request_spans_mv.sql.
 CREATE MATERIALIZED VIEW IF NOT EXISTS ${database}.${kvtrace_requests_mv} ${on_cluster}
 TO ${database}.${kvtrace_requests}
 AS SELECT

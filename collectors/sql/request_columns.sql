@@ -1,6 +1,6 @@
 -- The columns of kvtrace_requests that both request views compute alike from a span's columns and
 -- its (string) attributes: every column but the per-token arrays. Rendered into 11_kvtrace_requests_mv.sql
--- (arrays parsed from the JSON text in otel_traces) and 17_kvtrace_request_arrays_mv.sql (arrays as ingest
+-- (arrays parsed from the JSON text in otel_traces) and 18_kvtrace_request_spans_mv.sql (arrays as ingest
 -- handed them over), so a request reads the same whichever way it arrived.
     Timestamp,
     TraceId,

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from span_lines import dead_writer_name, request, spoiled, write_lines
 
-from kvtrace.collectors.ingest import ingest_paths
+from kvtrace.collectors.ingest import TYPED_COLUMNS, Ingestor, ingest_paths, request_span_row
 from kvtrace.collectors.otlp_rows import COLUMNS, rows_from_request
+from kvtrace.collectors.schema import TYPED_INGEST_COMMENT, TYPED_REQUESTS_TABLE
 from kvtrace.db import connect
 
 HERE = Path(__file__).parent
@@ -71,7 +72,8 @@ def test_a_crash_right_after_any_write_of_ingest_stores_nothing_twice(tmp_path):
     dry = _ingest_child(tmp_path / "dry-db", tmp_path / "dry-q", spool, kill_at=0)
     assert dry.returncode == 0, dry.stderr
     steps = re.findall(r"^step (\d+): (.*)$", dry.stdout, re.M)
-    assert len(steps) >= 12 and sum("otel_traces" in what for _, what in steps) >= 5
+    span_inserts = sum(table in what for _, what in steps for table in ("otel_traces", TYPED_REQUESTS_TABLE))
+    assert len(steps) >= 12 and span_inserts >= 5
     assert _books(tmp_path / "dry-db", tmp_path / "dry-q") == {
         "stored": good_spans, "distinct": good_spans, "requests": good_spans, "quarantined": bad_lines}
 
@@ -147,6 +149,56 @@ def test_spans_a_kill_left_in_otel_traces_but_not_in_the_views_get_their_view_ro
     assert counts == [(6, 6), (6, 6), (12, 6), (6, 6)]  # 2 tokens and 1 cache event per span, once each
     assert any("got their view rows" in m for m in report.messages)
     assert ingest_paths(db, [path]).spans == 0
+
+
+def _table_counts(db) -> list:
+    return [db.query(f"SELECT count(), uniqExact(SpanId) FROM {table}").result_rows[0]
+            for table in ("otel_traces", "kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")]
+
+
+def _attributes_as_a_collector_stores_them(path: Path) -> list:
+    rows = [row for text in path.read_text().splitlines() for row in rows_from_request(json.loads(text))]
+    return [row[COLUMNS.index("SpanAttributes")] for row in sorted(rows, key=lambda row: row[COLUMNS.index("SpanId")])]
+
+
+def test_request_spans_a_kill_left_in_kvtrace_requests_alone_get_their_otel_traces_rows(db, tmp_path):
+    # The two views of kvtrace_request_spans run in no set order: a SIGKILL between them can leave
+    # requests (and their tokens) in kvtrace_requests with nothing in otel_traces.
+    path = write_lines(tmp_path / "spans.jsonl", [request(i) for i in range(6)])
+    rows = [row for text in path.read_text().splitlines() for row in rows_from_request(json.loads(text), packed=True)]
+    assert all(row.arrays is not None for row in rows)
+    db.command("DETACH TABLE kvtrace_request_spans_otel_traces_mv")
+    db.insert(TYPED_REQUESTS_TABLE, [request_span_row(row) for row in rows[:4]], column_names=TYPED_COLUMNS,
+              settings={"log_comment": TYPED_INGEST_COMMENT})
+    db.command("ATTACH TABLE kvtrace_request_spans_otel_traces_mv")
+    assert _table_counts(db) == [(0, 0), (4, 4), (8, 4), (0, 0)]
+
+    report = ingest_paths(db, [path])
+
+    assert (report.spans, report.duplicates) == (2, 4)
+    assert _table_counts(db) == [(6, 6), (6, 6), (12, 6), (6, 6)]  # 2 tokens and 1 cache event per span, once each
+    assert [row[0] for row in db.query("SELECT SpanAttributes FROM otel_traces ORDER BY SpanId").result_rows] == (
+        _attributes_as_a_collector_stores_them(path))
+    assert any("kvtrace_requests alone got their otel_traces rows" in m for m in report.messages)
+    assert ingest_paths(db, [path]).spans == 0
+
+
+def test_request_spans_the_database_would_not_take_with_packed_arrays_go_through_the_json_view(db, tmp_path):
+    path = write_lines(tmp_path / "spans.jsonl", [request(i) for i in range(6)])
+    ingestor = Ingestor(db, tmp_path / "q")
+    assert ingestor.typed_requests
+    # The insert with packed arrays fails (here its view into kvtrace_requests cannot take the rows).
+    db.command("ALTER TABLE kvtrace_request_spans_mv MODIFY QUERY "
+               "SELECT *, throwIf(SpanName != '', 'refused') AS refusal FROM kvtrace_request_spans")
+
+    result = ingestor.ingest_file(path)
+
+    assert (result.spans, result.quarantined) == (6, 0)
+    assert _table_counts(db) == [(6, 6), (6, 6), (12, 6), (6, 6)]
+    assert [row[0] for row in db.query("SELECT SpanAttributes FROM otel_traces ORDER BY SpanId").result_rows] == (
+        _attributes_as_a_collector_stores_them(path))
+    assert db.query("SELECT margins FROM kvtrace_requests WHERE turn = 0").result_rows == [([0.5, 1.5],)]
+    assert any("got their rows through the JSON view" in m for m in result.messages)
 
 
 def test_a_concatenation_of_a_stored_file_and_new_spans_stores_the_new_ones(db, tmp_path):
