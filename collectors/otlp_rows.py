@@ -201,7 +201,8 @@ def _array_json(values: list) -> str:
         return _doubles_json([v["doubleValue"] for v in values])
     if all([type(v) is dict and type(v.get("stringValue")) is str for v in values]):  # e.g. block hashes
         plain = [v["stringValue"] for v in values]
-        if "".join(plain).isalnum() and "".join(plain).isascii():  # hex and the like: nothing to escape
+        joined = "".join(plain)
+        if joined.isalnum() and joined.isascii():  # hex and the like: nothing to escape
             return '["' + '","'.join(plain) + '"]'
     else:
         plain = [_raw(v) for v in values]

@@ -58,7 +58,7 @@ def _encode_array_items(values: Sequence[Any]) -> str:
     first = values[0]
     # Homogeneous arrays are the common case (per-token arrays): format them in one pass.
     # (map(str)/map(repr) + join run in C: ~5x faster than formatting element by element.)
-    if (type(first) is int and all(type(v) is int for v in values)) or getattr(values, "typecode", "") == "q":
+    if getattr(values, "typecode", "") == "q" or (type(first) is int and all(type(v) is int for v in values)):
         return '{"intValue":"' + '"},{"intValue":"'.join(map(str, values)) + '"}'
     if type(first) is str and all(type(v) is str for v in values):  # block hashes
         return '{"stringValue":' + '},{"stringValue":'.join(map(_string, values)) + "}"
