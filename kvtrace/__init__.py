@@ -6,7 +6,16 @@ import contextlib
 from typing import Iterator, Optional
 
 from kvtrace import semconv
-from kvtrace.patches import patch_all, unpatch_all  # only the registry: a patch loads when its engine is imported
+try:
+    from kvtrace.patches import patch_all, unpatch_all  # only the registry: a patch loads when its engine is imported
+except ModuleNotFoundError as missing:
+    if missing.name != "kvtrace.patches":
+        raise
+    # A repository's kvtrace/ folder has no patches/ (an install maps the top-level one in): this is
+    # the clone itself, put first on sys.path by `python -m` or a script run from the clone's root.
+    raise ImportError(f"kvtrace was imported from the source folder {__path__[0]}, not from an install: "
+                      "run Python from another folder (or use the venv's `kvtrace`/`pytest` scripts), "
+                      "or install the clone with `pip install -e .`", name=__name__) from None
 
 __version__ = "0.1.0"
 

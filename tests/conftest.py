@@ -47,7 +47,10 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(autouse=True)
 def kvtrace_env(tmp_path, monkeypatch):
-    """Every test gets its own data dir, spool dir and database URL; ids captured in the clear."""
+    """Every test gets its own data dir, spool dir and database URL; ids captured in the clear; and
+    runs in its own folder, as a user's command does, so that a child Python a test starts imports
+    the installed kvtrace (a clone's root would put its kvtrace/ folder first on sys.path)."""
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     monkeypatch.setenv("KVTRACE_SPOOL_DIR", str(tmp_path / "spool"))
     monkeypatch.setenv("KVTRACE_CLICKHOUSE_URL", f"chdb://{tmp_path / 'db'}")

@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from kvtrace.child_python import python_module_command
 
 ROOT = Path(__file__).resolve().parent.parent
 # Only a hang of the child could reach this; the child's own limit is a few seconds.
@@ -22,12 +23,13 @@ CHILD_BOUND_S = 180
 
 
 def run_child_pytest(cwd: Path, *args: str, ci: bool, **env: str) -> subprocess.CompletedProcess:
-    """``python -m pytest ARGS`` in ``cwd``, with ``CI=true`` or without CI in its environment."""
+    """``python -m pytest ARGS`` in ``cwd``, the working directory kept off ``sys.path`` as kvtrace's own
+    children keep it (so ``cwd`` may be the clone), with ``CI=true`` or without CI in its environment."""
     child_env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_TIMEOUT", "PYTEST_ADDOPTS")}
     if ci:
         child_env["CI"] = "true"
     child_env.update(env)
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+    return subprocess.run(python_module_command("pytest", "-p", "no:cacheprovider", *args),
                           cwd=cwd, env=child_env, capture_output=True, text=True, timeout=CHILD_BOUND_S)
 
 
@@ -138,31 +140,34 @@ def test_the_vllm_step_fails_under_ci_where_vllm_is_missing(tmp_path):
     assert "skipped under CI=true" in done.stdout and "No module named 'vllm'" in done.stdout
 
 
-# .ci/run's own logic, with stand-ins for the two venvs' Python: each pytest step exits with the
-# code the story gives it, pip does nothing. What runs is the real script.
-STAND_IN_PYTHON = """#!/usr/bin/env bash
-case " $* " in
-  *" pytest "*) echo "{step} $*" >> "$CI_RUN_LOG"; exit {exit_code} ;;
-esac
-exit 0
+# .ci/run's own logic, with stand-ins for the two venvs' Python (pip does nothing) and pytest, and for
+# the fresh-clone README step: each step exits with the code the story gives it. What runs is the real
+# script.
+STAND_IN_STEP = """#!/usr/bin/env bash
+echo "{step} $*" >> "$CI_RUN_LOG"
+exit {exit_code}
 """
 
 
-@pytest.mark.parametrize("main_exit, vllm_exit, passes", [
-    (0, 0, True),
-    (1, 0, False),  # a failed (or timed-out) main suite; the vLLM step still runs
-    (0, 5, False),  # pytest's "no tests collected" is not a pass
-    (2, 1, False),
-], ids=["both-pass", "main-fails", "vllm-collects-nothing", "both-fail"])
-def test_ci_run_runs_both_steps_and_fails_if_either_fails(tmp_path, main_exit, vllm_exit, passes):
+@pytest.mark.parametrize("readme_exit, main_exit, vllm_exit, passes", [
+    (0, 0, 0, True),
+    (0, 1, 0, False),  # a failed (or timed-out) main suite; the vLLM step still runs
+    (0, 0, 5, False),  # pytest's "no tests collected" is not a pass
+    (1, 0, 0, False),  # the README's first block failed in a fresh clone; the suites still run
+    (1, 2, 1, False),
+], ids=["all-pass", "main-fails", "vllm-collects-nothing", "readme-fails", "all-fail"])
+def test_ci_run_runs_every_step_and_fails_if_any_fails(tmp_path, readme_exit, main_exit, vllm_exit, passes):
     checkout = tmp_path / "checkout"
     (checkout / ".ci").mkdir(parents=True)
     shutil.copy(ROOT / ".ci" / "run", checkout / ".ci" / "run")
-    for venv, step, code in ((".venv", "main", main_exit), (".venv-vllm", "vllm", vllm_exit)):
-        python = checkout / venv / "bin" / "python"
-        python.parent.mkdir(parents=True)
-        python.write_text(STAND_IN_PYTHON.format(step=step, exit_code=code))
-        python.chmod(0o755)
+    stand_ins = {".ci/readme_first_block": ("readme", readme_exit),
+                 ".venv/bin/python": ("pip", 0), ".venv/bin/pytest": ("main", main_exit),
+                 ".venv-vllm/bin/python": ("pip", 0), ".venv-vllm/bin/pytest": ("vllm", vllm_exit)}
+    for path, (step, code) in stand_ins.items():
+        stand_in = checkout / path
+        stand_in.parent.mkdir(parents=True, exist_ok=True)
+        stand_in.write_text(STAND_IN_STEP.format(step=step, exit_code=code))
+        stand_in.chmod(0o755)
     tools = tmp_path / "bin"
     tools.mkdir()
     for tool in ("chromium", "prometheus-alertmanager"):  # installed: .ci/run leaves apt-get alone
@@ -173,7 +178,7 @@ def test_ci_run_runs_both_steps_and_fails_if_either_fails(tmp_path, main_exit, v
     done = subprocess.run(["bash", ".ci/run"], cwd=checkout, env=env, capture_output=True, text=True,
                           timeout=CHILD_BOUND_S)
     assert (done.returncode == 0) == passes, done.stdout + done.stderr
-    steps = log.read_text().splitlines()
-    assert [s.split()[0] for s in steps] == ["main", "vllm"]
-    assert "--ignore-glob=tests/test_vllm_*.py" in steps[0]
+    steps = [line for line in log.read_text().splitlines() if not line.startswith("pip ")]
+    assert [s.split()[0] for s in steps] == ["readme", "main", "vllm"]
+    assert "--ignore-glob=tests/test_vllm_*.py" in steps[1]
     assert "amx_int8" in done.stdout

@@ -27,6 +27,7 @@ import traceback
 
 from kvtrace.alerts.evaluation import Evaluation, RuleOutcome, evaluate
 from kvtrace.alerts.rules import AlertConfig
+from kvtrace.child_python import python_module_command
 from kvtrace.commands.common import open_database
 from kvtrace.error_report import one_line, traceback_requested
 from kvtrace.errors import KvtraceError
@@ -53,7 +54,7 @@ def evaluate_database(args, config: AlertConfig, at: float) -> Evaluation:
 def evaluate_database_isolated(args, config: AlertConfig, at: float) -> Evaluation:
     """:func:`evaluate_database` in a short-lived child process.  Never raises."""
     try:
-        child = subprocess.run([sys.executable, "-m", __name__], input=pickle.dumps((args, config, at)),
+        child = subprocess.run(python_module_command(__name__), input=pickle.dumps((args, config, at)),
                                stdout=subprocess.PIPE, timeout=ISOLATED_TIMEOUT_S)
     except subprocess.TimeoutExpired:  # subprocess.run has killed it
         return failed(config, at, f"the evaluation process did not finish within {ISOLATED_TIMEOUT_S:g} s")

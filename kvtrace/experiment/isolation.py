@@ -1,6 +1,6 @@
 """Each engine pass in a process of its own, so a native crash or hang ends that pass, not the command.
 
-The parent starts ``python -m kvtrace.experiment.pass_process`` with the pass as JSON and reads
+The parent starts ``python -P -m kvtrace.experiment.pass_process`` (``kvtrace/child_python.py``) with the pass as JSON and reads
 its messages from a pipe: a progress line before every request, then the pass's result. The child
 inherits the environment (``KVTRACE_*``: spool directory, capture policy), so it records through the
 same spool as an in-process run would, and it shuts its recorder down before it sends the result.
@@ -19,12 +19,12 @@ import resource
 import selectors
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from kvtrace.child_python import python_module_command
 from kvtrace.experiment.plan import EngineSettings, PassKey, Plan, VllmSettings
 
 CHILD_MODULE = "kvtrace.experiment.pass_process"
@@ -133,7 +133,7 @@ def run_child(module: str, argument: str, timeout: float = DEFAULT_PASS_TIMEOUT,
     try:
         # stdout goes to our stderr: the command's stdout carries the report (JSON with --format json)
         # and nothing the engine prints may end up inside it.
-        child = subprocess.Popen([sys.executable, "-m", module, str(write_fd), argument],
+        child = subprocess.Popen(python_module_command(module, str(write_fd), argument),
                                  pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=2, start_new_session=True)
     finally:
         os.close(write_fd)
