@@ -10,13 +10,19 @@ moves the fork token to the other side's: `confirmed`, and `diff` says so next t
 A fork that something else made — a logit bias one side applied, which the record holds only as
 "a logits processor was used" — does not reproduce from what was recorded: `not_reproduced`.
 
+Without `--model`, replay finds the recorded model in kvtrace's model cache by its fingerprint: a user
+who ran `kvtrace experiment --model BASE.gguf --formats Q8_0` replays the run on the Q8_0 file the
+experiment quantized, even where another base model's `Q8_0.gguf` sits next to it.
+
 Replay refuses what it cannot re-execute faithfully, each with one line and exit 2: another model
-file than the recorded one, a run recorded with hashed token ids, a run or episode that does not exist.
+file than the recorded one, a model the cache does not hold (naming its fingerprint, file name and
+the folder searched), a run recorded with hashed token ids, a run or episode that does not exist.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -27,7 +33,10 @@ from kvtrace import correlate  # noqa: E402
 from kvtrace import semconv as sc  # noqa: E402
 from kvtrace.cli import main  # noqa: E402
 from kvtrace.experiment import Plan, run_experiment  # noqa: E402
-from kvtrace.experiment.models import generated_models  # noqa: E402
+from kvtrace.experiment.models import generated_models, model_cache_dir  # noqa: E402
+from kvtrace.patches.llama_cpp.config import static_config  # noqa: E402
+from kvtrace.replay.model_lookup import find_model, fingerprints_file  # noqa: E402
+from kvtrace.testmodels.llama_gguf import make_model  # noqa: E402
 
 EPISODES, TURNS, TOKENS = 6, 3, 16
 
@@ -139,13 +148,10 @@ def test_replay_refuses_another_model_file_hashed_capture_and_unknown_names(bias
     from kvtrace.config import Settings
     from kvtrace.recording.exporters.spool import SpoolExporter
     from kvtrace.recording.recorder import Recorder, set_recorder
-    from kvtrace.testmodels.llama_gguf import make_model
 
     other = make_model(tmp_path / "tiny-Q8_0.gguf", "Q8_0", "tiny")
     err = refusal(capsys, "replay", "plain", "--episode", "e0", "--model", str(other))
     assert "model fingerprint" in err and "replay needs the same model file" in err
-    err = refusal(capsys, "replay", "plain", "--episode", "e0")
-    assert "tiny-F32.gguf" in err and "--model" in err  # not in kvtrace's model cache: say how to give it
 
     monkeypatch.setenv("KVTRACE_CAPTURE", "hashed")
     recorder = Recorder(Settings.from_env(), exporter=SpoolExporter(spool_dir))
@@ -162,3 +168,66 @@ def test_replay_refuses_another_model_file_hashed_capture_and_unknown_names(bias
 
     assert "no run 'nowhere'" in refusal(capsys, "replay", "nowhere", "--episode", "e0")
     assert "has no episode 'e7'" in refusal(capsys, "replay", "plain", "--episode", "e7", "--model", biased_fork)
+
+
+def fingerprint_of(make_llama, model) -> str:
+    """The fingerprint an engine on ``model`` records (a full load, as the recorded engine did)."""
+    return static_config(make_llama(model_path=str(model)))[sc.MODEL_FINGERPRINT]
+
+
+@pytest.mark.slow
+def test_a_run_on_a_model_the_experiment_quantized_replays_without_model(tiny_gguf, make_llama, capsys):
+    # Another base model's Q8_0.gguf, read first: the same file name, other weights.
+    decoy = make_model(model_cache_dir() / "another-base-0123456789ab" / "Q8_0.gguf", "Q8_0", "tiny", seed=2)
+    assert main(["-q", "experiment", "--model", str(tiny_gguf), "--formats", "Q8_0", "--arms", "off",
+                 "--episodes", "1", "--turns", "2", "--tokens", "8", "--prefix", "user", "--format", "json"]) == 0
+    (run,) = {r["run_id"] for r in json.loads(capsys.readouterr().out)["runs"]}
+    (quantized,) = model_cache_dir().glob(f"{tiny_gguf.stem}-*/Q8_0.gguf")
+
+    code, replayed, err = kvtrace_json(capsys, "replay", run, "--episode", "e000")
+    assert code == 0, err
+    assert replayed["exact"] is True
+    assert (replayed["requests_reproduced"], replayed["requests"]) == (2, 2)
+    assert replayed["tokens_reproduced"] == replayed["tokens"] > 0
+    # Found by its fingerprint, which the search keeps for the next replay; the decoy was read and is kept too.
+    kept = json.loads(fingerprints_file().read_text())
+    assert kept[str(quantized)]["fingerprint"] == fingerprint_of(make_llama, quantized)
+    assert kept[str(decoy)]["fingerprint"] == fingerprint_of(make_llama, decoy) != kept[str(quantized)]["fingerprint"]
+
+
+@pytest.mark.slow
+def test_a_run_whose_model_is_not_in_the_model_cache_is_refused_naming_fingerprint_file_and_folder(
+        biased_fork, make_llama, capsys):
+    recorded = fingerprint_of(make_llama, biased_fork)
+    # The cache holds a file of the recorded name with other weights, and a file llama.cpp cannot read.
+    make_model(model_cache_dir() / "elsewhere" / "tiny-F32.gguf", "F32", "tiny", seed=2)
+    (model_cache_dir() / "garbage.gguf").write_bytes(b"GGUF and then nothing a model has")
+    err = refusal(capsys, "replay", "plain", "--episode", "e0")
+    assert f"recorded the model 'tiny-F32.gguf' with fingerprint {recorded}" in err
+    assert f"({model_cache_dir()}: 2 looked at)" in err and "give the file with --model PATH.gguf" in err
+    # Asked again, the fingerprints kept from the first search (the unreadable file's too) say the same.
+    assert refusal(capsys, "replay", "plain", "--episode", "e0") == err
+
+
+@pytest.mark.slow
+def test_kept_fingerprints_count_while_the_file_keeps_its_size_and_mtime(tiny_gguf, make_llama):
+    folder = model_cache_dir()
+    model = folder / "base-0123456789ab" / "F32.gguf"
+    model.parent.mkdir(parents=True)
+    model.write_bytes(tiny_gguf.read_bytes())
+    recorded = fingerprint_of(make_llama, tiny_gguf)  # the path is not part of it
+    assert find_model(recorded, "tiny-F32.gguf", folder) == (model, 1)
+
+    kept = json.loads(fingerprints_file().read_text())
+    assert kept[str(model)]["fingerprint"] == recorded
+    kept[str(model)]["fingerprint"] = "kept-earlier"
+    fingerprints_file().write_text(json.dumps(kept))
+    assert find_model("kept-earlier", "F32.gguf", folder) == (model, 1)  # trusted: the file is unchanged
+
+    stat = model.stat()
+    os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert find_model("kept-earlier", "F32.gguf", folder) == (None, 1)  # the file changed: read again
+    assert json.loads(fingerprints_file().read_text())[str(model)]["fingerprint"] == recorded
+
+    fingerprints_file().write_text("{cut short")  # a kept file the disk filled up: read again
+    assert find_model(recorded, "F32.gguf", folder) == (model, 1)

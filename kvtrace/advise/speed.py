@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from kvtrace.experiment.isolation import PassDied, run_child
+from kvtrace.experiment.isolation import ChildResult, PassDied, run_child
 from kvtrace.experiment.plan import EngineSettings
 
 CHILD_MODULE = "kvtrace.advise.speed_process"
@@ -51,14 +51,9 @@ class SpeedSpec:
 
 
 @dataclass
-class SpeedResult:
-    """The probe's rounds; ``requests``, ``turns``, ``interrupted`` as in an experiment pass's result."""
+class SpeedResult(ChildResult):
+    """The probe's rounds (``requests``: timings taken so far, each a prefill and its decode steps)."""
 
-    requests: int = 0
-    """Timings taken so far (each a prefill and its decode steps)."""
-    turns: int = 0
-    interrupted: bool = False
-    peak_rss_bytes: int = 0
     rounds: list[dict] = field(default_factory=list)
     """Per timed round: ``{"baseline": timing, "candidate": timing}``, a timing being seconds per
     phase and clock (``prefill_wall``, ``prefill_cpu``, ``decode_wall``, ``decode_cpu``)."""

@@ -13,8 +13,8 @@ from kvtrace.commands.arguments import input_file, positive_number
 from kvtrace.commands.common import open_database, progress_printer
 from kvtrace.errors import ConfigError
 from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT
-from kvtrace.experiment.models import model_cache_dir
 from kvtrace.replay import verdicts
+from kvtrace.replay.model_lookup import find_recorded_model
 from kvtrace.replay.recorded import ReplayRefused, read_run
 from kvtrace.replay.reproduce import counterfactual, replay_episodes
 
@@ -32,7 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--counterfactual", action="store_true",
                    help="with RUN_A RUN_B: switch the cache path of the forked request between the runs")
     p.add_argument("--model", type=input_file, metavar="PATH.gguf",
-                   help="the model file the run used (default: the recorded file name in kvtrace's model cache)")
+                   help="the model file the run used (default: the file in kvtrace's model cache with the recorded "
+                        "model fingerprint)")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--timeout", type=positive_number, default=DEFAULT_PASS_TIMEOUT, metavar="SECONDS",
                    help="end the replay when one request (or the model load) takes longer (default %(default)g)")
@@ -51,8 +52,8 @@ def run(args) -> int:
         fork = _fork(client, args) if args.counterfactual else None
     finally:
         client.close()  # the embedded database is held by one process at a time; the engine needs none
-    model = args.model or _default_model(runs[0])
     progress = progress_printer(args)
+    model = args.model or find_recorded_model(runs[0], progress, args.timeout)
     if fork is not None:
         return _counterfactual(args, runs, fork, model, progress)
     return _reproduce(args, runs[0], model, progress)
@@ -67,15 +68,6 @@ def _fork(client, args):
             raise ReplayRefused(f"runs {run_a!r} and {run_b!r} do not both have episode {episode!r}")
         raise ReplayRefused(f"runs {run_a!r} and {run_b!r} did not fork in episode {episode!r}: nothing to explain")
     return diff.forks[0]
-
-
-def _default_model(run) -> Path:
-    name = run.requests[0].configuration.model
-    path = model_cache_dir() / name
-    if not name or not path.is_file():
-        raise ReplayRefused(f"run {run.run_id!r} recorded the model {name or '(unnamed)'!r}, which is not in "
-                            f"kvtrace's model cache; give the file with --model PATH.gguf")
-    return path
 
 
 def _reproduce(args, run, model: Path, progress) -> int:

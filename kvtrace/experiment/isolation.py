@@ -60,17 +60,23 @@ class PassSpec:
 
 
 @dataclass
-class PassResult:
-    """What the harness saw during one pass (the spool holds the rest)."""
+class ChildResult:
+    """What every job ``serve_child`` serves reports; each job's result adds its own fields."""
 
     requests: int = 0
     turns: int = 0
     """Turns done or skipped (an episode whose context is full skips the rest): the progress count."""
-    restore_checks: int = 0
-    restore_mismatches: list[str] = field(default_factory=list)
     interrupted: bool = False
     peak_rss_bytes: int = 0
     """The engine process's peak resident memory (``ru_maxrss``)."""
+
+
+@dataclass
+class PassResult(ChildResult):
+    """What the harness saw during one pass (the spool holds the rest)."""
+
+    restore_checks: int = 0
+    restore_mismatches: list[str] = field(default_factory=list)
 
 
 class PassDied(Exception):
@@ -82,19 +88,18 @@ class PassDied(Exception):
         self.requests = requests
 
 
-def progress_message(text: str, result: PassResult) -> str:
+def progress_message(text: str, result: ChildResult) -> str:
     return json.dumps({"progress": text, "requests": result.requests, "turns": result.turns})
 
 
-def result_message(result: PassResult) -> str:
+def result_message(result: ChildResult) -> str:
     return json.dumps({"result": asdict(result)})
 
 
-def serve_child(argv: list[str], result, job: Callable[[str, Callable[[str], None]], None],
+def serve_child(argv: list[str], result: ChildResult, job: Callable[[str, Callable[[str], None]], None],
                 finish: Callable[[], None] = lambda: None) -> int:
     """The child's side of ``run_child``, for any engine job: ``argv`` is ``FD ARGUMENT``;
-    ``job(argument, progress)`` fills ``result`` (a dataclass with ``requests``, ``turns``,
-    ``interrupted`` and ``peak_rss_bytes``, like ``PassResult``) and calls ``progress`` before each
+    ``job(argument, progress)`` fills ``result`` (a ``ChildResult``) and calls ``progress`` before each
     step. Ctrl-C stops the job and still reports; ``finish`` runs before the result is written (a
     result in the parent's hands means everything the job recorded is flushed). The exit status."""
     fd, argument = argv

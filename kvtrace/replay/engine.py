@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.experiment.conversation import completion_token_ids
-from kvtrace.patches.llama_cpp.config import static_config
+from kvtrace.patches.llama_cpp.config import fingerprint, static_config
 from kvtrace.patches.llama_cpp.engine import ENGINE as LLAMA_CPP
 from kvtrace.patches.llama_cpp.repack import load_llama
 from kvtrace.patches.llama_cpp.reuse import common_prefix
@@ -60,6 +60,31 @@ def configuration_of(llm, model: Path) -> EngineConfiguration:
     config = static_config(llm)
     return EngineConfiguration(LLAMA_CPP, config[sc.ENGINE_VERSION], model.name,
                                config[sc.MODEL_FINGERPRINT], dict(config[sc.NUMERICS_SETTINGS]))
+
+
+def file_fingerprint(model: Path) -> Optional[str]:
+    """The model fingerprint an engine loaded from ``model`` records (None: llama.cpp cannot read the file).
+
+    llama.cpp loads the header and vocabulary only, never the weights; the metadata is read as
+    ``Llama`` reads it, so the fingerprint equals the recorded one.
+    """
+    import llama_cpp
+    from llama_cpp._internals import LlamaModel
+
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    try:
+        loaded = LlamaModel(path_model=str(model), params=params, verbose=False)
+    except ValueError:
+        return None
+    try:
+        try:
+            metadata = loaded.metadata()
+        except Exception:  # what Llama records then: no metadata
+            metadata = {}
+        return fingerprint(str(model), metadata)
+    finally:
+        loaded.close()
 
 
 def refusal(recorded: EngineConfiguration, here: EngineConfiguration) -> str:
