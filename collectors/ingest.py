@@ -17,10 +17,17 @@
   line and continued from there next time; a truncated last line left by a
   writer that died (its pid is gone) is quarantined.
 * **Quarantine, never crash.**  A line that cannot become rows (not JSON, not
-  an OTLP trace request, a wrong shape or type, an id, integer or time out of
-  range) or that the database rejects (the chunk is split until the lines to
-  blame are found) is copied to the quarantine directory with ``FILE:LINE``
-  and the reason; the rest of the file is stored.
+  an OTLP trace request, a wrong shape or type, an id or time out of range, a
+  line longer than ``MAX_LINE_BYTES``) or that the database rejects (the chunk
+  is split until the lines to blame are found) is copied to the quarantine
+  directory (files 0600) with ``FILE:LINE`` and the reason; the rest of the
+  file is stored.  One value is no reason to lose a line that may hold many
+  requests: an attribute whose integer is outside int64 is left out of its
+  span, and counted (``FileResult.repaired``).
+* **The spool directory is not trusted.**  Only regular files are read from a
+  directory, never through a symbolic link; anything else with a span file's
+  name is passed over and named (``IngestReport.passed_over``).  Every read is
+  bounded (``MAX_LINE_BYTES`` per line).
 * **Stops cleanly.**  When the database refuses writes for a reason no line
   is to blame for (full disk, lost connection), ``IngestStopped`` says so in
   one line.  Everything stored until then is kept and the next pass goes on
@@ -50,6 +57,7 @@ from __future__ import annotations
 import errno
 import gc
 import hashlib
+import io
 import json
 import logging
 import os
@@ -67,9 +75,15 @@ from kvtrace.config import default_spool_dir
 from kvtrace.errors import IngestStopped, UnreadableInput, UnusableInput
 from kvtrace.recording.exporters.spool import SPOOL_SUFFIX, spool_host, writer_of
 from kvtrace.recording.packed_arrays import PACKED_ARRAYS, TOKEN_ARRAYS, pack
+from kvtrace.safe_files import append_private, open_regular, private_dir, regular_entries
 
 CHUNK_BYTES = 32 * 1024 * 1024
 """Bytes read, parsed and inserted at a time: each insert fires the views once, so fewer is cheaper."""
+MAX_LINE_BYTES = 256 * 1024 * 1024
+"""A longer line (a spool line is one batch, far smaller) is quarantined by its first bytes and passed over."""
+QUARANTINED_PREFIX_BYTES = 64 * 1024
+"""What the quarantine keeps of a line too long to keep whole."""
+SPAN_FILE_SUFFIXES = (SPOOL_SUFFIX, ".json")
 TABLE = "otel_traces"
 LOG_TABLE = "kvtrace_ingest_files"
 LOG_COLUMNS = ["file_key", "path", "offset", "lines", "spans", "quarantined", "complete", "updated"]
@@ -123,6 +137,8 @@ class FileResult:
     """Spans this pass read that were already stored (from this file or another), so not stored again."""
     lines: int = 0
     quarantined: int = 0
+    repaired: int = 0
+    """Attribute values left out of their spans (an integer outside int64); the spans are stored."""
     skipped: bool = False
     pending_bytes: int = 0
     unreadable: bool = False
@@ -132,6 +148,8 @@ class FileResult:
 @dataclass
 class IngestReport:
     files: list[FileResult] = field(default_factory=list)
+    passed_over: list[str] = field(default_factory=list)
+    """``PATH (what it is)`` of every entry with a span file's name in a directory that is not a regular file."""
 
     @property
     def spans(self) -> int:
@@ -146,12 +164,29 @@ class IngestReport:
         return sum(f.quarantined for f in self.files)
 
     @property
+    def repaired(self) -> int:
+        return sum(f.repaired for f in self.files)
+
+    @property
     def pending_bytes(self) -> int:
         return sum(f.pending_bytes for f in self.files)
 
     @property
     def messages(self) -> list[str]:
-        return [m for f in self.files for m in f.messages]
+        passed = [passed_over_message(self.passed_over)] if self.passed_over else []
+        return passed + [m for f in self.files for m in f.messages]
+
+
+PASSED_OVER_NAMED = 5
+"""Entries a passed-over message names before it gives the count of the rest."""
+
+
+def passed_over_message(passed_over: list[str]) -> str:
+    """One line for the entries of a span directory that were not read (links, FIFOs, devices)."""
+    named = ", ".join(passed_over[:PASSED_OVER_NAMED])
+    rest = f" and {len(passed_over) - PASSED_OVER_NAMED} more" if len(passed_over) > PASSED_OVER_NAMED else ""
+    return (f"{len(passed_over)} entr{'y' if len(passed_over) == 1 else 'ies'} passed over, never read: "
+            f"only regular files are ingested from a directory ({named}{rest})")
 
 
 @dataclass
@@ -163,13 +198,14 @@ class _Line:
     rows: list[SpanRow]
 
 
-def find_files(paths: Iterable[Path]) -> list[Path]:
+def find_files(paths: Iterable[Path], passed_over: Optional[list[str]] = None) -> list[Path]:
     """Span files named by ``paths`` (files as given; directories: *.jsonl / *.json inside).
 
     A path that names no file or directory, or something that is not a regular file (a device such
     as /dev/null, a FIFO, a socket), is a usage mistake (``UnusableInput``); a directory that cannot
-    be listed or a file that cannot be opened is ``UnreadableInput``.  Inside a directory, anything but
-    regular files is passed over (and a file there that cannot be read is reported by ingest).
+    be listed or a file that cannot be opened is ``UnreadableInput``.  A file named through a symbolic
+    link is the file it points to: the caller chose it.  Inside a directory only regular files count;
+    every other entry with a span file's name (a link, a FIFO, a device) is added to ``passed_over``.
     """
     found: list[Path] = []
     for path in paths:
@@ -182,15 +218,16 @@ def find_files(paths: Iterable[Path]) -> list[Path]:
             raise UnreadableInput(f"{path}: cannot read it: {exc.strerror or exc}") from None
         if stat.S_ISDIR(mode):
             try:
-                children = sorted(path.iterdir())
+                regular, others = regular_entries(path, SPAN_FILE_SUFFIXES)
             except OSError as exc:
                 raise UnreadableInput(f"{path}: cannot list the directory: {exc.strerror or exc}") from None
-            for child in children:
-                if child.suffix in (SPOOL_SUFFIX, ".json") and not child.name.startswith(".") and _is_regular(child):
-                    found.append(child)
+            found.extend(regular)
+            if passed_over is not None:
+                passed_over.extend(f"{entry} ({what})" for entry, what in others)
         elif stat.S_ISREG(mode):
+            path = Path(os.path.realpath(path)) if path.is_symlink() else path
             try:
-                open(path, "rb").close()
+                open_regular(path).close()
             except OSError as exc:
                 raise UnreadableInput(f"{path}: cannot read it: {exc.strerror or exc}") from None
             found.append(path)
@@ -198,13 +235,6 @@ def find_files(paths: Iterable[Path]) -> list[Path]:
             raise UnusableInput(f"{path} is not a regular file or a directory; ingest reads OTLP/JSON span "
                                 "files (.jsonl, .json) or directories of them")
     return found
-
-
-def _is_regular(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(path.stat().st_mode)
-    except OSError:
-        return False
 
 
 def _is_pretty_printed(first_line: bytes) -> bool:
@@ -350,10 +380,10 @@ class _Quarantine:
         try:
             seen = self._already(target)
             if (str(source), line_no) not in seen:
-                self.directory.mkdir(parents=True, exist_ok=True)
+                private_dir(self.directory, link_ok=False)
                 record = {"file": str(source), "line": line_no, "error": reason,
                           "text": text.decode("utf-8", errors="replace")}
-                with open(target, "a", encoding="utf-8") as out:
+                with os.fdopen(append_private(target), "a", encoding="utf-8") as out:
                     out.write(json.dumps(record) + "\n")
                 seen.add((str(source), line_no))
         except OSError as exc:
@@ -362,10 +392,11 @@ class _Quarantine:
 
 
 def read_quarantine_file(path: Path) -> list[dict]:
-    """The records of one quarantine file (unreadable records and files are passed over)."""
+    """The records of one quarantine file (unreadable records and files, and anything but a regular file,
+    are passed over)."""
     records = []
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with io.TextIOWrapper(open_regular(path), encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
                     record = json.loads(line)
@@ -378,13 +409,20 @@ def read_quarantine_file(path: Path) -> list[dict]:
     return records
 
 
-def quarantined_lines(quarantine_dir: Path) -> list[dict]:
-    """Every quarantined line under ``quarantine_dir``: {file, line, error} (text left out)."""
+def quarantined_lines(quarantine_dir: Path, problems: Optional[list[str]] = None) -> list[dict]:
+    """Every quarantined line under ``quarantine_dir``: {file, line, error} (text left out).  What cannot be
+    read (the directory, a link or FIFO in it) is added to ``problems``."""
+    problems = [] if problems is None else problems
     out = []
     try:
-        targets = sorted(Path(quarantine_dir).glob("*.quarantine.jsonl"))
-    except OSError:
+        targets, others = regular_entries(Path(quarantine_dir), (".quarantine.jsonl",), link_ok=False)
+    except FileNotFoundError:
         return out
+    except OSError as exc:
+        problems.append(f"{quarantine_dir}: cannot list it: {exc.strerror or exc}")
+        return out
+    for entry, what in others:
+        problems.append(f"{entry} ({what}): not read")
     for target in targets:
         for record in read_quarantine_file(target):
             out.append({"file": str(record.get("file", "")), "line": record.get("line"),
@@ -405,7 +443,7 @@ class Ingestor:
     def ingest_file(self, path: Path, result: Optional[FileResult] = None) -> FileResult:
         result = result or FileResult(str(path))
         try:
-            with open(path, "rb") as f:
+            with open_regular(path) as f:  # found in a directory anyone may write to: never through a link
                 self._ingest_open_file(path, f, result)
         except OSError as exc:  # the span file itself (the quarantine copy handles its own errors)
             result.unreadable = True
@@ -414,14 +452,16 @@ class Ingestor:
 
     def _ingest_open_file(self, path: Path, f, result: FileResult) -> None:
         size = os.fstat(f.fileno()).st_size
-        head = f.readline()
-        if not head.endswith(b"\n"):
-            self._ingest_single_document(path, head + f.read(), result)
+        head = f.readline(MAX_LINE_BYTES + 1)
+        if not head.endswith(b"\n") and len(head) <= MAX_LINE_BYTES:  # the whole file
+            self._ingest_single_document(path, head, result)
             return
         if _is_pretty_printed(head):
             f.seek(0)
-            data = f.read()
+            data = f.read(MAX_LINE_BYTES + 1)
             try:
+                if len(data) > MAX_LINE_BYTES:
+                    raise ValueError("too long for one document")
                 json.loads(data)
             except ValueError:
                 pass  # not one document after all: take it line by line, quarantining what is bad
@@ -441,14 +481,32 @@ class Ingestor:
         before = (start.lines, start.spans, start.quarantined)
         f.seek(offset)
         carry = b""
+        passing = False  # inside a line longer than MAX_LINE_BYTES: its bytes are hashed, not kept
         while True:
             chunk = f.read(CHUNK_BYTES)
             if not chunk:
                 break
+            if passing:
+                end = chunk.find(b"\n")
+                passed = chunk if end < 0 else chunk[: end + 1]
+                hasher.update(passed)
+                offset += len(passed)
+                if end < 0:
+                    continue
+                passing, chunk = False, chunk[end + 1:]
             data = carry + chunk
             cut = data.rfind(b"\n")
             if cut < 0:
                 carry = data
+                if len(carry) > MAX_LINE_BYTES:
+                    line_no += 1
+                    result.lines += 1
+                    self._quarantine(path, line_no, carry[:QUARANTINED_PREFIX_BYTES],
+                                     f"a line longer than {MAX_LINE_BYTES:,} bytes (its first "
+                                     f"{QUARANTINED_PREFIX_BYTES:,} are kept here)", result)
+                    hasher.update(carry)
+                    offset += len(carry)
+                    carry, passing = b"", True
                 continue
             carry = data[cut + 1:]
             parsed = []
@@ -540,11 +598,13 @@ class Ingestor:
                 result.pending_bytes = len(data)
             return
         result.lines = 1
+        dropped: list[str] = []
         try:
-            rows = rows_from_request(request, packed=self.typed_requests)
+            rows = rows_from_request(request, packed=self.typed_requests, dropped=dropped)
         except MalformedSpan as exc:
             self._quarantine(path, 1, data, f"not an OTLP/JSON trace request: {exc}", result)
         else:
+            self._count_dropped(path, 1, dropped, result)
             self._store(path, [_Line(1, data, rows)], result)
         self._save(path, key, document, len(data), (0, 0, 0), result, True)
 
@@ -554,12 +614,25 @@ class Ingestor:
         except (ValueError, RecursionError) as exc:
             self._quarantine(path, line_no, line, f"not JSON: {exc}", result)
             return
+        dropped: list[str] = []
         try:
-            rows = rows_from_request(request, packed=self.typed_requests)
+            rows = rows_from_request(request, packed=self.typed_requests, dropped=dropped)
         except MalformedSpan as exc:
             self._quarantine(path, line_no, line, f"not an OTLP/JSON trace request: {exc}", result)
             return
+        self._count_dropped(path, line_no, dropped, result)
         parsed.append(_Line(line_no, line, rows))
+
+    @staticmethod
+    def _count_dropped(path: Path, line_no: int, dropped: list[str], result: FileResult) -> None:
+        """Count attribute values left out of their spans; the first of a file is named in a message."""
+        if not dropped:
+            return
+        if not result.repaired:
+            result.messages.append(f"{path}:{line_no}: attribute {dropped[0][:80]!r} holds an integer outside the "
+                                   "64-bit range: left out of its span, which is stored (every such value is "
+                                   "counted in `repaired`)")
+        result.repaired += len(dropped)
 
     def _quarantine(self, path: Path, line_no: int, text: bytes, reason: str, result: FileResult) -> None:
         where = self.quarantine.add(path, line_no, text, reason)
@@ -729,8 +802,8 @@ def ingest_paths(client, paths: Iterable[Path], quarantine_dir: Optional[Path] =
     ``IngestStopped`` (carrying the report so far as ``.report``) when the database stops accepting
     spans.  A file that cannot be read is reported in its result's messages and passed over.
     """
-    files = find_files(paths)
     report = IngestReport()
+    files = find_files(paths, report.passed_over)
     try:
         ingestor = Ingestor(client, quarantine_dir or default_spool_dir() / "quarantine", progress)
         for index, path in enumerate(files, 1):
@@ -749,27 +822,36 @@ def ingest_paths(client, paths: Iterable[Path], quarantine_dir: Optional[Path] =
     return report
 
 
-def pending_files(spool_dir: Path, client) -> list[tuple[Path, int]]:
-    """Spool files with bytes not yet ingested: (path, pending bytes).
+def pending_files(spool_dir: Path, client, problems: Optional[list[str]] = None) -> list[tuple[Path, int]]:
+    """Spool files with bytes not yet ingested: (path, pending bytes).  What cannot be read (the directory,
+    a file, an entry that is a link or a FIFO) is added to ``problems``; a spool not made yet is empty.
 
-    Judged by size against the furthest checkpoint of each file's first line, without reading the
+    Judged by size against the furthest checkpoint of each file's first line, without reading more of the
     files (``db status`` must stay cheap); ingest itself checks the content.
     """
     spool_dir = Path(spool_dir)
+    problems = [] if problems is None else problems
+    passed_over: list[str] = []
     try:
-        if not spool_dir.is_dir():
-            return []
-        files = find_files([spool_dir])
-    except (UnusableInput, UnreadableInput, OSError):
+        files = find_files([spool_dir], passed_over)
+    except UnusableInput as exc:
+        if spool_dir.exists() or spool_dir.is_symlink():
+            problems.append(str(exc))
         return []
+    except UnreadableInput as exc:
+        problems.append(str(exc))
+        return []
+    for entry in passed_over:
+        problems.append(f"{entry}: not read")
     log = IngestLog(client)
     out = []
     for path in files:
         try:
-            size = path.stat().st_size
-            with open(path, "rb") as f:
-                head = f.readline()
-        except OSError:
+            with open_regular(path) as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.readline(MAX_LINE_BYTES + 1)
+        except OSError as exc:
+            problems.append(f"{path}: cannot read it: {exc.strerror or exc}")
             continue
         done = max((c.offset for c in log.checkpoints(_digest(head)) if c.offset <= size), default=0)
         if size > done:

@@ -50,6 +50,10 @@ class MalformedSpan(ValueError):
     """A line that is JSON but not an OTLP trace request kvtrace can store."""
 
 
+class OutOfRange(MalformedSpan):
+    """An attribute's integer outside int64: with a ``dropped`` list the attribute is left out, the span kept."""
+
+
 class SpanRow(list):
     """One ``otel_traces`` row (values in ``COLUMNS`` order) and, for a request span read with
     ``packed=True`` whose per-token arrays are plain numbers, those arrays by attribute key (the keys of
@@ -133,7 +137,7 @@ def _int64(value: Any) -> int:
     except ValueError:
         raise MalformedSpan(f"intValue {value[:40]!r} is not an integer") from None
     if not INT64_MIN <= number <= INT64_MAX:
-        raise MalformedSpan(f"intValue {number} is outside the 64-bit integer range")
+        raise OutOfRange(f"intValue {number} is outside the 64-bit integer range")
     return number
 
 
@@ -194,7 +198,7 @@ def _array_json(values: list) -> str:
     if isinstance(first, dict) and "intValue" in first and all(["intValue" in v for v in values]):
         numbers = list(map(int, [v["intValue"] for v in values]))
         if min(numbers) < INT64_MIN or max(numbers) > INT64_MAX:
-            raise MalformedSpan("intValue in an array is outside the 64-bit integer range")
+            raise OutOfRange("intValue in an array is outside the 64-bit integer range")
         return "[" + ",".join(map(str, numbers)) + "]"
     if isinstance(first, dict) and "doubleValue" in first and all(
             [type(v.get("doubleValue")) is float for v in values]):
@@ -246,7 +250,7 @@ def _number_array(value: Any, typecode: str) -> tuple[Optional[str], Optional[ar
     if typecode == INT64 and all([type(v) is dict and "intValue" in v for v in values]):
         numbers = list(map(int, [v["intValue"] for v in values]))
         if numbers and (min(numbers) < INT64_MIN or max(numbers) > INT64_MAX):
-            raise MalformedSpan("intValue in an array is outside the 64-bit integer range")
+            raise OutOfRange("intValue in an array is outside the 64-bit integer range")
         return None, array(INT64, numbers)
     if typecode == FLOAT64 and all([type(v) is dict and type(v.get("doubleValue")) is float for v in values]):
         doubles = [v["doubleValue"] for v in values]
@@ -269,10 +273,12 @@ def _non_finite(value: float) -> Any:
     return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
-def span_attributes(attributes: Any, packed: bool = False) -> tuple[dict[str, str], Optional[dict[str, array]]]:
+def span_attributes(attributes: Any, packed: bool = False,
+                    dropped: Optional[list[str]] = None) -> tuple[dict[str, str], Optional[dict[str, array]]]:
     """A span's attributes as ``attributes_map`` gives them, and (with ``packed``) its per-token arrays as
     numbers, their values in the map left empty; ``None`` when any of them is not plain numbers, or they
-    do not stand side by side in ``TOKEN_ARRAYS`` order (then every text is in the map)."""
+    do not stand side by side in ``TOKEN_ARRAYS`` order (then every text is in the map).  ``dropped``: as
+    for ``attributes_map``."""
     out: dict[str, str] = {}
     arrays: Optional[dict[str, array]] = {} if packed else None
     numbered: dict[str, array] = {}
@@ -288,14 +294,22 @@ def span_attributes(attributes: Any, packed: bool = False) -> tuple[dict[str, st
                         out[key] = text
                         continue
                 elif "intValue" in value:
-                    out[key] = str(_int64(value["intValue"]))
+                    try:
+                        out[key] = str(_int64(value["intValue"]))
+                    except OutOfRange as exc:
+                        _drop(key, dropped, out, exc)
                     continue
         key = _key(kv)
         typecode = PACKED_ARRAYS.get(key)
-        if typecode is None:
-            out[key] = value_as_string(kv.get("value"))
+        try:
+            if typecode is None:
+                out[key] = value_as_string(kv.get("value"))
+                continue
+            text, numbers = _number_array(kv.get("value"), typecode)
+        except OutOfRange as exc:
+            _drop(key, dropped, out, exc)
+            numbered.pop(key, None)
             continue
-        text, numbers = _number_array(kv.get("value"), typecode)
         if numbers is None:
             out[key] = text
             numbered.pop(key, None)  # a repeated key: the last value counts
@@ -340,8 +354,25 @@ def value_as_string(value: Any) -> str:
     raise MalformedSpan(f"unknown attribute value type {sorted(value)}")
 
 
-def attributes_map(attributes: Any, what: str = "attributes") -> dict[str, str]:
-    return {_key(kv): value_as_string(kv.get("value")) for kv in _list(attributes, what)}
+def attributes_map(attributes: Any, what: str = "attributes", dropped: Optional[list[str]] = None) -> dict[str, str]:
+    """Attributes as the Collector's map of text.  An integer outside int64 raises ``OutOfRange``; with a
+    ``dropped`` list its attribute is left out instead and its key added to the list."""
+    out: dict[str, str] = {}
+    for kv in _list(attributes, what):
+        key = _key(kv)
+        try:
+            out[key] = value_as_string(kv.get("value"))
+        except OutOfRange as exc:
+            _drop(key, dropped, out, exc)
+    return out
+
+
+def _drop(key: str, dropped: Optional[list[str]], out: dict, exc: OutOfRange) -> None:
+    """Leave out an attribute whose value does not fit (raising ``exc`` when the caller counts none)."""
+    if dropped is None:
+        raise exc
+    dropped.append(key)
+    out.pop(key, None)  # a repeated key: the last value counts, and it is left out
 
 
 def _hex_id(value: Any, nbytes: int, what: str) -> str:
@@ -379,7 +410,7 @@ def _nanos(value: Any, what: str) -> int:
         raise MalformedSpan(str(exc)) from None
 
 
-def rows_from_request(request: Any, packed: bool = False) -> list[SpanRow]:
+def rows_from_request(request: Any, packed: bool = False, dropped: Optional[list[str]] = None) -> list[SpanRow]:
     """One ``otel_traces`` row (values in ``COLUMNS`` order) per span of an export request.
 
     With ``packed``, the rows of request spans whose per-token arrays can go to the database as numbers
@@ -387,7 +418,9 @@ def rows_from_request(request: Any, packed: bool = False) -> list[SpanRow]:
 
     Anything that does not fit the table (a wrong shape or type, an id that is not 8/16 bytes, an
     integer outside int64, a time outside what ``DateTime64(9)`` holds) raises ``MalformedSpan``
-    naming the field, so the caller can quarantine the whole request.
+    naming the field, so the caller can quarantine the whole request.  With a ``dropped`` list, one
+    attribute's value is no reason to lose a request that may hold many spans: an attribute whose
+    integer is outside int64 is left out of its span and its key added to the list.
     """
     if not isinstance(request, dict) or "resourceSpans" not in request:
         raise MalformedSpan("not an OTLP trace export request (no resourceSpans)")
@@ -396,7 +429,7 @@ def rows_from_request(request: Any, packed: bool = False) -> list[SpanRow]:
         for resource_spans in _list(request["resourceSpans"], "resourceSpans"):
             resource_spans = _object(resource_spans, "resourceSpans[]")
             resource = _object(resource_spans.get("resource"), "resource")
-            resource_attrs = attributes_map(resource.get("attributes"), "resource.attributes")
+            resource_attrs = attributes_map(resource.get("attributes"), "resource.attributes", dropped)
             service = resource_attrs.get("service.name", "")
             scopes = resource_spans.get("scopeSpans") or resource_spans.get("instrumentationLibrarySpans")
             for scope_spans in _list(scopes, "scopeSpans"):
@@ -406,7 +439,7 @@ def rows_from_request(request: Any, packed: bool = False) -> list[SpanRow]:
                                                                                           "scope.version")
                 for span in _list(scope_spans.get("spans"), "spans"):
                     rows.append(_span_row(_object(span, "span"), service, resource_attrs, scope_name,
-                                          scope_version, packed))
+                                          scope_version, packed, dropped))
     except MalformedSpan:
         raise
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
@@ -416,14 +449,14 @@ def rows_from_request(request: Any, packed: bool = False) -> list[SpanRow]:
 
 
 def _span_row(span: dict, service: str, resource_attrs: dict, scope_name: str, scope_version: str,
-              packed: bool) -> SpanRow:
+              packed: bool, dropped: Optional[list[str]]) -> SpanRow:
     start = _nanos(span.get("startTimeUnixNano"), "startTimeUnixNano")
     end = _nanos(span.get("endTimeUnixNano"), "endTimeUnixNano") or start
     events = [_object(e, "events[]") for e in _list(span.get("events"), "events")]
     links = [_object(link, "links[]") for link in _list(span.get("links"), "links")]
     status = _object(span.get("status"), "status")
     name = _text(span.get("name"), "name")
-    attributes, arrays = span_attributes(span.get("attributes"), packed and name == sc.SPAN_REQUEST)
+    attributes, arrays = span_attributes(span.get("attributes"), packed and name == sc.SPAN_REQUEST, dropped)
     return SpanRow([
         start,
         _hex_id(span.get("traceId"), 16, "traceId"),
@@ -442,9 +475,9 @@ def _span_row(span: dict, service: str, resource_attrs: dict, scope_name: str, s
         _text(status.get("message"), "status.message"),
         [_nanos(e.get("timeUnixNano"), "events[].timeUnixNano") for e in events],
         [_text(e.get("name"), "events[].name") for e in events],
-        [attributes_map(e.get("attributes"), "events[].attributes") for e in events],
+        [attributes_map(e.get("attributes"), "events[].attributes", dropped) for e in events],
         [_hex_id(link.get("traceId"), 16, "links[].traceId") for link in links],
         [_hex_id(link.get("spanId"), 8, "links[].spanId") for link in links],
         [_text(link.get("traceState"), "links[].traceState") for link in links],
-        [attributes_map(link.get("attributes"), "links[].attributes") for link in links],
+        [attributes_map(link.get("attributes"), "links[].attributes", dropped) for link in links],
     ], arrays)

@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 
 from kvtrace import semconv
 from kvtrace.errors import BadEndpoint, BadSetting, UnwritableDirectory
+from kvtrace.recording.records import TURN_MAX, TURN_MIN
 
 EXPORTERS = ("spool", "otlp", "clickhouse", "none")
 
@@ -57,7 +58,8 @@ class _Env:
         value = self.environ.get(name)
         return None if value is None or value.strip() == "" else value.strip()
 
-    def integer(self, name: str, default: int, minimum: Optional[int] = None, unit: str = "") -> int:
+    def integer(self, name: str, default: int, minimum: Optional[int] = None, unit: str = "",
+                maximum: Optional[int] = None) -> int:
         raw = self.raw(name)
         if raw is None:
             return default
@@ -68,6 +70,9 @@ class _Env:
                              f"the default ({default}) or give one") from None
         if minimum is not None and value < minimum:
             raise BadSetting(f"{name}={raw!r} is too small: it must be at least {minimum}{' ' + unit if unit else ''}; "
+                             f"unset it for the default ({default})")
+        if maximum is not None and value > maximum:
+            raise BadSetting(f"{name}={raw!r} is too large: it must be at most {maximum}{' ' + unit if unit else ''}; "
                              f"unset it for the default ({default})")
         return value
 
@@ -201,7 +206,7 @@ class Settings:
                                           minimum=1, unit="milliseconds"),
             run_id=environ.get("KVTRACE_RUN_ID", ""),
             episode_id=environ.get("KVTRACE_EPISODE_ID", ""),
-            turn=env.integer("KVTRACE_TURN", -1),
+            turn=env.integer("KVTRACE_TURN", -1, minimum=TURN_MIN, maximum=TURN_MAX),
             arm=environ.get("KVTRACE_ARM", ""),
             connect_timeout_s=env.milliseconds(("KVTRACE_CONNECT_TIMEOUT",), 250),
             export_timeout_s=export_timeout_s,

@@ -21,6 +21,7 @@ from urllib.parse import unquote, urlparse
 
 from kvtrace.config import default_database_url
 from kvtrace.errors import ConfigError, DatabaseBusy, DatabaseUnreachable
+from kvtrace.safe_files import private_dir
 
 
 def describe(url: str) -> str:
@@ -52,7 +53,7 @@ def connect(url: str | None = None):
         path = chdb_path(url)
         if path:
             try:
-                Path(path).mkdir(parents=True, exist_ok=True)
+                private_dir(Path(path))  # it holds every span: its user's alone
             except OSError as exc:
                 raise ConfigError(f"the embedded database {path} cannot be created there "
                                   f"({exc.strerror or exc}); pass --db chdb:///a/writable/directory") from None

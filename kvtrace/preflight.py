@@ -9,13 +9,12 @@ is in range, and the directories the recorder writes to can be written.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Mapping, Optional
 
 from kvtrace.config import Settings
 from kvtrace.errors import UnwritableDirectory
+from kvtrace.safe_files import check_writable_dir
 
 
 def check_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
@@ -28,10 +27,7 @@ def check_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
 
 def _check_writable(directory: Path, variable: str) -> None:
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".kvtrace-probe-", dir=directory)  # dot files are not ingested
-        os.close(fd)
-        os.unlink(probe)
+        check_writable_dir(directory)
     except OSError as exc:
         raise UnwritableDirectory(f"the spool directory {directory} cannot be written ({exc.strerror or exc}); "
                                   f"set {variable} to a directory this user can write") from None

@@ -4,11 +4,12 @@ Kept in memory across ``--watch`` iterations and in a small JSON file between
 separate runs (default: ``<data dir>/alerts/<hash of the rules file path>.json``),
 so that a one-shot ``kvtrace alert`` from cron also sends "resolved" when an
 alert it reported earlier has cleared, and retries deliveries that failed.
+The file is its user's alone (0600, written under a random name and renamed
+into place: ``kvtrace/safe_files.py``), and it is read only as a regular file.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -21,9 +22,12 @@ from typing import Any, Optional
 
 from kvtrace.config import data_home
 from kvtrace.errors import ConfigError
+from kvtrace.safe_files import NotRegularFile, check_writable_dir, read_bounded, replace_private
 
 FIRING = "firing"
 RESOLVED = "resolved"
+MAX_STATE_BYTES = 64 * 1024 * 1024
+"""A state file holds the alerts of one rules file: far less than this."""
 
 
 class AlertStateError(ConfigError):
@@ -59,12 +63,12 @@ class AlertState:
         on every run.
         """
         state = cls(path)
-        if path.exists() and not path.is_file():
-            raise AlertStateError(f"alert state {path} is not a regular file; give --state a file path")
         try:
-            text = path.read_bytes()
+            text = read_bounded(path, MAX_STATE_BYTES)
         except FileNotFoundError:
             text = None
+        except NotRegularFile as exc:
+            raise AlertStateError(f"alert state {exc}; give --state the path of a regular file") from None
         except OSError as exc:
             raise AlertStateError(f"cannot read alert state {path}: {exc.strerror or exc}") from None
         if text is not None:
@@ -86,11 +90,8 @@ class AlertState:
               f"starting with no alerts", file=sys.stderr)
 
     def _check_writable(self) -> None:
-        probe = self.path.with_name(f".{self.path.name}.probe{os.getpid()}")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"")
-            probe.unlink()
+            check_writable_dir(self.path.parent)
         except OSError as exc:
             raise AlertStateError(f"cannot write alert state next to {self.path}: {exc.strerror or exc}; "
                                   f"give --state a writable path") from None
@@ -98,14 +99,10 @@ class AlertState:
     def save(self) -> None:
         if self.path is None:
             return
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        text = json.dumps({"alerts": {fp: asdict(a) for fp, a in self.alerts.items()}}, indent=1)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"alerts": {fp: asdict(a) for fp, a in self.alerts.items()}}, indent=1))
-            os.replace(tmp, self.path)  # never a half-written state file
+            replace_private(self.path, text.encode())  # never a half-written state file
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             raise AlertStateError(f"cannot save alert state {self.path}: {exc.strerror or exc}") from None
 
 

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
-from kvtrace.collectors.ingest import find_files, ingest_paths, pending_files, quarantined_lines
+from kvtrace.collectors.ingest import (IngestReport, find_files, ingest_paths, passed_over_message, pending_files,
+                                       quarantined_lines)
 from kvtrace.collectors.schema import TABLES, init_schema, latest_version, render_ddl, schema_version
 from kvtrace.commands.common import open_database, progress_printer
 from kvtrace.config import default_database_url, default_spool_dir
 from kvtrace.db import connect, describe
 from kvtrace.errors import IngestStopped
 from kvtrace.recording.stats import COUNTERS, lost, read_stats, span_totals
+
+STATUS_LISTED = 10
+"""Pending files, quarantined lines and unreadable entries `db status` names before it counts the rest."""
 
 
 def add_arguments(p) -> None:
@@ -30,9 +35,11 @@ def add_arguments(p) -> None:
     ingest = dbsub.add_parser(
         "ingest", help="load spool / OTLP-JSON span files into ClickHouse",
         description="Store every span of the files once; lines that cannot be stored are quarantined (FILE:LINE "
-                    "and why; see `db status`). Exit 0: done; 1: a file could not be read, or the database "
-                    "stopped accepting spans (what was stored is kept; run again to go on); 2: a path that is not "
-                    "a span file or a directory (missing, /dev/null, a FIFO).")
+                    "and why; see `db status`). In a directory only regular files are read: links, FIFOs and "
+                    "devices are passed over and named. Exit 0: done, or nothing to ingest (no spool yet, or an "
+                    "empty one); 1: a file could not be read, or the database stopped accepting spans (what was "
+                    "stored is kept; run again to go on); 2: a path that is not a span file or a directory "
+                    "(missing, /dev/null, a FIFO).")
     ingest.add_argument("paths", nargs="*", type=Path,
                         help="spool files or directories (default: the spool directory)")
     ingest.add_argument("--format", choices=("text", "json"), default="text")
@@ -63,8 +70,16 @@ def run_init(args) -> int:
 
 
 def run_ingest(args) -> int:
-    paths = args.paths or [default_spool_dir()]
-    find_files(paths)  # a path that cannot be ingested is refused before the database is opened
+    spool = default_spool_dir()
+    if not args.paths and not os.path.lexists(spool):
+        return _nothing_to_ingest(args, f"the spool {spool} does not exist yet: nothing has been recorded")
+    paths = args.paths or [spool]
+    passed_over: list[str] = []
+    # A path that cannot be ingested is refused before the database is opened.
+    if not find_files(paths, passed_over):
+        if passed_over:
+            _print_warnings(args, [passed_over_message(passed_over)])
+        return _nothing_to_ingest(args, f"no span files in {', '.join(map(str, paths))}")
     client = open_database(args, ingest=False)
     try:
         report = ingest_paths(client, paths, progress=progress_printer(args))
@@ -76,14 +91,27 @@ def run_ingest(args) -> int:
                             "where it stopped") from None
     _print_warnings(args, report.messages)
     if args.format == "json":
-        print(json.dumps({"files": len(report.files), "spans": report.spans, "duplicates": report.duplicates,
-                          "quarantined": report.quarantined, "pending_bytes": report.pending_bytes,
-                          "per_file": [f.__dict__ for f in report.files]}, indent=2))
+        print(json.dumps(_ingest_json(report), indent=2))
     else:
+        repaired = f"; {report.repaired} value(s) left out of their spans" if report.repaired else ""
         print(f"kvtrace: ingested {report.spans} spans from {len(report.files)} file(s); "
               f"{report.duplicates} already stored; {report.quarantined} line(s) quarantined; "
-              f"{report.pending_bytes} byte(s) still being written")
+              f"{report.pending_bytes} byte(s) still being written{repaired}")
     return 1 if any(f.unreadable for f in report.files) else 0
+
+
+def _ingest_json(report: IngestReport) -> dict:
+    return {"files": len(report.files), "spans": report.spans, "duplicates": report.duplicates,
+            "quarantined": report.quarantined, "repaired": report.repaired, "pending_bytes": report.pending_bytes,
+            "passed_over": report.passed_over, "per_file": [f.__dict__ for f in report.files]}
+
+
+def _nothing_to_ingest(args, why: str) -> int:
+    if args.format == "json":
+        print(json.dumps({**_ingest_json(IngestReport()), "nothing_to_ingest": why}, indent=2))
+    else:
+        print(f"kvtrace: nothing to ingest: {why}")
+    return 0
 
 
 def _print_warnings(args, messages: list[str]) -> None:
@@ -99,10 +127,11 @@ def run_status(args) -> int:
     for table in TABLES:
         counts[table] = int(client.query(f"SELECT count() FROM {table}").result_rows[0][0])
     spool = default_spool_dir()
-    pending = pending_files(spool, client)
-    stats = read_stats(spool)
+    unreadable: list[str] = []  # what could not be read is named; everything else is still shown
+    pending = pending_files(spool, client, unreadable)
+    stats = read_stats(spool, unreadable)
     totals = span_totals(stats)
-    quarantined = quarantined_lines(spool / "quarantine")
+    quarantined = quarantined_lines(spool / "quarantine", unreadable)
     status = {
         "database": describe(default_database_url()),
         "schema_version": schema_version(client),
@@ -112,6 +141,7 @@ def run_status(args) -> int:
         "span_counters": totals,
         "processes": stats,
         "quarantined_lines": quarantined,
+        "unreadable": unreadable,
     }
     if args.format == "json":
         print(json.dumps(status, indent=2))
@@ -123,18 +153,24 @@ def run_status(args) -> int:
     for table, n in counts.items():
         print(f"  {table:<26} {n:>12,} rows")
     print(f"spool:       {spool}  ({len(pending)} file(s) with {sum(n for _, n in pending):,} bytes pending)")
-    for p, n in pending[:10]:
+    for p, n in pending[:STATUS_LISTED]:
         print(f"  {p.name}  {n:,} bytes")
     print("span counters (all processes that wrote to this spool):")
     for k in COUNTERS:
         print(f"  {k:<26} {totals.get(k, 0):>12,}")
     print(f"quarantined: {len(quarantined)} line(s) in {spool / 'quarantine'}")
-    for q in quarantined[:10]:
+    for q in quarantined[:STATUS_LISTED]:
         print(f"  {q['file']}:{q['line']}: {q['error'][:160]}")
-    if len(quarantined) > 10:
-        print(f"  ... and {len(quarantined) - 10} more")
+    if len(quarantined) > STATUS_LISTED:
+        print(f"  ... and {len(quarantined) - STATUS_LISTED} more")
     if lost(totals):
         print(f"warning: {lost(totals)} span(s) could not be delivered (see counters above)")
     if totals.get("recorder_failures"):
         print(f"warning: {totals['recorder_failures']} process(es) ran untraced: their recorder could not be created")
+    if unreadable:
+        print(f"not read: {len(unreadable)} thing(s) in the spool (the figures above leave them out)")
+        for problem in unreadable[:STATUS_LISTED]:
+            print(f"  {problem}")
+        if len(unreadable) > STATUS_LISTED:
+            print(f"  ... and {len(unreadable) - STATUS_LISTED} more")
     return 0

@@ -9,14 +9,15 @@ import sys
 
 from kvtrace.commands.arguments import input_file
 from kvtrace.commands.common import open_database
-from kvtrace.outside.importer import ImportOptions, import_files
+from kvtrace.outside.importer import PROBLEMS_KEPT, ImportOptions, import_files
 
 
 def add_arguments(p) -> None:
     p.description = ("Each line: {\"episode_id\": ..., \"request_index\": N, \"request\": {...}, \"response\": "
                      "{...}} with logprobs (top_logprobs >= 2 for margins); optional run_id, arm, timestamp. "
                      "Imported requests become kvtrace spans, so `kvtrace diff` finds where two logged runs forked. "
-                     "Malformed lines are reported with their line number; the rest is imported.")
+                     f"Malformed lines are reported with their line number (the first {PROBLEMS_KEPT}, then a "
+                     "count); the rest is imported.")
     p.add_argument("files", nargs="+", type=input_file, metavar="FILE")
     p.add_argument("--run-id", metavar="RUN", help="run id for lines without one (default: the file name's stem)")
     p.add_argument("--engine", default="openai-compatible",
@@ -33,9 +34,12 @@ def run(args) -> int:
     report = import_files(args.files, options)
     for problem in report.problems:
         print(f"kvtrace: error: {problem}", file=sys.stderr)
+    if report.rejected > len(report.problems):
+        print(f"kvtrace: error: ... and {report.rejected - len(report.problems):,} more line(s) rejected "
+              f"(the first {len(report.problems)} are shown)", file=sys.stderr)
     runs = ", ".join(f"{run} ({count})" for run, count in sorted(report.runs.items())) or "none"
     print(f"kvtrace: imported {report.imported} request(s) into run(s) {runs}; "
-          f"{len(report.problems)} line(s) rejected", file=sys.stderr)
+          f"{report.rejected} line(s) rejected", file=sys.stderr)
     if not args.no_ingest and report.imported:
         open_database(args).close()  # takes in the spool just written
-    return 1 if report.problems else 0
+    return 1 if report.rejected else 0

@@ -96,7 +96,11 @@ def _print_reproduction(result) -> None:
 
 def _counterfactual(args, runs, fork, model: Path, progress) -> int:
     verdict = counterfactual(runs[0], runs[1], fork, model, progress, args.timeout)
-    verdicts.keep(verdict)
+    try:
+        verdicts.keep(verdict)
+    except OSError as exc:  # a full disk, or a link where the file belongs: the verdict is still printed
+        print(f"kvtrace: warning: the verdict could not be kept in {verdicts.verdicts_file()} "
+              f"({exc.strerror or exc}); `kvtrace diff` will not show it", file=sys.stderr)
     if args.format == "json":
         json.dump(verdict.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")

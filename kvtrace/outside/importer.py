@@ -14,7 +14,8 @@ token ids, margins, prompt hashes and reused tokens are derived is described
 in ``openai_exchange.py``; reused tokens the server did not report are
 recorded as 0 with source ``unknown`` (the request then counts as a
 recompute).  A malformed line is reported with its line number and skipped;
-every other line is imported.
+every other line is imported.  Only the first ``PROBLEMS_KEPT`` reports are
+kept (a file of garbage has a million); every rejected line is counted.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from typing import Any, Iterable, Optional
 from kvtrace import semconv as sc
 from kvtrace.outside.openai_exchange import ExchangeError, parse_exchange
 from kvtrace.outside.recorder import OutsideRecorder
+from kvtrace.recording.records import TURN_MAX
 from kvtrace.timestamps import ImplausibleTime, check_unix_nanos, epoch_number_to_nanos
 
-MAX_TURN = 2**31 - 1
-"""Turns are Int32 in the typed tables."""
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+PROBLEMS_KEPT = 50
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,14 @@ class ImportReport:
     imported: int = 0
     runs: Counter = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
-    """``FILE:LINE: what is wrong`` per rejected line."""
+    """``FILE:LINE: what is wrong`` for the first ``PROBLEMS_KEPT`` rejected lines."""
+    rejected: int = 0
+    """Every rejected line (and file that could not be opened)."""
+
+    def reject(self, problem: str) -> None:
+        self.rejected += 1
+        if len(self.problems) < PROBLEMS_KEPT:
+            self.problems.append(problem)
 
 
 class LineError(ValueError):
@@ -70,7 +78,7 @@ def import_files(paths: Iterable[Path], options: ImportOptions,
             try:
                 handle = open(path, encoding="utf-8", errors="surrogateescape")
             except OSError as exc:
-                report.problems.append(f"{path}: {exc.strerror or exc}")
+                report.reject(f"{path}: {exc.strerror or exc}")
                 continue
             with handle:
                 for number, line in enumerate(handle, 1):
@@ -80,7 +88,7 @@ def import_files(paths: Iterable[Path], options: ImportOptions,
                     try:
                         run_id = import_line(recorder, line, path, number, options, clock)
                     except LineError as exc:
-                        report.problems.append(f"{path}:{number}: {exc}")
+                        report.reject(f"{path}:{number}: {exc}")
                         continue
                     report.imported += 1
                     report.runs[run_id] += 1
@@ -102,8 +110,8 @@ def import_line(recorder: OutsideRecorder, line: str, path: Path, number: int, o
     index = entry.get("request_index")
     if episode is None or str(episode) == "":
         raise LineError("missing episode_id")
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index <= MAX_TURN:
-        raise LineError(f"request_index must be a whole number from 0 to {MAX_TURN}, got {index!r:.40}")
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index <= TURN_MAX:
+        raise LineError(f"request_index must be a whole number from 0 to {TURN_MAX}, got {index!r:.40}")
     for key in ("request", "response"):
         if not isinstance(entry.get(key), dict):
             raise LineError(f"missing `{key}` object")

@@ -62,6 +62,8 @@ class SpanPipeline(SpanProcessor):
         self._exporter_errors = FailureLog("kvtrace's exporter")
         self._published: dict = {}
         self._publishing = threading.Lock()
+        if hasattr(exporter, "count_repairs"):  # kvtrace's exporters repair client values they cannot write
+            exporter.count_repairs = self.count_repairs
         self._worker = threading.Thread(target=self._run, name="kvtrace-exporter", daemon=True)
         self._worker.start()
 
@@ -82,6 +84,11 @@ class SpanPipeline(SpanProcessor):
         self.counters["spans_queued"] += 1
         if len(self._queue) >= self.max_batch_size:
             self._wake.set()
+
+    def count_repairs(self, repaired: int) -> None:
+        """Count values a span keeps in a repaired form (the recorder's, and exporters' on their threads)."""
+        with self._state:
+            self.counters["values_repaired"] += repaired
 
     # --- worker side -------------------------------------------------------------
 

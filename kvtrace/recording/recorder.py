@@ -41,7 +41,7 @@ from kvtrace.errors import KvtraceError
 from kvtrace.recording.capture import CapturePolicy
 from kvtrace.recording.exporters import build_exporter
 from kvtrace.recording.pipeline import SpanPipeline
-from kvtrace.recording.records import CacheEvent, Correlation, RequestRecord, StateOrigin
+from kvtrace.recording.records import TURN_MAX, TURN_MIN, CacheEvent, Correlation, RequestRecord, StateOrigin
 from kvtrace.recording.stats import StatsFile
 
 log = logging.getLogger("kvtrace")
@@ -91,10 +91,16 @@ class Recorder:
         run_id = str(bag.get(sc.RUN_ID) or self.settings.run_id or self.default_run_id)
         episode_id = str(bag.get(sc.EPISODE_ID) or self.settings.episode_id or "")
         turn_raw = bag.get(sc.TURN)
-        try:
-            turn = int(turn_raw) if turn_raw not in (None, "") else self.settings.turn
-        except (TypeError, ValueError):
-            turn = self.settings.turn
+        turn = self.settings.turn
+        if turn_raw not in (None, ""):
+            try:
+                parsed = int(turn_raw)
+            except (TypeError, ValueError):
+                parsed = None
+            if parsed is not None and TURN_MIN <= parsed <= TURN_MAX:
+                turn = parsed
+            else:  # a caller's turn that is no Int32 is left out (the configured one stands), and counted
+                self.pipeline.count_repairs(1)
         return Correlation(run_id=run_id, episode_id=episode_id, turn=turn, request_id=request_id)
 
     # --- the API patches use ----------------------------------------------------------

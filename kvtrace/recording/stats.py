@@ -19,6 +19,10 @@ current when the disk fills up later. The file holds two fixed-size slots
 written alternately, each a checksummed JSON object with a sequence number;
 a reader takes the newest slot whose checksum holds, so it never sees a
 half-written update.
+
+The file is created new and private (0600, ``O_EXCL | O_NOFOLLOW``: ``kvtrace/safe_files.py``), and
+a reader takes regular files of at most ``FILE_BYTES`` only: anyone who can write to a spool can
+leave a link or a FIFO where a counters file belongs.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Optional
 
 from kvtrace.config import data_home
 from kvtrace.recording.exporters.spool import spool_host
+from kvtrace.safe_files import create_private, private_dir, read_bounded, regular_entries
 
 log = logging.getLogger("kvtrace")
 
@@ -48,6 +53,8 @@ COUNTERS = (
     "spans_failed_export",        # lost: neither the sink nor the spool took them
     "spans_dropped_at_shutdown",  # lost: still queued or in a hung sink's hands when the shutdown time was up
     "instrumentation_errors",     # hook failures (the engine's result was returned unchanged)
+    "values_repaired",            # a client's value repaired, its span kept: text UTF-8 cannot carry (lone
+                                  # surrogates → U+FFFD), a turn outside Int32 or integer outside int64 (left out)
     "recorder_failures",          # the recorder could not be created: this process ran untraced
 )
 LOST_COUNTERS = ("spans_dropped_queue_full", "spans_failed_export", "spans_dropped_at_shutdown")
@@ -86,8 +93,8 @@ class StatsFile:
             path = directory / f"{tag}{SUFFIX}"
             fd = -1
             try:
-                directory.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                private_dir(directory, link_ok=False)  # not a link someone left in a shared spool
+                fd = create_private(path, os.O_RDWR)
                 _allocate(fd)
                 stats = cls(path, fd)
                 if stats.publish({}):
@@ -159,14 +166,29 @@ def _newest_slot(data: bytes) -> Optional[dict]:
     return best
 
 
-def read_stats(spool_dir: Path) -> list[dict]:
-    """Latest counters of every process that wrote to ``spool_dir`` (only whole-number counters are kept)."""
+def read_stats(spool_dir: Path, problems: Optional[list[str]] = None) -> list[dict]:
+    """Latest counters of every process that wrote to ``spool_dir`` (only whole-number counters are kept).
+
+    What cannot be read (a directory, a file, a link, FIFO or oversized file where a counters file
+    belongs) is added to ``problems`` and passed over.
+    """
+    problems = [] if problems is None else problems
     out = []
     for directory in stats_dirs(spool_dir):
-        for path in sorted(directory.glob(f"*{SUFFIX}")):
+        try:
+            paths, others = regular_entries(directory, (SUFFIX,), link_ok=False)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            problems.append(f"{directory}: cannot list it: {exc.strerror or exc}")
+            continue
+        for path, what in others:
+            problems.append(f"{path} ({what}): not read")
+        for path in paths:
             try:
-                record = _newest_slot(path.read_bytes())
-            except OSError:
+                record = _newest_slot(read_bounded(path, FILE_BYTES))
+            except OSError as exc:
+                problems.append(f"{path}: cannot read it: {exc.strerror or exc}")
                 continue
             if record is None:
                 continue

@@ -4,17 +4,21 @@ A verdict belongs to one fork: the pair of request spans (A's and B's) at the fo
 token position. Span ids are unique, so a file in the data home can keep verdicts for every
 database without mixing them up; ``diff`` shows a verdict next to the attribution label when it
 has one for the fork it prints. The file is append-only JSON lines (the last verdict for a fork
-wins), so two replays writing at once lose nothing.
+wins), so two replays writing at once lose nothing. It is its user's alone (0600, never written or
+read through a symbolic link: ``kvtrace/safe_files.py``).
 """
 
 from __future__ import annotations
 
+import io
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional
 
 from kvtrace.analysis.forks import Fork
 from kvtrace.config import data_home
+from kvtrace.safe_files import append_private, open_regular, private_dir
 
 if TYPE_CHECKING:  # only a type here; reproduce loads the engine side, which `kvtrace diff` does not need
     from kvtrace.replay.reproduce import Counterfactual
@@ -26,18 +30,20 @@ def verdicts_file() -> Path:
 
 def keep(verdict: Counterfactual, path: Optional[Path] = None) -> None:
     path = path or verdicts_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as out:
+    private_dir(path.parent)
+    with os.fdopen(append_private(path), "a", encoding="utf-8") as out:
         out.write(json.dumps(verdict.to_json()) + "\n")
 
 
 def attach(forks: Iterable[Fork], path: Optional[Path] = None) -> None:
     """Set ``verdict`` / ``verdict_note`` on every fork a replay has judged."""
     path = path or verdicts_file()
-    if not path.is_file():
+    try:
+        opened = open_regular(path)
+    except OSError:  # none kept yet (or a link or FIFO where the file belongs: never read)
         return
     known: dict[tuple[str, str, int], dict] = {}
-    with open(path, encoding="utf-8") as lines:
+    with io.TextIOWrapper(opened, encoding="utf-8", errors="replace") as lines:
         for line in lines:
             try:
                 found = json.loads(line)

@@ -118,3 +118,18 @@ def test_epoch_timestamps_in_any_unit_land_at_the_same_time(unit, timestamp, tmp
     assert main(["query", "runs", "--format", "json"]) == 0
     (run,) = json.loads(capsys.readouterr().out)
     assert run["first_seen"].startswith("2024-06-10T06:13:20.25")
+
+
+def test_a_file_of_garbage_is_reported_by_its_first_lines_and_a_count(tmp_path, capsys):
+    path = tmp_path / "garbage.jsonl"
+    path.write_text("".join(f"garbage {i}\n" for i in range(10_000)) + json.dumps(exchange(0)) + "\n")
+
+    assert main(["-q", "import", str(path), "--run-id", "garbage"]) == 1
+
+    err = capsys.readouterr().err.splitlines()
+    assert "Traceback" not in "\n".join(err)
+    listed = [line for line in err if line.startswith(f"kvtrace: error: {path}:")]
+    assert [line.split(": ")[2] for line in listed] == [f"{path}:{n}" for n in range(1, 51)]
+    assert "kvtrace: error: ... and 9,950 more line(s) rejected (the first 50 are shown)" in err
+    assert any("imported 1 request(s)" in line and "10000 line(s) rejected" in line for line in err)
+    assert len(err) < 60

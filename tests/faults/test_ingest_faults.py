@@ -69,10 +69,6 @@ HOSTILE = {
     "number as link trace id": (_set("span.links", [{"traceId": 5, "spanId": "00000000000000aa"}]),
                                 "links[].traceId must be text"),
     # out of range
-    "integer above int64": (_attribute({"intValue": str(2**64)}), "outside the 64-bit integer range"),
-    "integer above int64 in a token array": (
-        _attribute({"arrayValue": {"values": [{"intValue": "1"}, {"intValue": str(2**63)}]}}),
-        "outside the 64-bit integer range"),
     "start time in the year 50000": (_set("span.startTimeUnixNano", str(YEAR_50000_NS)), "year 50,000"),
     "start time before 1970": (_set("span.startTimeUnixNano", "-5"), "before 1970"),
     "start time NaN": (_set("span.startTimeUnixNano", math.nan), "finite"),
@@ -113,6 +109,38 @@ def test_a_hostile_line_is_quarantined_with_its_place_and_reason_and_the_rest_is
     again = ingest_paths(db, [path], quarantine_dir=tmp_path / "q")
     assert (again.spans, again.quarantined) == (0, 0)
     assert db.query("SELECT count() FROM otel_traces").result_rows[0][0] == 3
+
+
+OUT_OF_RANGE = {
+    "integer above int64": {"intValue": str(2**64)},
+    "integer below int64": {"intValue": -(2**63) - 1},
+    "integer above int64 in a token array": {"arrayValue": {"values": [{"intValue": "1"}, {"intValue": str(2**63)}]}},
+    "integer above int64 in a map": {"kvlistValue": {"values": [{"key": "k", "value": {"intValue": str(2**70)}}]}},
+}
+
+
+@pytest.mark.parametrize("case", list(OUT_OF_RANGE))
+def test_an_integer_outside_int64_costs_its_attribute_not_the_line_that_holds_other_requests(case, db, tmp_path):
+    # One line with three requests, as a spool line holds a batch; the second carries the value in an
+    # attribute of its own and in one of its event's.
+    line = request(0)
+    spans = line["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    spans.extend(span_of(request(i)) for i in (1, 2))
+    spans[1]["attributes"].append({"key": "other.tool", "value": OUT_OF_RANGE[case]})
+    spans[1]["events"][0]["attributes"].append({"key": "other.tool.event", "value": OUT_OF_RANGE[case]})
+    path = write_lines(tmp_path / "batch.jsonl", [line, request(3)])
+
+    report = ingest_paths(db, [path], quarantine_dir=tmp_path / "q")
+
+    assert (report.spans, report.quarantined, report.repaired) == (4, 0, 2)
+    assert report.files[0].messages[0].startswith(f"{path}:1: attribute 'other.tool' holds an integer outside")
+    rows = db.query("SELECT turn, SpanId FROM kvtrace_requests ORDER BY turn").result_rows
+    assert [turn for turn, _ in rows] == [0, 1, 2, 3]
+    attributes, events = db.query("SELECT SpanAttributes, Events.Attributes FROM otel_traces "
+                                  "WHERE SpanAttributes['kvtrace.turn'] = '1'").result_rows[0]
+    assert "other.tool" not in attributes and attributes["kvtrace.run_id"] == "fault-run"
+    assert events == [{}]
+    assert not (tmp_path / "q").exists()
 
 
 def test_several_rejected_lines_in_one_batch_are_each_found(db, tmp_path):

@@ -9,7 +9,7 @@ from array import array
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from kvtrace.recording.exporters.otlp_json import encode_request
+from kvtrace.recording.exporters.otlp_json import encode_request, utf8_line
 
 AWKWARD = ['plain', 'a "quoted" word', "back\\slash", "new\nline\ttab", "\x00\x1f control", "é ü ß", "日本語",
            "emoji \U0001F600"]
@@ -35,3 +35,27 @@ def test_strings_and_arrays_of_strings_survive_the_encoding():
         {"boolValue": True}, {"intValue": "-5"}, {"doubleValue": 0.25})
     (event,) = decoded["events"]
     assert [v["stringValue"] for v in event["attributes"][0]["value"]["arrayValue"]["values"]] == AWKWARD
+
+
+def test_a_line_utf8_can_carry_is_its_plain_encoding_and_one_it_cannot_is_repaired_string_by_string():
+    span = ReadableSpan(
+        name="kvtrace.request", context=SpanContext(1, 2, is_remote=False, trace_flags=TraceFlags(1)),
+        attributes={"model": "bad\ud800model", "pair": "\ud83d\ude00 joined", "fine": AWKWARD[1],
+                    "many": ["ok", "lone \udfff end", 'quoted \\"\ud800'], "ints": array("q", [1, 2])},
+        start_time=1, end_time=2)
+    line = encode_request([span], packed=True)
+
+    good = encode_request([ReadableSpan(name="n", context=span.context, attributes={"a": AWKWARD},
+                                        start_time=1, end_time=2)])
+    assert utf8_line(good) == ((good + "\n").encode(), 0)
+
+    data, repaired = utf8_line(line)
+    assert repaired == 4 and data.endswith(b"\n")
+    attributes = {kv["key"]: kv["value"] for kv in
+                  json.loads(data)["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"]}
+    assert attributes["model"] == {"stringValue": "bad\ufffdmodel"}
+    assert attributes["pair"] == {"stringValue": "\U0001F600 joined"}
+    assert attributes["fine"] == {"stringValue": AWKWARD[1]}
+    assert [v["stringValue"] for v in attributes["many"]["arrayValue"]["values"]] == [
+        "ok", "lone \ufffd end", 'quoted \\"\ufffd']
+    assert "ints" in attributes

@@ -10,14 +10,14 @@ query side's process.
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from typing import Callable, Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from kvtrace.collectors.otlp_rows import COLUMNS, rows_from_request
 from kvtrace.db import server_client
-from kvtrace.recording.exporters.otlp_json import encode_request
+from kvtrace.recording.exporters.otlp_json import encode_request, utf8_line
 
 
 class ClickHouseSpanExporter(SpanExporter):
@@ -26,6 +26,8 @@ class ClickHouseSpanExporter(SpanExporter):
         self.connect_timeout_s = connect_timeout_s
         self.timeout_s = timeout_s
         self._client = None
+        self.count_repairs: Callable[[int], None] = lambda repaired: None
+        """Told how many values of a stored batch were repaired (``SpanPipeline`` counts them)."""
 
     def _connect(self):
         if self._client is None:
@@ -36,12 +38,17 @@ class ClickHouseSpanExporter(SpanExporter):
         """Insert ``spans``; raises when the server is unreachable, slow or refuses them."""
         if not spans:
             return SpanExportResult.SUCCESS
-        rows = list(rows_from_request(json.loads(encode_request(spans, packed=True))))
+        # Repaired as ingest repairs a spool line: text UTF-8 cannot carry, an integer outside int64 left out.
+        line, repaired = utf8_line(encode_request(spans, packed=True))
+        dropped: list[str] = []
+        rows = list(rows_from_request(json.loads(line), dropped=dropped))
         try:
             self._connect().insert("otel_traces", rows, column_names=COLUMNS)
         except Exception:
             self._close()  # the next attempt starts from a fresh connection
             raise
+        if repaired or dropped:
+            self.count_repairs(repaired + len(dropped))
         return SpanExportResult.SUCCESS
 
     def _close(self) -> None:

@@ -15,7 +15,7 @@ import enum
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -72,6 +72,17 @@ class SinkWithSpool(SpanExporter):
     @property
     def spool_directory(self) -> Path:
         return self.spool.spool_directory
+
+    @property
+    def count_repairs(self) -> Callable[[int], None]:
+        return self.spool.count_repairs
+
+    @count_repairs.setter
+    def count_repairs(self, count: Callable[[int], None]) -> None:
+        """Where the spool and the sink (when it repairs values too) count what they repaired."""
+        self.spool.count_repairs = count
+        if hasattr(self.sink, "count_repairs"):
+            self.sink.count_repairs = count
 
     def deliver(self, spans: Sequence[ReadableSpan]) -> Delivery:
         if not spans:

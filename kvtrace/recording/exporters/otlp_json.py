@@ -8,6 +8,10 @@ protobuf → JSON path is ~2.5 ms per span and writes ids as base64.
 ``packed=True`` (the spool, and the ClickHouse exporter that decodes in-process) writes kvtrace's
 per-token arrays as packed ``bytesValue`` (``kvtrace/recording/packed_arrays.py``) instead of one
 value object per element.
+
+Strings are written as Python holds them; ``utf8_line`` makes the line's bytes, repairing on the
+rare line that needs it the strings UTF-8 cannot carry (a client's lone surrogate), so one bad value
+never costs the batch it travels in.
 """
 
 from __future__ import annotations
@@ -15,12 +19,16 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from array import array
 from typing import Any, Iterable, Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
 
 from kvtrace.recording.packed_arrays import PACKED_ARRAYS, pack
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 _string = json.encoder.encode_basestring
@@ -172,3 +180,29 @@ def encode_request(spans: Iterable[ReadableSpan], packed: bool = False) -> str:
         )
         for resource, scopes in resources.values()
     )
+
+
+def utf8_line(line: str) -> tuple[bytes, int]:
+    """``line`` and its newline as UTF-8, and how many of its strings had to be repaired for that.
+
+    A string with surrogates (UTF-8 has none: a client's lone ``"\\ud800"``) gets each lone one
+    replaced by U+FFFD and each pair joined into the character it stands for; every other string,
+    and the line's shape, is left as it was.  The common line costs one ``encode``: the repair runs
+    only when that fails.
+    """
+    try:
+        return (line + "\n").encode(), 0
+    except UnicodeEncodeError:
+        pass
+    repaired = 0
+
+    def repair(match: re.Match) -> str:
+        nonlocal repaired
+        text = match.group()
+        if _SURROGATE.search(text) is None:
+            return text
+        repaired += 1
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+    # "replace" only where the pattern missed a string: better a "?" than the batch.
+    return (_JSON_STRING.sub(repair, line) + "\n").encode("utf-8", "replace"), repaired

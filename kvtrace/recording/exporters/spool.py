@@ -15,7 +15,12 @@ line starts a new one.  A reader may therefore take any file up to its last
 newline at any time.  A process that forks starts new files in the child.
 
 Lines are OTLP/JSON with kvtrace's per-token arrays packed (``kvtrace/recording/packed_arrays.py``):
-one base64 ``bytesValue`` per array instead of one value object per token.
+one base64 ``bytesValue`` per array instead of one value object per token.  A string UTF-8 cannot
+carry (a lone surrogate from a client) is written repaired, never failing its batch
+(``otlp_json.utf8_line``).
+
+Directories are made 0700 and files 0600, each file created new (``O_EXCL | O_NOFOLLOW``), so a
+link planted under a predictable name is never written through (``kvtrace/safe_files.py``).
 """
 
 from __future__ import annotations
@@ -26,15 +31,18 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from kvtrace.recording.exporters.delivery import Delivery, FailureLog, first_line
-from kvtrace.recording.exporters.otlp_json import encode_request
+from kvtrace.recording.exporters.otlp_json import encode_request, utf8_line
+from kvtrace.safe_files import create_private, private_dir
 
 SPOOL_SUFFIX = ".jsonl"
+_NAME_TRIES = 16
+"""Names tried when the next file's name is taken (by a file, or a link someone planted)."""
 _NAME = re.compile(r"^kvtrace-(?P<host>.+)-(?P<pid>\d+)-(?P<start>\d+)-(?P<seq>\d+)\.jsonl$")
 
 
@@ -73,10 +81,17 @@ class SpoolWriter:
             self._start_ns = time.time_ns()
             self._seq = 0
             self._fd = None
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.path = self.directory / f"kvtrace-{self.process_tag()}-{self._seq:06d}{SPOOL_SUFFIX}"
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._size = os.fstat(fd).st_size
+        private_dir(self.directory)
+        for attempt in range(_NAME_TRIES):
+            self.path = self.directory / f"kvtrace-{self.process_tag()}-{self._seq:06d}{SPOOL_SUFFIX}"
+            try:
+                fd = create_private(self.path, os.O_WRONLY | os.O_APPEND)
+                break
+            except FileExistsError:
+                if attempt == _NAME_TRIES - 1:
+                    raise
+                self._seq += 1
+        self._size = 0
         self._fd = fd
 
     def _close_current(self) -> None:
@@ -87,9 +102,9 @@ class SpoolWriter:
             except OSError:
                 pass
 
-    def write_line(self, line: str, timeout: Optional[float] = None) -> None:
-        """Append ``line`` whole, or raise and leave the file as it was (``timeout``: for the lock, seconds)."""
-        data = (line + "\n").encode()
+    def write_line(self, data: bytes, timeout: Optional[float] = None) -> None:
+        """Append ``data`` (one line, its newline included) whole, or raise and leave the file as it was
+        (``timeout``: for the lock, seconds)."""
         if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             raise TimeoutError(f"the spool writer is busy (another write to {self.directory} hangs)")
         try:
@@ -133,6 +148,8 @@ class SpoolExporter(SpanExporter):
     def __init__(self, directory: Path, rotate_bytes: int = 64 * 1024 * 1024):
         self.writer = SpoolWriter(directory, rotate_bytes)
         self._health = FailureLog(f"writing to the spool {self.writer.directory}")
+        self.count_repairs: Callable[[int], None] = lambda repaired: None
+        """Told how many values of a spooled batch were repaired (``SpanPipeline`` counts them)."""
 
     @property
     def spool_directory(self) -> Path:
@@ -142,11 +159,14 @@ class SpoolExporter(SpanExporter):
         if not spans:
             return Delivery.SPOOLED
         try:
-            self.writer.write_line(encode_request(spans, packed=True), timeout)
+            data, repaired = utf8_line(encode_request(spans, packed=True))
+            self.writer.write_line(data, timeout)
         except Exception as exc:  # a full or read-only disk: counted, never raised into the host
             self._health.failed(first_line(exc), "those spans are counted as lost")
             return Delivery.LOST
         self._health.succeeded()
+        if repaired:
+            self.count_repairs(repaired)
         return Delivery.SPOOLED
 
     spool_directly = deliver
