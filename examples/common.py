@@ -1,0 +1,84 @@
+"""What the example scripts share: running kvtrace's commands as a user types them, and starting
+the servers they talk to. Imported from the scripts' own folder, which Python puts first on
+sys.path when it runs one of them, whatever the working directory."""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator, Optional
+
+from kvtrace.config import data_home
+
+EXAMPLES = Path(__file__).resolve().parent
+STARTUP_S = 120
+
+
+def kvtrace(*args: str, ok_codes: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess:
+    """Run ``kvtrace ARGS...`` with this interpreter's kvtrace, echoing the command line and its output."""
+    print(f"\n$ kvtrace {shlex.join(args)}", flush=True)
+    done = subprocess.run([sys.executable, "-m", "kvtrace.cli", *args], capture_output=True, text=True)
+    sys.stdout.write(done.stdout)
+    sys.stderr.write(done.stderr)
+    sys.stdout.flush()
+    if done.returncode not in ok_codes:
+        raise SystemExit(f"kvtrace {args[0]} exited with {done.returncode}; see its message above")
+    return done
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def started(command: list[str], ready_url: str, log_path: Path, env: Optional[dict[str, str]] = None) -> Iterator[None]:
+    """``command`` running until the block ends, once ``ready_url`` answers 200; its output in ``log_path``.
+
+    Stopped with SIGINT, as Ctrl-C would: a traced server writes what it still holds to the spool then.
+    """
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while not answers(ready_url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+                raise SystemExit(f"{command[0]} did not start (its log {log_path}):\n" + "\n".join(tail))
+            time.sleep(0.2)
+        yield
+    finally:
+        stop(process)
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def work_dir(name: str) -> Path:
+    """A folder for the servers' logs beside kvtrace's data (``$XDG_DATA_HOME/kvtrace/examples/NAME``)."""
+    path = data_home() / "examples" / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
