@@ -33,6 +33,20 @@ def kvtrace(*args: str, ok_codes: tuple[int, ...] = (0,)) -> subprocess.Complete
     return done
 
 
+def print_differences(seen: list[dict], run_a: str, run_b: str) -> None:
+    """What the caller got back, to set beside kvtrace's account: per episode, the first turn whose
+    output differs between the runs (``seen``: one ``{run, episode, turn, output}`` per request)."""
+    outputs = {(s["run"], s["episode"], s["turn"]): s["output"] for s in seen}
+    differ: dict[str, int] = {}
+    for s in sorted(seen, key=lambda s: s["turn"]):
+        if s["run"] == run_a and s["output"] != outputs.get((run_b, s["episode"], s["turn"])):
+            differ.setdefault(s["episode"], s["turn"])
+    if differ:
+        print("outputs differ: " + ", ".join(f"{e} from turn {t}" for e, t in sorted(differ.items())), flush=True)
+    else:
+        print("outputs differ: none (both runs answered every turn alike)", flush=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

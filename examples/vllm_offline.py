@@ -21,7 +21,9 @@ import subprocess
 import sys
 import time
 
-from common import kvtrace
+from kvtrace.experiment.models import generated_hf_model
+
+from common import kvtrace, print_differences
 
 ARMS = ("prefix", "off")
 """``prefix`` keeps cached blocks between requests; ``off`` calls ``reset_prefix_cache()`` before each one."""
@@ -93,20 +95,10 @@ def engine_pass(args: argparse.Namespace) -> list[dict]:
     return [json.loads(line[len(SEEN):]) for line in done.stdout.splitlines() if line.startswith(SEEN)]
 
 
-def summarize(seen: list[dict], run_a: str, run_b: str) -> None:
-    """What the caller saw, to set beside kvtrace's account: the first turn each episode's outputs differ."""
-    outputs = {(s["run"], s["episode"], s["turn"]): s["output"] for s in seen}
-    for run in (run_a, run_b):
+def print_cache_use(seen: list[dict], runs: tuple[str, ...]) -> None:
+    for run in runs:
         mine = [s for s in seen if s["run"] == run]
         print(f"{run}: {len(mine)} requests, {sum(s['cached'] for s in mine)} prompt tokens from the prefix cache")
-    differ = {}
-    for s in seen:
-        if s["run"] == run_a and s["output"] != outputs.get((run_b, s["episode"], s["turn"])):
-            differ.setdefault(s["episode"], s["turn"])
-    if differ:
-        print("outputs differ: " + ", ".join(f"{e} from turn {t}" for e, t in sorted(differ.items())))
-    else:
-        print("outputs differ: none (both runs answered every turn alike)")
 
 
 def main(argv: list[str]) -> int:
@@ -115,11 +107,11 @@ def main(argv: list[str]) -> int:
         run_engine(args)
         return 0
     if not args.model:
-        from kvtrace.experiment.models import generated_hf_model
-
         args.model = str(generated_hf_model("tiny", print))
     run_a, run_b = (f"{args.run_prefix}/{arm}" for arm in ARMS)
-    summarize(engine_pass(args), run_a, run_b)
+    seen = engine_pass(args)
+    print_cache_use(seen, (run_a, run_b))
+    print_differences(seen, run_a, run_b)
     kvtrace("db", "ingest")
     kvtrace("runs")
     kvtrace("diff", run_a, run_b)
