@@ -39,10 +39,10 @@ import openai
 from opentelemetry import propagate
 
 from kvtrace import correlate
-from kvtrace.config import data_home
 from kvtrace.outside.llama_server_build import cached_llama_server
 
-from common import free_port, kvtrace, print_differences, started, work_dir
+from common import (echo, free_port, generated_model, kvtrace, print_differences, started, traced_llama_cpp_server,
+                    work_dir)
 
 SYSTEM = "You are a coding agent with a shell tool. Answer with the next command to run."
 TASK = "Task {e}: the test suite of project {e} fails on import; find out why and fix it."
@@ -92,15 +92,8 @@ def agent_run(base_url: str, run_id: str, arm: str, args: argparse.Namespace) ->
 
 @contextlib.contextmanager
 def llama_cpp_python(model: Path, flags: list[str], env: dict[str, str], args, logs: Path) -> Iterator[str]:
-    port = free_port()
-    command = ["kvtrace", "run", "--", sys.executable, "-m", "llama_cpp.server", "--model", str(model),
-               "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "1024", "--n_threads", str(args.threads),
-               "--n_threads_batch", str(args.threads), "--verbose", "false", *flags]
-    echo(env, command)
-    base = f"http://127.0.0.1:{port}/v1"
-    with started([sys.executable, "-m", "kvtrace.cli", *command[1:]], f"{base}/models", logs / "server.log",
-                 env={**os.environ, **env}):
-        yield base
+    with traced_llama_cpp_server(model, flags, env, args.threads, logs / "server.log") as base_url:
+        yield base_url
 
 
 @contextlib.contextmanager
@@ -125,18 +118,7 @@ def llama_server_behind_proxy(model: Path, flags: list[str], env: dict[str, str]
             yield f"http://127.0.0.1:{proxy_port}/v1"
 
 
-def echo(env: dict[str, str], command: list[str]) -> None:
-    print("\n$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *command]), flush=True)
-
-
 SERVERS = {"llama-cpp-python": llama_cpp_python, "llama-server": llama_server_behind_proxy}
-
-
-def generated_model() -> Path:
-    path = data_home() / "models" / "agent-example-tiny-F32.gguf"
-    if not path.is_file():
-        kvtrace("make-model", "--out", str(path))
-    return path
 
 
 def main(argv: list[str]) -> int:
@@ -147,7 +129,7 @@ def main(argv: list[str]) -> int:
             seen += agent_run(args.url, run_id, "", args)
             runs.append(run_id)
     else:
-        model = model or generated_model()
+        model = model or generated_model("agent-example")
         env = {} if args.model else {"KVTRACE_CAPTURE": "ids"}  # a generated model's token ids reveal nothing
         logs = work_dir("agent-loop")
         for arm, flags in ARMS[args.server]:

@@ -5,6 +5,7 @@ sys.path when it runs one of them, whatever the working directory."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import signal
 import socket
@@ -89,6 +90,35 @@ def stop(process: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@contextlib.contextmanager
+def traced_llama_cpp_server(model: Path, flags: list[str], env: dict[str, str], threads: int,
+                            log_path: Path) -> Iterator[str]:
+    """``kvtrace run -- python -m llama_cpp.server --model MODEL FLAGS...`` on a free port; yields its
+    OpenAI base URL. ``env``: kvtrace settings for the server (e.g. ``KVTRACE_CAPTURE``)."""
+    port = free_port()
+    command = ["kvtrace", "run", "--", sys.executable, "-m", "llama_cpp.server", "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "1024", "--n_threads", str(threads),
+               "--n_threads_batch", str(threads), "--verbose", "false", *flags]
+    echo(env, command)
+    base = f"http://127.0.0.1:{port}/v1"
+    with started([sys.executable, "-m", "kvtrace.cli", *command[1:]], f"{base}/models", log_path,
+                 env={**os.environ, **env}):
+        yield base
+
+
+def echo(env: dict[str, str], command: list[str]) -> None:
+    """Print a command line as a user would type it."""
+    print("\n$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *command]), flush=True)
+
+
+def generated_model(name: str) -> Path:
+    """A tiny random-weight GGUF made by ``kvtrace make-model`` (once, kept in kvtrace's data folder)."""
+    path = data_home() / "models" / f"{name}-tiny-F32.gguf"
+    if not path.is_file():
+        kvtrace("make-model", "--out", str(path))
+    return path
 
 
 def work_dir(name: str) -> Path:

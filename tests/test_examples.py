@@ -5,10 +5,15 @@ What each prints is held to what it stored. (examples/vllm_offline.py: tests/tes
 
 from __future__ import annotations
 
+import json
+import shutil
+from collections import Counter
+
 import pytest
 
 from example_scripts import check_the_diff, run_example, section, stored_requests
 from kvtrace import semconv as sc
+from kvtrace.cli import main
 
 pytest.importorskip("llama_cpp.server.app")
 pytest.importorskip("openai")
@@ -47,3 +52,38 @@ def test_an_agent_loop_runs_with_and_without_the_prompt_cache_and_the_diff_says_
     assert listed[cached][1:3] == ["llama_cpp", str(tmp_path / "data" / "kvtrace" / "models" /
                                                     "agent-example-tiny-F32.gguf")]
     check_the_diff(out, cached, uncached, EPISODES, capsys)
+
+
+# --- examples/alerting.py ---------------------------------------------------------------------------
+
+
+def test_a_probe_of_a_traced_server_fires_a_rule_that_reaches_the_alertmanager_on_the_example_route(
+        kvtrace_env, tmp_path, capsys):
+    if not (shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")):
+        pytest.skip("no Alertmanager binary (apt-get install prometheus-alertmanager)")
+    out = run_example("alerting.py", "--run-id", "canary", cwd=tmp_path / "elsewhere")
+    # Per example prompt: a flush request (in no episode; the engine's record only), then the cold request
+    # (turn 0) and 4 warm ones, each recorded by the probe and, in the same trace, by the traced engine.
+    rows = [r for r in stored_requests(kvtrace_env / "db", "engine") if r[0] == "canary"]
+    assert {r[3] for r in rows} == {"llama_cpp"}
+    probed = Counter((r[1], r[2]) for r in rows)
+    assert probed == Counter({("", -1): 3, **{(p, t): 2 for p in ("plain-completion", "summary", "tool-call")
+                                              for t in range(5)}})
+
+    # The random-weight model's decisions are often near ties: the example rule for them fires, at the
+    # share the stored spans give, and nothing else does (its cache paths move margins by ~1e-5 at most).
+    capsys.readouterr()
+    assert main(["-q", "query", "near_tie_share", "--format", "json"]) == 0
+    (measured,) = json.loads(capsys.readouterr().out)
+    assert measured["engine"] == "llama_cpp" and measured["near_tie_share"] > 0.02 and measured["positions"] >= 500
+    (firing,) = [line for line in section(out, "alert") if "FIRING" in line]
+    assert (f"FIRING   near-ties-on-cache-hits: share of near-tie decisions on cache-hit paths: "
+            f"{measured['near_tie_share']:.4g} > 0.02") in firing and f"[{measured['positions']} samples]" in firing
+
+    # What the Alertmanager's API answered: the alert, active, on examples/alertmanager.yml's kvtrace route.
+    held = out.split("/api/v2/alerts holds ", 1)[1].splitlines()
+    assert held[0] == "1 kvtrace alert(s)"
+    assert held[1].startswith("  active near-ties-on-cache-hits -> receiver kvtrace-oncall: ")
+    labels = dict(pair.split("=", 1) for pair in held[2].strip().split(", "))
+    assert labels == {"alertname": "near-ties-on-cache-hits", "engine": "llama_cpp", "metric": "near_tie_share",
+                      "model": measured["model"], "severity": "warning", "source": "kvtrace", "weight_format": "F32"}
