@@ -39,6 +39,7 @@ import openai
 from opentelemetry import propagate
 
 from kvtrace import correlate
+from kvtrace.commands.arguments import count, http_url, input_file
 from kvtrace.outside.llama_server_build import cached_llama_server
 
 from common import (echo, free_port, generated_model, kvtrace, print_differences, started, traced_llama_cpp_server,
@@ -54,16 +55,17 @@ ARMS = {"llama-cpp-python": (("prompt-cache", ["--cache", "true"]), ("reuse", ["
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", help="OpenAI base URL of a server already running (default: start one per run)")
-    parser.add_argument("--model", type=Path, help="GGUF model to serve (default: a generated tiny model)")
+    parser.add_argument("--url", type=http_url,
+                        help="OpenAI base URL of a server already running (default: start one per run)")
+    parser.add_argument("--model", type=input_file, help="GGUF model to serve (default: a generated tiny model)")
     parser.add_argument("--server", choices=sorted(ARMS), default="llama-cpp-python",
                         help="which server to start (default llama-cpp-python)")
-    parser.add_argument("--llama-server", type=Path,
+    parser.add_argument("--llama-server", type=input_file,
                         help="llama-server binary (default: on PATH, else kvtrace's own build)")
-    parser.add_argument("--threads", type=int, default=1, help="server threads (default 1)")
-    parser.add_argument("--episodes", type=int, default=3)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=count, default=1, help="server threads (default 1)")
+    parser.add_argument("--episodes", type=count, default=3)
+    parser.add_argument("--turns", type=count, default=3)
+    parser.add_argument("--max-tokens", type=count, default=8)
     parser.add_argument("--run-prefix", default=f"agent-example-{time.strftime('%Y%m%dT%H%M%S')}")
     return parser.parse_args(argv)
 
@@ -71,6 +73,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def agent_run(base_url: str, run_id: str, arm: str, args: argparse.Namespace) -> list[dict]:
     """The episodes, turn by turn; one ``{run, episode, turn, output}`` per request."""
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    try:
+        return episodes(client, run_id, arm, args)
+    except openai.APIError as exc:
+        raise SystemExit(f"{base_url}: {exc} (is an OpenAI-compatible server answering there?)") from None
+
+
+def episodes(client: openai.OpenAI, run_id: str, arm: str, args: argparse.Namespace) -> list[dict]:
     model = client.models.list().data[0].id
     histories = {f"e{e}": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK.format(e=e)}]
                  for e in range(args.episodes)}

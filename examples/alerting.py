@@ -30,20 +30,25 @@ from typing import Iterator
 
 import yaml
 
+from kvtrace.commands.arguments import count, http_url, input_file
+from kvtrace.error_report import one_line
+
 from common import EXAMPLES, free_port, generated_model, kvtrace, started, traced_llama_cpp_server, work_dir
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", help="OpenAI base URL of the server to probe (default: start a traced one)")
-    parser.add_argument("--model", type=Path, help="GGUF model of the started server (default: a generated tiny one)")
-    parser.add_argument("--alertmanager", help="the Alertmanager's URL (default: start one with alertmanager.yml)")
-    parser.add_argument("--rules", type=Path, default=EXAMPLES / "alert-rules.yaml",
+    parser.add_argument("--url", type=http_url,
+                        help="OpenAI base URL of the server to probe (default: start a traced one)")
+    parser.add_argument("--model", type=input_file, help="GGUF model of the started server (default: a generated tiny one)")
+    parser.add_argument("--alertmanager", type=http_url,
+                        help="the Alertmanager's URL (default: start one with alertmanager.yml)")
+    parser.add_argument("--rules", type=input_file, default=EXAMPLES / "alert-rules.yaml",
                         help="alert rules (default: examples/alert-rules.yaml)")
-    parser.add_argument("--prompts", type=Path, default=EXAMPLES / "probe-prompts.jsonl",
+    parser.add_argument("--prompts", type=input_file, default=EXAMPLES / "probe-prompts.jsonl",
                         help="probe prompts (default: examples/probe-prompts.jsonl)")
-    parser.add_argument("--warm", type=int, default=4, help="warm requests per prompt (default 4)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per probe request (default 64)")
+    parser.add_argument("--warm", type=count, default=4, help="warm requests per prompt (default 4)")
+    parser.add_argument("--max-tokens", type=count, default=64, help="tokens per probe request (default 64)")
     parser.add_argument("--weight-format", default="", help="weight format label of the probe's spans, e.g. Q4_K_M")
     parser.add_argument("--run-id", default=f"canary-{time.strftime('%Y%m%dT%H%M%S')}")
     return parser.parse_args(argv)
@@ -78,24 +83,38 @@ def probed_server(args: argparse.Namespace, logs: Path) -> Iterator[str]:
         yield base_url
 
 
-def delivered_to(rules: Path, alertmanager_url: str, logs: Path) -> Path:
-    """A copy of ``rules`` whose alerts go to ``alertmanager_url`` and nowhere else."""
-    config = yaml.safe_load(rules.read_text())
-    config["delivery"] = {**{k: v for k, v in (config.get("delivery") or {}).items() if k in ("attempts", "retry_delay")},
-                          "alertmanager": {"url": alertmanager_url}}
+def read_rules(rules: Path) -> dict:
+    """The rules file as YAML, refused now rather than after the probe; ``kvtrace alert`` checks the rest."""
+    try:
+        config = yaml.safe_load(rules.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"--rules {rules}: not a YAML rules file ({one_line(exc)})") from None
+    if not isinstance(config, dict):
+        raise SystemExit(f"--rules {rules}: not a rules file (see examples/alert-rules.yaml)")
+    return config
+
+
+def delivered_to(rules: Path, config: dict, alertmanager_url: str, logs: Path) -> Path:
+    """A copy of the rules whose alerts go to ``alertmanager_url`` and nowhere else."""
+    retries = {k: v for k, v in (config.get("delivery") or {}).items() if k in ("attempts", "retry_delay")}
     copy = logs / f"{rules.stem}.delivered.yaml"
-    copy.write_text(f"# {rules} with its alerts delivered to {alertmanager_url}\n" + yaml.safe_dump(config))
+    copy.write_text(f"# {rules} with its alerts delivered to {alertmanager_url}\n"
+                    + yaml.safe_dump({**config, "delivery": {**retries, "alertmanager": {"url": alertmanager_url}}}))
     return copy
 
 
 def kvtrace_alerts(alertmanager_url: str) -> list[dict]:
     query = urllib.parse.urlencode({"filter": 'source="kvtrace"'})
-    with urllib.request.urlopen(f"{alertmanager_url}/api/v2/alerts?{query}", timeout=10) as response:
-        return json.loads(response.read())
+    try:
+        with urllib.request.urlopen(f"{alertmanager_url}/api/v2/alerts?{query}", timeout=10) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{alertmanager_url}/api/v2/alerts: {exc} (is an Alertmanager answering there?)") from None
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    config = read_rules(args.rules)
     logs = work_dir("alerting")
     with alertmanager(args.alertmanager, logs) as alertmanager_url:
         with probed_server(args, logs) as server_url:
@@ -103,7 +122,7 @@ def main(argv: list[str]) -> int:
                     "--warm", str(args.warm), "--max-tokens", str(args.max_tokens),
                     *(["--weight-format", args.weight_format] if args.weight_format else []))
         kvtrace("db", "ingest")  # the server has stopped: its spans are in the spool, beside the probe's
-        rules = delivered_to(args.rules, alertmanager_url, logs)
+        rules = delivered_to(args.rules, config, alertmanager_url, logs)
         kvtrace("alert", "--rules", str(rules), ok_codes=(0, 1))  # 1: something is firing
         held = kvtrace_alerts(alertmanager_url)
         print(f"\n{alertmanager_url}/api/v2/alerts holds {len(held)} kvtrace alert(s)")

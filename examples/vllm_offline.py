@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 
+from kvtrace.commands.arguments import count
 from kvtrace.experiment.models import generated_hf_model
 
 from common import kvtrace, print_differences
@@ -43,9 +44,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="Hugging Face model directory (default: a generated tiny Llama)")
     parser.add_argument("--dtype", default="float32", help="vLLM dtype (default float32)")
-    parser.add_argument("--episodes", type=int, default=3)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--episodes", type=count, default=3)
+    parser.add_argument("--turns", type=count, default=3)
+    parser.add_argument("--max-tokens", type=count, default=8)
     parser.add_argument("--run-prefix", default=f"vllm-example-{time.strftime('%Y%m%dT%H%M%S')}",
                         help="run ids are PREFIX/prefix and PREFIX/off")
     parser.add_argument("--engine-pass", action="store_true", help=argparse.SUPPRESS)  # the child's part
