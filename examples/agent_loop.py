@@ -42,8 +42,8 @@ from kvtrace import correlate
 from kvtrace.commands.arguments import count, http_url, input_file
 from kvtrace.outside.llama_server_build import cached_llama_server
 
-from common import (echo, free_port, generated_model, kvtrace, print_differences, started, traced_llama_cpp_server,
-                    work_dir)
+from common import (echo, free_port, generated_model, kvtrace, kvtrace_command, print_differences, started,
+                    traced_llama_cpp_server, work_dir)
 
 SYSTEM = "You are a coding agent with a shell tool. Answer with the next command to run."
 TASK = "Task {e}: the test suite of project {e} fails on import; find out why and fix it."
@@ -107,7 +107,7 @@ def llama_cpp_python(model: Path, flags: list[str], env: dict[str, str], args, l
 
 @contextlib.contextmanager
 def llama_server_behind_proxy(model: Path, flags: list[str], env: dict[str, str], args, logs: Path) -> Iterator[str]:
-    binary = args.llama_server or shutil.which("llama-server") or cached_llama_server()
+    binary = args.llama_server.resolve() if args.llama_server else shutil.which("llama-server") or cached_llama_server()
     if binary is None:
         raise SystemExit("no llama-server found: give --llama-server PATH, or build kvtrace's own with "
                          "`python -m kvtrace.outside.llama_server_build`")
@@ -122,7 +122,7 @@ def llama_server_behind_proxy(model: Path, flags: list[str], env: dict[str, str]
     echo({}, server + ["&"])
     echo(env, proxy)
     with started(server, f"http://127.0.0.1:{port}/health", logs / "llama-server.out"):
-        with started([sys.executable, "-m", "kvtrace.cli", *proxy[1:]], f"http://127.0.0.1:{proxy_port}/v1/models",
+        with started([*kvtrace_command(), *proxy[1:]], f"http://127.0.0.1:{proxy_port}/v1/models",
                      logs / "proxy.log", env={**os.environ, **env}):
             yield f"http://127.0.0.1:{proxy_port}/v1"
 
@@ -132,7 +132,7 @@ SERVERS = {"llama-cpp-python": llama_cpp_python, "llama-server": llama_server_be
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    seen, runs, model = [], [], args.model
+    seen, runs, model = [], [], args.model and args.model.resolve()  # the servers run in their logs' folder
     if args.url:
         for run_id in (f"{args.run_prefix}/first", f"{args.run_prefix}/second"):
             seen += agent_run(args.url, run_id, "", args)

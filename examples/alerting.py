@@ -40,7 +40,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", type=http_url,
                         help="OpenAI base URL of the server to probe (default: start a traced one)")
-    parser.add_argument("--model", type=input_file, help="GGUF model of the started server (default: a generated tiny one)")
+    parser.add_argument("--model", type=input_file,
+                        help="GGUF model of the started server (default: a generated tiny one)")
     parser.add_argument("--alertmanager", type=http_url,
                         help="the Alertmanager's URL (default: start one with alertmanager.yml)")
     parser.add_argument("--rules", type=input_file, default=EXAMPLES / "alert-rules.yaml",
@@ -77,7 +78,7 @@ def probed_server(args: argparse.Namespace, logs: Path) -> Iterator[str]:
     if args.url:
         yield args.url
         return
-    model = args.model or generated_model("alerting")
+    model = args.model.resolve() if args.model else generated_model("alerting")  # the server runs elsewhere
     env = {} if args.model else {"KVTRACE_CAPTURE": "ids"}  # a generated model's token ids reveal nothing
     with traced_llama_cpp_server(model, [], env, 1, logs / "server.log") as base_url:
         yield base_url

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,10 +23,20 @@ EXAMPLES = Path(__file__).resolve().parent
 STARTUP_S = 120
 
 
+def kvtrace_command() -> list[str]:
+    """The ``kvtrace`` command of this interpreter's install. Its console script, not ``python -m``,
+    which would put the working directory first on sys.path (a clone's kvtrace/ folder, say)."""
+    beside = Path(sys.executable).parent / "kvtrace"
+    found = str(beside) if beside.is_file() else shutil.which("kvtrace")
+    if found is None:
+        raise SystemExit("no kvtrace command found beside this Python or on PATH: pip install kvtrace")
+    return [found]
+
+
 def kvtrace(*args: str, ok_codes: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess:
     """Run ``kvtrace ARGS...`` with this interpreter's kvtrace, echoing the command line and its output."""
     print(f"\n$ kvtrace {shlex.join(args)}", flush=True)
-    done = subprocess.run([sys.executable, "-m", "kvtrace.cli", *args], capture_output=True, text=True)
+    done = subprocess.run([*kvtrace_command(), *args], capture_output=True, text=True)
     sys.stdout.write(done.stdout)
     sys.stderr.write(done.stderr)
     sys.stdout.flush()
@@ -66,10 +77,12 @@ def answers(url: str) -> bool:
 def started(command: list[str], ready_url: str, log_path: Path, env: Optional[dict[str, str]] = None) -> Iterator[None]:
     """``command`` running until the block ends, once ``ready_url`` answers 200; its output in ``log_path``.
 
-    Stopped with SIGINT, as Ctrl-C would: a traced server writes what it still holds to the spool then.
+    It runs in the log's folder: a Python server started in a clone of kvtrace would import the clone's
+    kvtrace/ folder instead of the install. Stopped with SIGINT, as Ctrl-C would: a traced server
+    writes what it still holds to the spool then.
     """
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent)
     try:
         deadline = time.monotonic() + STARTUP_S
         while not answers(ready_url):
@@ -103,7 +116,7 @@ def traced_llama_cpp_server(model: Path, flags: list[str], env: dict[str, str], 
                "--n_threads_batch", str(threads), "--verbose", "false", *flags]
     echo(env, command)
     base = f"http://127.0.0.1:{port}/v1"
-    with started([sys.executable, "-m", "kvtrace.cli", *command[1:]], f"{base}/models", log_path,
+    with started([*kvtrace_command(), *command[1:]], f"{base}/models", log_path,
                  env={**os.environ, **env}):
         yield base
 

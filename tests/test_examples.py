@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from example_scripts import check_the_diff, run_example, section, stored_requests
+from llama_server_process import llama_server_binary
 from kvtrace import semconv as sc
 from kvtrace.cli import main
 
@@ -51,6 +52,27 @@ def test_an_agent_loop_runs_with_and_without_the_prompt_cache_and_the_diff_says_
     assert sorted(listed) == [cached, uncached]
     assert listed[cached][1:3] == ["llama_cpp", str(tmp_path / "data" / "kvtrace" / "models" /
                                                     "agent-example-tiny-F32.gguf")]
+    check_the_diff(out, cached, uncached, EPISODES, capsys)
+
+
+
+def test_the_agent_loop_through_kvtrace_proxy_in_front_of_llama_server(kvtrace_env, tmp_path, capsys):
+    llama_server_binary()  # the script finds kvtrace's own build, as a user's would
+    out = run_example("agent_loop.py", "--server", "llama-server", "--run-prefix", "proxied", "--episodes",
+                      str(EPISODES), "--turns", str(TURNS), "--max-tokens", "6", cwd=tmp_path / "elsewhere")
+    cached, uncached = "proxied/prompt-cache", "proxied/reuse"
+    rows = stored_requests(kvtrace_env / "db", "arm, engine, reused_tokens, cache_layer, source_episode_id, "
+                                               "source_turn, length(token_ids), length(margins)")
+    by_run = {run: {(r[1], r[2]): r for r in rows if r[0] == run} for run in (cached, uncached)}
+    for run in by_run:
+        assert sorted(by_run[run]) == [(f"e{e}", t) for e in range(EPISODES) for t in range(TURNS)]
+        assert all(r[3] == run.split("/")[1] and r[4] == "llama-server" and 0 < r[9] == r[10] <= 6
+                   for r in by_run[run].values())
+    # The server's log, read by the proxy, names each prompt-cache restore's origin: the episode's own
+    # earlier turn. With --cache-ram 0 there is none.
+    restored = [(key, r) for key, r in by_run[cached].items() if r[6] == sc.LAYER_PROMPT_CACHE]
+    assert restored and all((r[7], r[8]) == (episode, turn - 1) for (episode, turn), r in restored)
+    assert not any(r[6] == sc.LAYER_PROMPT_CACHE for r in by_run[uncached].values())
     check_the_diff(out, cached, uncached, EPISODES, capsys)
 
 
