@@ -35,8 +35,8 @@ def add_arguments(p) -> None:
     limits.add_argument("--max-connections", type=count, default=DEFAULTS.max_connections, metavar="N",
                         help=f"client connections open at once (default {DEFAULTS.max_connections}; one more: 503)")
     limits.add_argument("--idle-timeout", type=positive_number, default=DEFAULTS.idle_timeout_s, metavar="S",
-                        help=f"seconds a kept-alive connection waits for its next request, and a client that "
-                             f"reads nothing of its answer is waited for (default {DEFAULTS.idle_timeout_s:g})")
+                        help=f"seconds a kept-alive connection waits for its next request, and a write to a "
+                             f"client may take (default {DEFAULTS.idle_timeout_s:g})")
     limits.add_argument("--request-timeout", type=positive_number, default=DEFAULTS.request_timeout_s,
                         metavar="S", help=f"seconds a request's head and body may take to arrive "
                                           f"(default {DEFAULTS.request_timeout_s:g}; over it: 408)")

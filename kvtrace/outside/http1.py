@@ -289,41 +289,49 @@ def _serve_connection(handler: Handler, client: _Client, limits: Limits, count: 
         connection.start_next_cycle()
 
 
-def _read_request(connection: h11.Connection, sock: socket.socket, limits: Limits) -> Optional[Request]:
-    """The next whole request, ``None`` when the client closed or idled; ``_Refused`` past a limit."""
-    deadline = time.monotonic() + limits.idle_timeout_s
-    started = bool(connection.trailing_data[0])  # a pipelined request may be there already
-    if started:
-        deadline = time.monotonic() + limits.request_timeout_s
+class _Reader:
+    """h11's events of one request, read within the time-outs: a connection may idle for
+    ``idle_timeout_s`` before a request's first byte, and the request must arrive within
+    ``request_timeout_s`` of it."""
 
-    def next_event():
-        nonlocal deadline, started
+    def __init__(self, connection: h11.Connection, sock: socket.socket, limits: Limits):
+        self._connection, self._socket, self._limits = connection, sock, limits
+        self.started = bool(connection.trailing_data[0])  # a pipelined request may be there already
+        self._deadline = time.monotonic() + (limits.request_timeout_s if self.started else limits.idle_timeout_s)
+
+    def next_event(self):
+        """The next event; ``None`` when the connection idled out; ``_Refused`` for a bad or late request."""
         while True:
             try:
-                event = connection.next_event()
+                event = self._connection.next_event()
             except h11.RemoteProtocolError as exc:
-                status = exc.error_status_hint
-                raise _Refused(status, PROXY_REFUSED_HEADERS if status == 431 else PROXY_BAD_REQUESTS,
-                               f"kvtrace proxy: bad request: {exc}") from None
+                if exc.error_status_hint == 431:
+                    raise _head_too_large(self._limits) from None
+                raise _Refused(exc.error_status_hint, PROXY_BAD_REQUESTS, f"kvtrace proxy: bad request: {exc}") \
+                    from None
             if event is not h11.NEED_DATA:
                 return event
-            remaining = deadline - time.monotonic()
             try:
+                remaining = self._deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError
-                sock.settimeout(remaining)
-                data = sock.recv(READ_SIZE)
+                self._socket.settimeout(remaining)
+                data = self._socket.recv(READ_SIZE)
             except TimeoutError:
-                if not started:
+                if not self.started:
                     return None  # idle: closed without a word, as a kept-alive connection may be
-                raise _Refused(408, PROXY_CLIENT_TIMEOUTS, "kvtrace proxy: the request did not arrive in "
-                               f"{limits.request_timeout_s:g} s") from None
-            if data and not started:
-                started = True
-                deadline = time.monotonic() + limits.request_timeout_s
-            connection.receive_data(data)
+                raise _Refused(408, PROXY_CLIENT_TIMEOUTS, f"kvtrace proxy: the request did not arrive within "
+                               f"{self._limits.request_timeout_s:g} s") from None
+            if data and not self.started:
+                self.started = True
+                self._deadline = time.monotonic() + self._limits.request_timeout_s
+            self._connection.receive_data(data)
 
-    event = next_event()
+
+def _read_request(connection: h11.Connection, sock: socket.socket, limits: Limits) -> Optional[Request]:
+    """The next whole request, ``None`` when the client closed or idled; ``_Refused`` past a limit."""
+    reader = _Reader(connection, sock, limits)
+    event = reader.next_event()
     if not isinstance(event, h11.Request):
         return None  # the client closed the connection (or a time-out while idle)
     target = event.target.decode("latin-1")
@@ -331,29 +339,35 @@ def _read_request(connection: h11.Connection, sock: socket.socket, limits: Limit
     if problem:
         raise _Refused(400, PROXY_BAD_REQUESTS, f"kvtrace proxy: {problem}")
     head_bytes = len(event.method) + len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers)
-    if head_bytes > limits.max_header_bytes:
-        raise _Refused(431, PROXY_REFUSED_HEADERS, f"kvtrace proxy: the request's head is over "
-                       f"{limits.max_header_bytes} bytes")
+    if head_bytes > limits.max_header_bytes:  # h11 bounds a head still arriving, not one that came whole
+        raise _head_too_large(limits)
     declared = [value for name, value in event.headers if name == b"content-length"]
     if declared and int(declared[0]) > limits.max_body_bytes:
-        raise _Refused(413, PROXY_REFUSED_BODY, f"kvtrace proxy: the request's body is over "
-                       f"{limits.max_body_bytes} bytes")
+        raise _body_too_large(limits)
     if connection.they_are_waiting_for_100_continue:
         sock.settimeout(limits.request_timeout_s)
         sock.sendall(connection.send(h11.InformationalResponse(status_code=100, headers=[])))
     body = bytearray()
     while True:
-        part = next_event()
+        part = reader.next_event()
         if isinstance(part, h11.Data):
             body += part.data
             if len(body) > limits.max_body_bytes:  # a chunked body has no length to check first
-                raise _Refused(413, PROXY_REFUSED_BODY, f"kvtrace proxy: the request's body is over "
-                               f"{limits.max_body_bytes} bytes")
+                raise _body_too_large(limits)
         elif isinstance(part, h11.EndOfMessage):
             break
         else:
             return None  # the client closed the connection in the middle of its request
     return Request(event.method.decode("ascii"), target, target.split("?", 1)[0], list(event.headers), bytes(body))
+
+
+def _head_too_large(limits: Limits) -> _Refused:
+    return _Refused(431, PROXY_REFUSED_HEADERS, f"kvtrace proxy: the request's head is over "
+                    f"{limits.max_header_bytes} bytes")
+
+
+def _body_too_large(limits: Limits) -> _Refused:
+    return _Refused(413, PROXY_REFUSED_BODY, f"kvtrace proxy: the request's body is over {limits.max_body_bytes} bytes")
 
 
 def target_problem(target: str) -> Optional[str]:

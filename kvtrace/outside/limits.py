@@ -21,6 +21,6 @@ class Limits:
     """Client connections open at once; one more is answered 503 and closed."""
     idle_timeout_s: float = 60.0
     """A kept-alive connection waits this long for its next request (then it is closed), and a write
-    to a client that reads nothing of its answer waits this long (then the client is cut off)."""
+    to the client (a streamed chunk, a whole answer) may take this long (then the client is cut off)."""
     request_timeout_s: float = 60.0
     """A request's head and body must arrive within this time of its first byte (408)."""
