@@ -266,6 +266,26 @@ def test_the_proxy_keeps_accepting_after_it_ran_out_of_descriptors(kvtrace_env):
     assert child.returncode == 0
 
 
+def test_a_connection_whose_thread_cannot_start_gets_503_and_the_proxy_goes_on(memory_recorder, monkeypatch):
+    import kvtrace.outside.http1 as http1
+
+    failures = [RuntimeError("can't start new thread")]
+
+    class ScarceThread(threading.Thread):
+        def start(self):
+            if self.name == "kvtrace-proxy-connection" and failures:
+                raise failures.pop()
+            super().start()
+
+    with ScriptedUpstream(lambda received: json_answer({"data": []})) as upstream, \
+            proxy_in_thread(upstream.url, memory_recorder) as proxy:
+        monkeypatch.setattr(http1.threading, "Thread", ScarceThread)
+        request = b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        refused, served = exchange(port_of(proxy), request), exchange(port_of(proxy), request)
+    assert refused.startswith(b"HTTP/1.1 503 ") and served.startswith(b"HTTP/1.1 200 ")
+    assert counters(memory_recorder)["proxy_accept_errors"] == 1
+
+
 # --- framing and targets ------------------------------------------------------------------------
 
 
