@@ -361,7 +361,8 @@ class ProxyApp:
             try:
                 self.provenance.finished(traced, record)
             except Exception:
-                self._count_failure("remembering a request's llama-server task")
+                self.count("instrumentation_errors")
+                log.warning("kvtrace proxy: remembering a request's llama-server task failed", exc_info=True)
 
     def _filled(self, traced: Traced, recorder: Recorder, status: int, answer: answers.UpstreamAnswer,
                 cancelled: bool, broken: Optional[str]) -> RequestRecord:

@@ -166,8 +166,12 @@ class Upstream:
         socket operation of this request (``None``: a generation takes as long as it takes, as it
         would without the proxy).
         """
-        head = h11.Request(method=method, target=f"{self.prefix}{target}".encode("latin-1"),
-                           headers=[(b"host", self.host_header), (b"content-length", b"%d" % len(body)), *headers])
+        try:
+            head = h11.Request(method=method, target=f"{self.prefix}{target}".encode("latin-1"),
+                               headers=[(b"host", self.host_header), (b"content-length", b"%d" % len(body)),
+                                        *headers])
+        except h11.LocalProtocolError as exc:
+            raise UpstreamUnreachable(f"the request cannot be written to the upstream ({exc})") from None
         while True:
             connection = self._take()
             reused = connection is not None
