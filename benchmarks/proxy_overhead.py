@@ -1,6 +1,7 @@
 """What `kvtrace proxy` adds to a request and to each streamed token, against the direct path.
 
     python benchmarks/proxy_overhead.py [--requests 300] [--streams 40] [--tokens 64] [--model M.gguf]
+                                        [--baseline-python PYTHON]
 
 Starts llama-server (the build `python -m kvtrace.outside.llama_server_build` caches) on the
 tiny generated model and kvtrace's proxy in front of it, recording to a spool in a temporary
@@ -21,6 +22,14 @@ work. Side by side:
 * **proxy CPU**: this process's CPU time (every thread: relaying, recording, export) per proxied
   request and per streamed token, the per-request share included.
 
+With ``--baseline-python`` (the interpreter of an environment where another kvtrace is installed,
+e.g. a venv with an older commit's tree installed in it: ``pip install --no-deps -e TREE``), a
+change is measured against that kvtrace, paired: both proxies run as ``kvtrace proxy`` processes
+of their own in front of the same server, the client alternates between them (and the direct
+arms) stream by stream, and each process's CPU time (from /proc, every thread) is divided by the
+tokens it relayed; the table ends with the ratio. Time in the proxy per chunk is then not shown
+(it is measured inside this process only).
+
 Prints a table; asserts nothing (the timings belong to this machine, not to the code).
 """
 
@@ -36,13 +45,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from llama_server_process import running_llama_server  # noqa: E402  (the tests' launcher)
 
-from kvtrace.outside import http1
+from kvtrace.outside import http1, upstream
 from kvtrace.outside.proxy import proxy_in_thread
 from kvtrace.testmodels.llama_gguf import make_model
 
@@ -50,13 +60,15 @@ CLIENT = r'''
 import json, sys, time
 import httpx
 
-server, proxy, requests, streams, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+server, proxies, requests, streams, tokens = (sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]),
+                                              int(sys.argv[4]), int(sys.argv[5]))
 chat = {"messages": [{"role": "user", "content": "Describe the kitchen in detail"}], "temperature": 0,
         "cache_prompt": False}
 short = {**chat, "max_tokens": 1}
 streamed = {**chat, "max_tokens": tokens, "stream": True}
+bases = {"direct": server, **proxies}
 arms = {"direct": (server, streamed), "direct+top2": (server, {**streamed, "logprobs": True, "top_logprobs": 2}),
-        "proxied": (proxy, streamed)}
+        **{name: (base, streamed) for name, base in proxies.items()}}
 resent = {}
 
 
@@ -79,15 +91,15 @@ def send(client, base, body, stream):
     raise SystemExit(base + " keeps closing connections")
 
 
-latency = {"direct": [], "proxied": []}
+latency = {name: [] for name in bases}
 gaps = {name: [] for name in arms}
 with httpx.Client(timeout=300) as client:
-    for base in (server, proxy):
+    for base in bases.values():
         send(client, base, short, False)
     print("phase requests", flush=True); sys.stdin.readline()
     for i in range(requests):
-        for name in (("direct", "proxied") if i % 4 in (0, 3) else ("proxied", "direct")):
-            latency[name].append(send(client, server if name == "direct" else proxy, short, False))
+        for name in (list(bases) if i % 4 in (0, 3) else list(reversed(bases))):
+            latency[name].append(send(client, bases[name], short, False))
     print("phase streams", flush=True); sys.stdin.readline()
     for i in range(streams):
         for name in (list(arms) if i % 2 == 0 else list(reversed(arms))):
@@ -103,6 +115,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--streams", type=int, default=40, help="streamed requests per arm")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed request")
     parser.add_argument("--model", type=Path, default=None, help="GGUF model (default: the tiny generated one)")
+    parser.add_argument("--baseline-python", type=Path, default=None, metavar="PYTHON",
+                        help="measure this tree's proxy against the kvtrace installed for PYTHON, paired")
     return parser.parse_args()
 
 
@@ -118,7 +132,7 @@ class ChunkClock:
     def __init__(self):
         self.delays: list[float] = []
         self._arrived = threading.local()
-        chunks, send = http1.UpstreamResponse.chunks, http1.Responder.send
+        chunks, send = upstream.UpstreamResponse.chunks, http1.Responder.send
         clock = self
 
         def timed_chunks(response):
@@ -133,7 +147,56 @@ class ChunkClock:
                 clock.delays.append(time.perf_counter() - arrived)
                 clock._arrived.at = None
 
-        http1.UpstreamResponse.chunks, http1.Responder.send = timed_chunks, timed_send
+        upstream.UpstreamResponse.chunks, http1.Responder.send = timed_chunks, timed_send
+
+
+class ProxyProcess:
+    """``kvtrace proxy`` run by ``python`` (this tree's or a baseline's) on a free port, and its CPU time."""
+
+    def __init__(self, python: Path, server: str, log_path: Path):
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen([str(python), "-m", "kvtrace.cli", "proxy", "--upstream", server, "--listen",
+                                         "127.0.0.1:0"], stdout=self._log, stderr=subprocess.STDOUT,
+                                        cwd=log_path.parent)  # not a source tree: `-m` would import from it
+        self.url = ""
+        deadline = time.monotonic() + 120
+        while not self.url:
+            for line in log_path.read_text(errors="replace").splitlines():
+                if line.startswith("kvtrace: proxy on "):
+                    self.url = line.split()[3]
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{python}: the proxy did not start:\n{log_path.read_text(errors='replace')}")
+            time.sleep(0.1)
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+        self._log.close()
+
+
+def run_client(server: str, proxies: dict[str, str], args: argparse.Namespace,
+               cpu_now: Callable[[], dict[str, float]]) -> tuple[dict, dict[str, dict[str, float]]]:
+    """The client process through its two phases; each phase's CPU seconds per proxy (``cpu_now``)."""
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, server, json.dumps(proxies), str(args.requests),
+                               str(args.streams), str(args.tokens)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    cpu: dict[str, dict[str, float]] = {}
+    started: dict[str, float] = {}
+    for phase in ("requests", "streams"):
+        assert client.stdout.readline().strip() == f"phase {phase}"
+        if phase == "streams":
+            cpu["requests"] = {k: v - started[k] for k, v in cpu_now().items()}
+        started = cpu_now()
+        client.stdin.write("\n")
+        client.stdin.flush()
+    results = json.loads(client.stdout.readline())
+    cpu["streams"] = {k: v - started[k] for k, v in cpu_now().items()}
+    client.wait()
+    return results, cpu
 
 
 def main() -> None:
@@ -145,28 +208,26 @@ def main() -> None:
         model = args.model
         if model is None:
             model = make_model(workdir / "tiny-F32.gguf", "F32", "tiny")
-        clock = ChunkClock()
         with running_llama_server(model, log_path=workdir / "server.log") as server:
-            with proxy_in_thread(server) as proxy:
-                client = subprocess.Popen(
-                    [sys.executable, "-c", CLIENT, server, proxy, str(args.requests), str(args.streams),
-                     str(args.tokens)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                cpu = {}
-                for phase in ("requests", "streams"):
-                    assert client.stdout.readline().strip() == f"phase {phase}"
-                    if phase == "streams":
-                        cpu["requests"] = time.process_time() - started
-                        clock.delays.clear()
-                    started = time.process_time()
-                    client.stdin.write("\n")
-                    client.stdin.flush()
-                results = json.loads(client.stdout.readline())
-                cpu["streams"] = time.process_time() - started
-                client.wait()
-        report(args, results, cpu, clock.delays)
+            if args.baseline_python is None:
+                clock = ChunkClock()
+                with proxy_in_thread(server) as proxy:
+                    results, cpu = run_client(server, {"proxied": proxy}, args,
+                                              lambda: {"proxied": time.process_time()})
+                report(args, results, cpu, clock.delays)
+                return
+            proxies = {"proxied": ProxyProcess(Path(sys.executable), server, workdir / "proxied.log"),
+                       "baseline": ProxyProcess(args.baseline_python, server, workdir / "baseline.log")}
+            try:
+                results, cpu = run_client(server, {k: p.url for k, p in proxies.items()}, args,
+                                          lambda: {k: p.cpu_s() for k, p in proxies.items()})
+            finally:
+                for process in proxies.values():
+                    process.stop()
+            report(args, results, cpu, None)
 
 
-def report(args: argparse.Namespace, results: dict, cpu: dict, delays: list[float]) -> None:
+def report(args: argparse.Namespace, results: dict, cpu: dict, delays: Optional[list[float]]) -> None:
     latency, gaps = results["latency"], results["gaps"]
 
     def row(label: str, values: list[float], unit: float, suffix: str) -> str:
@@ -179,18 +240,26 @@ def report(args: argparse.Namespace, results: dict, cpu: dict, delays: list[floa
                 f"mean {(statistics.fmean(a) - statistics.fmean(b)) / unit:8.1f} {suffix}")
 
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    proxies = list(cpu["streams"])
     print(f"per request (non-streamed chat, 1 token, {args.requests} per arm, ABBA):")
-    for name in ("direct", "proxied"):
+    for name in latency:
         print(row(name, latency[name], 1e-3, "ms"))
-    print(difference("proxied - direct", latency["proxied"], latency["direct"], 1e-3, "ms"))
-    print(f"  {'proxy CPU per request':<26} {cpu['requests'] / args.requests * 1e3:8.2f} ms (every thread)")
+    for name in proxies:
+        print(difference(f"{name} - direct", latency[name], latency["direct"], 1e-3, "ms"))
+        print(f"  {f'{name} CPU per request':<26} {cpu['requests'][name] / args.requests * 1e3:8.2f} ms (every thread)")
     print(f"per streamed token ({args.streams} streams of {args.tokens} tokens per arm):")
-    print(row("time in the proxy", delays, 1e-6, "µs"))
+    if delays is not None:
+        print(row("time in the proxy", delays, 1e-6, "µs"))
     for name in gaps:
         print(row(f"gap between chunks, {name}", gaps[name], 1e-6, "µs"))
-    print(difference("gaps proxied - direct+top2", gaps["proxied"], gaps["direct+top2"], 1e-6, "µs"))
-    print(f"  {'proxy CPU per token':<26} {cpu['streams'] / (args.streams * args.tokens) * 1e6:8.1f} µs "
-          f"(every thread, the per-request share included)")
+    for name in proxies:
+        print(difference(f"gaps {name} - direct+top2", gaps[name], gaps["direct+top2"], 1e-6, "µs"))
+    per_token = {name: cpu["streams"][name] / (args.streams * args.tokens) for name in proxies}
+    for name in proxies:
+        print(f"  {f'{name} CPU per token':<26} {per_token[name] * 1e6:8.1f} µs "
+              f"(every thread, the per-request share included)")
+    if "baseline" in per_token and per_token["baseline"] > 0:
+        print(f"  {'CPU per token, proxied / baseline':<26} {per_token['proxied'] / per_token['baseline']:8.2f}")
     if results["resent"]:
         print(f"(requests sent again after the server closed a kept-alive connection: {results['resent']})")
 

@@ -111,6 +111,18 @@ def http_url(text: str) -> str:
     return text.rstrip("/")
 
 
+def upstream_url(text: str) -> str:
+    """An :func:`http_url` to send every request to: a base URL without credentials, query or fragment."""
+    url = http_url(text)
+    parts = urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        raise argparse.ArgumentTypeError("give the URL without user:password@ (credentials would show in errors "
+                                         "and spans); the proxy does not log in to the upstream")
+    if parts.query or parts.fragment:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a base URL without ?query or #fragment")
+    return url
+
+
 def listen_address(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (or ``:PORT`` / ``PORT`` for 127.0.0.1) to listen on; port 0 picks a free one."""
     host, _, port_text = text.rpartition(":")

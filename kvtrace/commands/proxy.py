@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import sys
 
-from kvtrace.commands.arguments import http_url, input_file, listen_address
+from kvtrace.commands.arguments import count, input_file, listen_address, positive_number, upstream_url
 from kvtrace.errors import ConfigError
+from kvtrace.outside.limits import Limits
 from kvtrace.preflight import check_settings
+
+DEFAULTS = Limits()
 
 
 def add_arguments(p) -> None:
@@ -16,14 +19,27 @@ def add_arguments(p) -> None:
                      "kvtrace.request span: correlation from W3C traceparent/baggage, per-token top-two margins "
                      "(asked from the server and removed from the answer when the client asked for no logprobs), "
                      "cache counts the server reports, the llama-server slot. Other paths pass through untouched.")
-    p.add_argument("--upstream", required=True, type=http_url, metavar="URL",
-                   help="the server's base URL, e.g. http://127.0.0.1:8080 (without /v1)")
+    p.add_argument("--upstream", required=True, type=upstream_url, metavar="URL",
+                   help="the server's base URL, e.g. http://127.0.0.1:8080 (without /v1 or credentials)")
     p.add_argument("--listen", type=listen_address, default=("127.0.0.1", 8081), metavar="HOST:PORT",
                    help="address to listen on (default 127.0.0.1:8081)")
     p.add_argument("--llama-server-log", type=input_file, default=None, metavar="FILE",
                    help="llama-server's log (its --log-file, or standard error in a file; start it with -lv 4): "
                         "its prompt-cache decisions become cache events naming the request whose state was restored")
     p.add_argument("--run-id", default=None, help="run id for requests without baggage (env KVTRACE_RUN_ID)")
+    limits = p.add_argument_group("limits per client (docs/proxy-limits.md; each refusal is counted)")
+    limits.add_argument("--max-header-bytes", type=count, default=DEFAULTS.max_header_bytes, metavar="N",
+                        help=f"a request's line and headers (default {DEFAULTS.max_header_bytes}; over it: 431)")
+    limits.add_argument("--max-body-bytes", type=count, default=DEFAULTS.max_body_bytes, metavar="N",
+                        help=f"a request's body (default {DEFAULTS.max_body_bytes}; over it: 413)")
+    limits.add_argument("--max-connections", type=count, default=DEFAULTS.max_connections, metavar="N",
+                        help=f"client connections open at once (default {DEFAULTS.max_connections}; one more: 503)")
+    limits.add_argument("--idle-timeout", type=positive_number, default=DEFAULTS.idle_timeout_s, metavar="S",
+                        help=f"seconds a kept-alive connection waits for its next request, and a write to a "
+                             f"client may take (default {DEFAULTS.idle_timeout_s:g})")
+    limits.add_argument("--request-timeout", type=positive_number, default=DEFAULTS.request_timeout_s,
+                        metavar="S", help=f"seconds a request's head and body may take to arrive "
+                                          f"(default {DEFAULTS.request_timeout_s:g}; over it: 408)")
     p.set_defaults(func=run)
 
 
@@ -45,7 +61,11 @@ def run(args) -> int:
               flush=True)
 
     try:
-        serve(args.upstream, host, port, llama_server_log=args.llama_server_log, on_listening=listening)
+        limits = Limits(max_header_bytes=args.max_header_bytes, max_body_bytes=args.max_body_bytes,
+                        max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
+                        request_timeout_s=args.request_timeout)
+        serve(args.upstream, host, port, llama_server_log=args.llama_server_log, on_listening=listening,
+              limits=limits)
     except OSError as exc:  # the address is taken or not this machine's
         raise ConfigError(f"--listen {host}:{port}: {exc.strerror or exc}") from None
     return 0

@@ -1,116 +1,141 @@
-"""The proxy's HTTP/1.1, both sides: blocking sockets, one thread per client connection, and h11
-(the protocol state machine httpx and uvicorn use themselves).
+"""The proxy's client-facing HTTP/1.1: blocking sockets, one thread per client connection, and h11
+(the protocol state machine httpx and uvicorn use themselves) for parsing and framing.
 
-Why not an ASGI server and an HTTP client library, or asyncio at all: on the machines measured, the
-event loop's own work per wake-up (about 100 µs of CPU per relayed chunk on a 2-core VM, against
-about 20 µs for a thread that blocks on ``recv`` and calls ``send``) and every extra socket write
-cost more than everything kvtrace does with a request (``benchmarks/proxy_overhead.py``). A proxy
-in front of an inference server has few connections and long streams, which threads serve well.
-So: a request goes upstream in one write, a whole answer goes back in one (head and body
-together), a streamed answer's head goes with its first chunk, and upstream connections are kept
-alive and reused.
+Why not an ASGI server or asyncio: on the machines measured, an event loop's own work per wake-up
+cost several times what a thread that blocks on ``recv`` and calls ``send`` costs per relayed
+chunk (``benchmarks/proxy_overhead.py``). A proxy in front of an inference server has few
+connections and long streams, which threads serve well. A whole answer goes back in one write
+(head and body together); a streamed answer's head goes with its first chunk.
 
-* :class:`Server` serves ``handler(request, responder)`` on a host and port.
-* :class:`Upstream` sends requests to one base URL over kept-alive connections (a small client of
-  its own; see the note above it).
+Every client is held to :class:`Limits` (head and body sizes, connections, time-outs; see
+docs/proxy-limits.md): a request over one is refused with its status (400, 408, 413, 431, 503)
+and counted, and its connection closed. The upstream side is :mod:`upstream`.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import select
 import socket
-import ssl
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
-from urllib.parse import urlsplit
+from typing import Callable, Optional
+from urllib.parse import unquote
 
 import h11
+
+from kvtrace.outside.limits import Limits
+from kvtrace.recording.stats import (PROXY_ACCEPT_ERRORS, PROXY_BAD_REQUESTS, PROXY_CLIENT_TIMEOUTS,
+                                     PROXY_REFUSED_BODY, PROXY_REFUSED_BUSY, PROXY_REFUSED_HEADERS)
 
 log = logging.getLogger("kvtrace.proxy")
 
 READ_SIZE = 65536
-CONNECT_TIMEOUT_S = 30.0
 Headers = list[tuple[bytes, bytes]]
 
-
-class UpstreamUnreachable(Exception):
-    """No connection to the upstream, or it closed before answering."""
-
-
-class UpstreamBrokeOff(Exception):
-    """The upstream's answer stopped before its end."""
+ACCEPT_BACKOFF_S = (0.01, 1.0)
+"""First and longest pause after ``accept`` failed (descriptors or memory exhausted): doubled each time."""
+LINGER_S = 2.0
+"""How long a refused connection is read (and the bytes dropped) before it closes, so that the
+client reads its refusal instead of a reset; at most ``LINGER_BYTES``."""
+LINGER_BYTES = 1 << 20
+BUSY_LINGER_S = 0.1
+"""The same for a 503 written by the accepting thread, which must go back to accepting."""
+RETRY = [(b"retry-after", b"1")]
 
 
 class ClientGone(Exception):
-    """The client closed its connection while its answer was being written."""
+    """The client closed its connection, or stopped reading, while its answer was being written."""
 
 
-# --- the server side ---------------------------------------------------------------------------
+class _Refused(Exception):
+    """A request the proxy does not serve: answered with ``status`` and counted as ``counter``."""
+
+    def __init__(self, status: int, counter: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.counter = counter
 
 
 @dataclass
 class Request:
     method: str
     target: str
-    """Path and query, as the client sent them."""
+    """Path and query, as the client sent them (origin form, without dot-segments)."""
     path: str
     headers: Headers
     body: bytes
 
 
 class Responder:
-    """Writes one response; the head waits for the first body bytes so both leave in one write."""
+    """Writes one response. The head waits for the first body bytes so both leave in one write, and
+    until then a later :meth:`start` replaces it (an error instead of an answer that never came).
+
+    h11 frames the body (its own choice of Content-Length or chunked, from the headers given)."""
 
     def __init__(self, connection: h11.Connection, sock: socket.socket):
         self._connection = connection
         self._socket = sock
-        self._head: Optional[bytes] = None
-        self._chunked = False
+        self._head: Optional[h11.Response] = None
         self.started = False
+        """A head was given."""
+        self.committed = False
+        """Bytes of the answer went to the client."""
         self.finished = False
 
     @property
     def client_gone(self) -> bool:
-        """Whether the client closed its end (a look at the socket, nothing read)."""
+        """Whether the client closed its end (a look at the socket, nothing read).
+
+        Asked of poll first: a socket with a time-out waits for data even when told not to."""
         try:
-            return self._socket.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return False
+            poller = select.poll()
+            poller.register(self._socket, select.POLLIN)
+            ready = poller.poll(0)
+            if not ready:
+                return False
+            if ready[0][1] & (select.POLLERR | select.POLLNVAL):
+                return True
+            return self._socket.recv(1, socket.MSG_PEEK) == b""
         except OSError:
             return True
 
     def start(self, status: int, headers: Headers) -> None:
-        self._head = self._connection.send(h11.Response(status_code=status, headers=headers))
+        self._head = h11.Response(status_code=status, headers=headers)
         self.started = True
-        # Without a length, h11 frames the body in chunks for an HTTP/1.1 client; then the proxy writes
-        # each chunk's framing itself (what h11 would write; its state does not depend on it), a
-        # fraction of h11's cost per streamed chunk.
-        self._chunked = b"transfer-encoding: chunked" in self._head.lower()
 
     def send(self, data: bytes) -> None:
         if data:
-            if self._chunked:
-                self._write(b"%x\r\n%b\r\n" % (len(data), data))
-            else:
-                self._write(self._connection.send(h11.Data(data=data)))
+            self._write(self._frame(h11.Data(data=data)))
 
     def end(self, data: bytes = b"") -> None:
-        out = self._connection.send(h11.Data(data=data)) if data else b""
+        out = self._frame(h11.Data(data=data)) if data else b""
+        self._write(out + self._frame(h11.EndOfMessage()))
         self.finished = True
-        self._write(out + self._connection.send(h11.EndOfMessage()))
+
+    def _frame(self, event) -> bytes:
+        try:
+            head = b""
+            if self._head is not None:
+                head, self._head = self._connection.send(self._head), None
+            return head + self._connection.send(event)
+        except h11.LocalProtocolError as exc:
+            # The upstream's body does not fit the length its head declared: the client's answer
+            # cannot be completed truthfully, so its connection ends here.
+            raise ClientGone(f"the answer cannot be framed: {exc}") from None
 
     def _write(self, out: bytes) -> None:
-        if self._head is not None:
-            out, self._head = self._head + out, None
+        self.committed = True
         try:
             self._socket.sendall(out)
-        except OSError as exc:
-            raise ClientGone(str(exc)) from None
+        except OSError as exc:  # a time-out included: a client that stopped reading
+            raise ClientGone(str(exc) or type(exc).__name__) from None
 
 
 Handler = Callable[[Request, Responder], None]
+Counter = Callable[[str], None]
 
 
 class _Client:
@@ -123,27 +148,32 @@ class _Client:
 
 
 class Server:
-    """A listening socket and a thread per client connection.
+    """A listening socket and a thread per client connection, within ``limits``.
 
-    :meth:`stop` stops accepting, lets the requests being answered finish (their records with
-    them) for up to ``grace_s`` seconds, and closes the connections that wait for a next request.
+    ``count(name)`` is called once per refusal or accept failure, with a counter name of
+    :mod:`kvtrace.recording.stats`. :meth:`stop` stops accepting, lets the requests being answered
+    finish (their records with them) for up to ``grace_s`` seconds, and closes the connections that
+    wait for a next request.
     """
 
-    def __init__(self, handler: Handler, host: str, port: int):
+    def __init__(self, handler: Handler, host: str, port: int, limits: Limits = Limits(),
+                 count: Counter = lambda name: None):
         self._handler = handler
+        self._limits = limits
+        self._count = count
         self._listener = socket.create_server((host, port), backlog=128)
         self.port = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._accept, name="kvtrace-proxy-accept", daemon=True)
         self._clients: set[_Client] = set()
         self._lock = threading.Lock()
-        self._stopping = False
+        self._stopping = threading.Event()
 
     def start(self) -> "Server":
         self._thread.start()
         return self
 
     def stop(self, grace_s: float = 30.0) -> None:
-        self._stopping = True
+        self._stopping.set()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -165,22 +195,56 @@ class Server:
             _shut(client.socket)
 
     def _accept(self) -> None:
-        while True:
+        pause = ACCEPT_BACKOFF_S[0]
+        while not self._stopping.is_set():
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return  # stopped
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client = _Client(sock)
-            client.thread = threading.Thread(target=self._serve, args=(client,), name="kvtrace-proxy-connection",
-                                             daemon=True)
-            with self._lock:
+            except OSError as exc:
+                if self._stopping.is_set():
+                    return
+                if exc.errno != errno.ECONNABORTED:  # aborted: the client gave up before it was accepted
+                    pause = self._back_off(exc, pause)
+                continue
+            try:
+                self._admit(sock)
+                pause = ACCEPT_BACKOFF_S[0]
+            except Exception as exc:  # noqa: BLE001 - the accepting thread must outlive every failure
+                sock.close()
+                pause = self._back_off(exc, pause)
+
+    def _back_off(self, exc: Exception, pause: float) -> float:
+        # Out of descriptors (EMFILE), memory or threads: a connection waits in the backlog until
+        # something is freed, and the proxy goes on accepting after a pause.
+        self._count(PROXY_ACCEPT_ERRORS)
+        log.warning("kvtrace proxy: accepting a connection failed (%s); trying again in %g s", exc, pause)
+        self._stopping.wait(pause)
+        return min(pause * 2, ACCEPT_BACKOFF_S[1])
+
+    def _admit(self, sock: socket.socket) -> None:
+        client = _Client(sock)
+        client.thread = threading.Thread(target=self._serve, args=(client,), name="kvtrace-proxy-connection",
+                                         daemon=True)
+        with self._lock:
+            full = len(self._clients) >= self._limits.max_connections
+            if not full:
                 self._clients.add(client)
+        if full:
+            self._count(PROXY_REFUSED_BUSY)
+            _refuse(sock, 503, "kvtrace proxy: too many connections; try again shortly", BUSY_LINGER_S, RETRY)
+            return
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client.thread.start()
+        except BaseException:
+            with self._lock:
+                self._clients.discard(client)
+            _refuse(sock, 503, "kvtrace proxy: no thread to serve this connection; try again shortly",
+                    BUSY_LINGER_S, RETRY)
+            raise
 
     def _serve(self, client: _Client) -> None:
         try:
-            _serve_connection(self._handler, client, lambda: self._stopping)
+            _serve_connection(self._handler, client, self._limits, self._count, self._stopping.is_set)
         except (OSError, ClientGone):
             pass
         except Exception:
@@ -200,37 +264,21 @@ def _shut(sock: socket.socket) -> None:
         pass
 
 
-def _serve_connection(handler: Handler, client: _Client, stopping: Callable[[], bool]) -> None:
+def _serve_connection(handler: Handler, client: _Client, limits: Limits, count: Counter,
+                      stopping: Callable[[], bool]) -> None:
     sock = client.socket
-    connection = h11.Connection(h11.SERVER)
+    connection = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
     while not stopping():
         try:
-            event = _next_event(connection, sock)
-            if not isinstance(event, h11.Request):
-                return  # the client closed the connection
-            client.busy = True
-            if connection.they_are_waiting_for_100_continue:
-                sock.sendall(connection.send(h11.InformationalResponse(status_code=100, headers=[])))
-            body = bytearray()
-            while True:
-                part = _next_event(connection, sock)
-                if isinstance(part, h11.Data):
-                    body += part.data
-                elif isinstance(part, h11.EndOfMessage):
-                    break
-                else:
-                    return
-        except h11.RemoteProtocolError as exc:
-            if connection.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                message = f"bad request: {exc}".encode()
-                sock.sendall(connection.send(h11.Response(status_code=exc.error_status_hint, headers=[
-                    (b"content-type", b"text/plain"), (b"content-length", str(len(message)).encode()),
-                    (b"connection", b"close")])) + connection.send(h11.Data(data=message))
-                    + connection.send(h11.EndOfMessage()))
+            request = _read_request(connection, sock, limits)
+        except _Refused as refused:
+            count(refused.counter)
+            _refuse(sock, refused.status, str(refused), LINGER_S)
             return
-        target = event.target.decode("latin-1")
-        request = Request(event.method.decode("ascii"), target, target.split("?", 1)[0], list(event.headers),
-                          bytes(body))
+        if request is None:
+            return  # the client closed the connection, or left it idle too long
+        client.busy = True
+        sock.settimeout(limits.idle_timeout_s)  # a client that stops reading its answer is cut off
         responder = Responder(connection, sock)
         try:
             handler(request, responder)
@@ -241,231 +289,132 @@ def _serve_connection(handler: Handler, client: _Client, stopping: Callable[[], 
         connection.start_next_cycle()
 
 
-def _next_event(connection: h11.Connection, sock: socket.socket):
-    while True:
-        event = connection.next_event()
-        if event is not h11.NEED_DATA:
-            return event
-        connection.receive_data(sock.recv(READ_SIZE))
+class _Reader:
+    """h11's events of one request, read within the time-outs: a connection may idle for
+    ``idle_timeout_s`` before a request's first byte, and the request must arrive within
+    ``request_timeout_s`` of it."""
 
+    def __init__(self, connection: h11.Connection, sock: socket.socket, limits: Limits):
+        self._connection, self._socket, self._limits = connection, sock, limits
+        self.started = bool(connection.trailing_data[0])  # a pipelined request may be there already
+        self._deadline = time.monotonic() + (limits.request_timeout_s if self.started else limits.idle_timeout_s)
 
-# --- the upstream side --------------------------------------------------------------------------
-# A small HTTP/1.1 client of its own: the upstream is one server the proxy talks to with requests it
-# frames itself, and reading its answers with h11 cost several times a plain relay per streamed
-# chunk. Heads are parsed once; bodies are framed by Content-Length, chunked transfer coding, or the
-# connection's end.
-
-
-class _Connection:
-    def __init__(self, sock: socket.socket):
-        self.socket = sock
-        self.buffer = bytearray()
-
-    def fill(self) -> bool:
-        """Read what has arrived into the buffer; False at the connection's end."""
-        data = self.socket.recv(READ_SIZE)
-        self.buffer += data
-        return bool(data)
-
-    def close(self) -> None:
-        try:
-            self.socket.close()
-        except OSError:
-            pass
-
-
-class UpstreamResponse:
-    """An answer whose body is read as it arrives; its connection goes back to the pool at the end."""
-
-    def __init__(self, upstream: "Upstream", connection: _Connection, status: int, headers: Headers,
-                 bodyless: bool):
-        self._upstream = upstream
-        self._connection = connection
-        self.status = status
-        self.headers = headers
-        self._done = False
-        self._bodyless = bodyless
-        self._reusable = self.header(b"connection").lower() != "close"
-
-    def header(self, name: bytes) -> str:
-        for key, value in self.headers:
-            if key == name:
-                return value.decode("latin-1")
-        return ""
-
-    def chunks(self) -> Iterator[bytes]:
-        try:
-            if self._bodyless:
-                pieces: Iterator[bytes] = iter(())
-            elif "chunked" in self.header(b"transfer-encoding").lower():
-                pieces = self._chunked()
-            elif self.header(b"content-length"):
-                pieces = self._sized(int(self.header(b"content-length")))
-            else:
-                self._reusable = False
-                pieces = self._until_closed()
-            yield from pieces
-        except (OSError, ValueError) as exc:
-            raise UpstreamBrokeOff(str(exc) or type(exc).__name__) from None
-        self._done = True
-        if self._reusable:
-            self._upstream._release(self._connection)
-        else:
-            self._connection.close()
-
-    def _chunked(self) -> Iterator[bytes]:
-        connection = self._connection
-        buffer = connection.buffer
+    def next_event(self):
+        """The next event; ``None`` when the connection idled out; ``_Refused`` for a bad or late request."""
         while True:
-            line_end = buffer.find(b"\r\n")
-            while line_end == -1:
-                if not connection.fill():
-                    raise UpstreamBrokeOff("the connection ended inside a chunk's size line")
-                line_end = buffer.find(b"\r\n")
-            size = int(bytes(buffer[:line_end]).split(b";", 1)[0].strip(), 16)
-            if size == 0:
-                del buffer[:line_end + 2]
-                self._skip_trailers()
-                return
-            end = line_end + 2 + size
-            while len(buffer) < end + 2:
-                if not connection.fill():
-                    raise UpstreamBrokeOff("the connection ended inside a chunk")
-            data = bytes(buffer[line_end + 2:end])
-            del buffer[:end + 2]
-            yield data
-
-    def _skip_trailers(self) -> None:
-        connection = self._connection
-        while True:
-            line_end = connection.buffer.find(b"\r\n")
-            while line_end == -1:
-                if not connection.fill():
-                    raise UpstreamBrokeOff("the connection ended inside the trailers")
-                line_end = connection.buffer.find(b"\r\n")
-            del connection.buffer[:line_end + 2]
-            if line_end == 0:
-                return
-
-    def _sized(self, remaining: int) -> Iterator[bytes]:
-        connection = self._connection
-        while remaining > 0:
-            if not connection.buffer and not connection.fill():
-                raise UpstreamBrokeOff(f"the connection ended {remaining} bytes before the answer's end")
-            data = bytes(connection.buffer[:remaining])
-            del connection.buffer[:len(data)]
-            remaining -= len(data)
-            yield data
-
-    def _until_closed(self) -> Iterator[bytes]:
-        connection = self._connection
-        while True:
-            if connection.buffer:
-                data = bytes(connection.buffer)
-                connection.buffer.clear()
-                yield data
-            if not connection.fill():
-                return
-
-    def read(self) -> bytes:
-        return b"".join(self.chunks())
-
-    def close(self) -> None:
-        """Give up on the rest of the answer (its connection cannot be reused)."""
-        if not self._done:
-            self._done = True
-            self._connection.close()
-
-
-class Upstream:
-    """Requests to one server (``http(s)://host:port[/prefix]``), over connections kept alive between requests."""
-
-    def __init__(self, base_url: str):
-        parts = urlsplit(base_url)
-        self.host = parts.hostname or "127.0.0.1"
-        self.tls = parts.scheme == "https"
-        self.port = parts.port or (443 if self.tls else 80)
-        self.prefix = parts.path.rstrip("/")
-        default_port = self.port == (443 if self.tls else 80)
-        self.host_header = (self.host if default_port else f"{self.host}:{self.port}").encode("idna")
-        self._idle: list[_Connection] = []
-        self._lock = threading.Lock()
-
-    def request(self, method: str, target: str, headers: Headers, body: bytes,
-                timeout: Optional[float] = None) -> UpstreamResponse:
-        """Send a request; returns once the answer's head arrived (``UpstreamUnreachable`` if it does not).
-
-        ``timeout`` bounds each socket operation of this request (``None``: a generation takes as
-        long as it takes, as it would without the proxy).
-        """
-        head = [f"{method} {self.prefix}{target} HTTP/1.1\r\n".encode("latin-1"),
-                b"host: " + self.host_header + b"\r\n", b"content-length: %d\r\n" % len(body)]
-        head += [name + b": " + value + b"\r\n" for name, value in headers]
-        message = b"".join(head) + b"\r\n" + body
-        while True:
-            connection = self._take()
-            reused = connection is not None
-            if connection is None:
-                connection = self._connect()
-            connection.socket.settimeout(timeout)
             try:
-                connection.socket.sendall(message)
-                while True:
-                    status, response_headers = self._read_head(connection)
-                    if status >= 200:
-                        break  # 1xx answers are interim: the real one follows
-                bodyless = method == "HEAD" or status in (204, 304)
-                return UpstreamResponse(self, connection, status, response_headers, bodyless)
-            except (OSError, ValueError, UpstreamUnreachable) as exc:
-                connection.close()
-                if reused:
-                    continue  # a kept-alive connection the upstream had closed meanwhile: once more, fresh
-                raise UpstreamUnreachable(str(exc) or type(exc).__name__) from None
+                event = self._connection.next_event()
+            except h11.RemoteProtocolError as exc:
+                if exc.error_status_hint == 431:
+                    raise _head_too_large(self._limits) from None
+                raise _Refused(exc.error_status_hint, PROXY_BAD_REQUESTS, f"kvtrace proxy: bad request: {exc}") \
+                    from None
+            if event is not h11.NEED_DATA:
+                return event
+            try:
+                remaining = self._deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                self._socket.settimeout(remaining)
+                data = self._socket.recv(READ_SIZE)
+            except TimeoutError:
+                if not self.started:
+                    return None  # idle: closed without a word, as a kept-alive connection may be
+                raise _Refused(408, PROXY_CLIENT_TIMEOUTS, f"kvtrace proxy: the request did not arrive within "
+                               f"{self._limits.request_timeout_s:g} s") from None
+            if data and not self.started:
+                self.started = True
+                self._deadline = time.monotonic() + self._limits.request_timeout_s
+            self._connection.receive_data(data)
 
-    @staticmethod
-    def _read_head(connection: _Connection) -> tuple[int, Headers]:
-        buffer = connection.buffer
-        end = buffer.find(b"\r\n\r\n")
-        while end == -1:
-            if len(buffer) > 1 << 20:
-                raise UpstreamUnreachable("the answer's head is over 1 MiB")
-            if not connection.fill():
-                raise UpstreamUnreachable("the upstream closed the connection without answering")
-            end = buffer.find(b"\r\n\r\n")
-        lines = bytes(buffer[:end]).split(b"\r\n")
-        del buffer[:end + 4]
-        version, _, rest = lines[0].partition(b" ")
-        if not version.startswith(b"HTTP/1."):
-            raise UpstreamUnreachable(f"not an HTTP/1.x answer: {lines[0][:60]!r}")
-        status = int(rest[:3])
-        headers = []
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            headers.append((name.strip().lower(), value.strip()))
-        return status, headers
 
-    def _take(self) -> Optional[_Connection]:
-        with self._lock:
-            return self._idle.pop() if self._idle else None
+def _read_request(connection: h11.Connection, sock: socket.socket, limits: Limits) -> Optional[Request]:
+    """The next whole request, ``None`` when the client closed or idled; ``_Refused`` past a limit."""
+    reader = _Reader(connection, sock, limits)
+    event = reader.next_event()
+    if not isinstance(event, h11.Request):
+        return None  # the client closed the connection (or a time-out while idle)
+    target = event.target.decode("latin-1")
+    problem = target_problem(target)
+    if problem:
+        raise _Refused(400, PROXY_BAD_REQUESTS, f"kvtrace proxy: {problem}")
+    head_bytes = len(event.method) + len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers)
+    if head_bytes > limits.max_header_bytes:  # h11 bounds a head still arriving, not one that came whole
+        raise _head_too_large(limits)
+    declared = [value for name, value in event.headers if name == b"content-length"]
+    if declared and int(declared[0]) > limits.max_body_bytes:
+        raise _body_too_large(limits)
+    if connection.they_are_waiting_for_100_continue:
+        sock.settimeout(limits.request_timeout_s)
+        sock.sendall(connection.send(h11.InformationalResponse(status_code=100, headers=[])))
+    body = bytearray()
+    while True:
+        part = reader.next_event()
+        if isinstance(part, h11.Data):
+            body += part.data
+            if len(body) > limits.max_body_bytes:  # a chunked body has no length to check first
+                raise _body_too_large(limits)
+        elif isinstance(part, h11.EndOfMessage):
+            break
+        else:
+            return None  # the client closed the connection in the middle of its request
+    return Request(event.method.decode("ascii"), target, target.split("?", 1)[0], list(event.headers), bytes(body))
 
-    def _connect(self) -> _Connection:
-        try:
-            sock = socket.create_connection((self.host, self.port), timeout=CONNECT_TIMEOUT_S)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls:
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self.host)
-        except OSError as exc:
-            raise UpstreamUnreachable(f"cannot connect to {self.host}:{self.port} ({exc})") from None
-        return _Connection(sock)
 
-    def _release(self, connection: _Connection) -> None:
-        if connection.buffer:
-            connection.close()  # bytes after the answer's end: not a connection to trust again
+def _head_too_large(limits: Limits) -> _Refused:
+    return _Refused(431, PROXY_REFUSED_HEADERS, f"kvtrace proxy: the request's head is over "
+                    f"{limits.max_header_bytes} bytes")
+
+
+def _body_too_large(limits: Limits) -> _Refused:
+    return _Refused(413, PROXY_REFUSED_BODY, f"kvtrace proxy: the request's body is over {limits.max_body_bytes} bytes")
+
+
+def target_problem(target: str) -> Optional[str]:
+    """Why a request target is not served (``None``: it is): only origin form (``/path?query``),
+    and no ``.`` or ``..`` segment, written plainly or percent-encoded, that could climb out of the
+    upstream's prefix."""
+    if not target.startswith("/"):
+        return "only a path (origin form, starting with /) is served as the request target"
+    if "#" in target:
+        return "a request target has no fragment (#)"
+    for segment in target.split("?", 1)[0].split("/"):
+        if unquote(segment) in (".", ".."):
+            return "the request path has a dot-segment (. or ..)"
+    return None
+
+
+def _refuse(sock: socket.socket, status: int, message: str, linger_s: float,
+            headers: Optional[Headers] = None) -> None:
+    """Answer ``status`` with a one-line body and close, after reading what the client still sends
+    (for at most ``linger_s``), so that it reads the answer instead of a reset."""
+    body = message.encode("utf-8")
+    writer = h11.Connection(h11.SERVER)  # a state of its own: the client's may be anywhere
+    out = writer.send(h11.Response(status_code=status, headers=[
+        (b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"%d" % len(body)),
+        (b"connection", b"close"), *(headers or [])]))
+    out += writer.send(h11.Data(data=body)) + writer.send(h11.EndOfMessage())
+    try:
+        sock.settimeout(linger_s)
+        sock.sendall(out)
+        sock.shutdown(socket.SHUT_WR)
+        _drain(sock, linger_s)
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
+def _drain(sock: socket.socket, linger_s: float) -> None:
+    deadline = time.monotonic() + linger_s
+    dropped = 0
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    while dropped < LINGER_BYTES:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not poller.poll(remaining * 1000):
             return
-        with self._lock:
-            self._idle.append(connection)
-
-    def close(self) -> None:
-        with self._lock:
-            while self._idle:
-                self._idle.pop().close()
+        data = sock.recv(READ_SIZE)
+        if not data:
+            return
+        dropped += len(data)

@@ -171,11 +171,11 @@ def cut(plan: MarginPlan, text: str) -> str:
 def _edit_member(text: str, name: str, replacement: Any) -> str:
     """Drop or replace every member ``"name": value`` of any object in the JSON ``text``.
 
-    A ``"name":`` preceded by ``{`` or ``,`` is a member name, never string content: inside a
-    JSON string every ``"`` is escaped, so ``,"`` cannot occur there. The value's extent comes
-    from the JSON decoder itself.
+    A ``"name"`` preceded by ``{`` or ``,`` and followed by ``:`` is a member name, never string
+    content: inside a JSON string every ``"`` is escaped, so ``,"`` cannot occur there. The
+    value's extent comes from the JSON decoder itself.
     """
-    marker = f'"{name}":'
+    marker = f'"{name}"'
     pieces = []
     position = 0
     start = text.find(marker)
@@ -183,10 +183,13 @@ def _edit_member(text: str, name: str, replacement: Any) -> str:
         before = start - 1
         while before >= 0 and text[before] in " \t\r\n":
             before -= 1
-        if before < 0 or text[before] not in ",{":
+        colon = start + len(marker)
+        while colon < len(text) and text[colon] in " \t\r\n":
+            colon += 1
+        if before < 0 or text[before] not in ",{" or colon == len(text) or text[colon] != ":":
             start = text.find(marker, start + 1)
             continue
-        value_start = start + len(marker)
+        value_start = colon + 1
         while value_start < len(text) and text[value_start] in " \t\r\n":
             value_start += 1
         _, value_end = _DECODER.raw_decode(text, value_start)

@@ -22,8 +22,9 @@ Per traced request:
   never fails a request: if reading the request, planning or recording goes wrong, the request is
   forwarded as the client sent it and the failure is counted (``instrumentation_errors``).
 
-HTTP/1.1 on both sides is :mod:`http1` (blocking sockets, a thread per client connection, h11): a
-request goes upstream in one write, an answer back in one, over upstream connections kept alive.
+HTTP/1.1 is h11 on both sides: :mod:`http1` serves the clients (blocking sockets, a thread per
+connection, the limits of docs/proxy-limits.md), :mod:`upstream` talks to the server over
+connections kept alive, and never sends a request twice.
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ from opentelemetry import propagate
 
 from kvtrace import semconv as sc
 from kvtrace.outside import answers
-from kvtrace.outside.http1 import (ClientGone, Headers, Request, Responder, Server, Upstream, UpstreamBrokeOff,
-                                   UpstreamResponse, UpstreamUnreachable)
+from kvtrace.outside.http1 import ClientGone, Headers, Request, Responder, Server
+from kvtrace.outside.limits import Limits
 from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
 from kvtrace.outside.margin_request import (ENDPOINTS, NATIVE, OPENAI_COMPATIBLE, MarginPlan, UpstreamProfile, cut,
                                             plan_request)
 from kvtrace.outside.openai_exchange import TextHasher, fill_record, parse_exchange
 from kvtrace.outside.recorder import trace_headers
+from kvtrace.outside.upstream import Upstream, UpstreamBrokeOff, UpstreamResponse, UpstreamUnreachable
 from kvtrace.recording.recorder import Recorder, get_recorder
 from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
 
@@ -153,7 +155,7 @@ def weight_format_name(ftype: str) -> str:
 
 
 class ProxyApp:
-    """The proxy: :meth:`handle` answers one client request (served by :func:`http1.start_server`)."""
+    """The proxy: :meth:`handle` answers one client request (served by :class:`http1.Server`)."""
 
     def __init__(self, upstream: str, recorder: Callable[[], Optional[Recorder]] = get_recorder,
                  llama_server_log: Optional[Path] = None):
@@ -196,7 +198,9 @@ class ProxyApp:
     # --- the three ways an answer goes back ----------------------------------------------
 
     def _pass_through(self, response: UpstreamResponse, responder: Responder, traced: Optional[Traced]) -> None:
-        responder.start(response.status, _response_headers(response, keep_length=True))
+        # The upstream's length goes on only when it framed the body by it (not with transfer-encoding).
+        keep_length = not response.header(b"transfer-encoding")
+        responder.start(response.status, _response_headers(response, keep_length=keep_length))
         kept = bytearray()
         try:
             for piece in response.chunks():
@@ -204,8 +208,12 @@ class ProxyApp:
                 if traced is not None and len(kept) < 4096:
                     kept += piece
             responder.end()
-        except (UpstreamBrokeOff, ClientGone):
-            pass  # the client's answer ends where the upstream's did, or the client left
+        except UpstreamBrokeOff as exc:
+            # The client's answer ends where the upstream's did (its connection closes, unfinished),
+            # or, when nothing of it went out yet, is a 502.
+            self._broke_off(responder, str(exc))
+        except ClientGone:
+            pass  # the client left
         if traced is not None:
             self._finish_error(traced, response.status, _error_message(bytes(kept)))
 
@@ -213,9 +221,7 @@ class ProxyApp:
         try:
             body = response.read()
         except UpstreamBrokeOff as exc:
-            message = f"kvtrace proxy: the upstream {self.upstream_url} broke off its answer: {exc}"
-            _send_error(responder, 502, "upstream_broke_off", message)
-            self._finish_error(traced, 502, message)
+            self._finish_error(traced, 502, self._broke_off(responder, str(exc)))
             return
         out = body
         if traced.plan.injected:
@@ -237,7 +243,9 @@ class ProxyApp:
         kept = bytearray()
         broken = self._relay(response, responder, traced.plan, kept)
         gone = responder.client_gone
-        if not gone:
+        if broken is not None:
+            self._broke_off(responder, broken)  # unfinished, as the upstream left it
+        elif not gone:
             try:
                 responder.end()
             except ClientGone:
@@ -269,7 +277,6 @@ class ProxyApp:
                     events, pending = pending[:end], pending[end:]
                     responder.send(self._cut_events(plan, events))
         except UpstreamBrokeOff as exc:
-            # The client's stream ends where the upstream's did, as it would without the proxy.
             return f"the upstream broke off the stream: {exc}"
         except ClientGone:
             return None  # the client left while a chunk was being written
@@ -279,6 +286,13 @@ class ProxyApp:
             except ClientGone:
                 pass
         return None
+
+    def _broke_off(self, responder: Responder, why: str) -> str:
+        """The upstream's answer ended before its end: a 502 if nothing went to the client yet (else its
+        connection closes with the answer unfinished, as it would without the proxy); the message."""
+        message = f"kvtrace proxy: the upstream {self.upstream_url} broke off its answer: {why}"
+        _send_error(responder, 502, "upstream_broke_off", message)
+        return message
 
     def _cut_events(self, plan: MarginPlan, events: bytes) -> bytes:
         try:
@@ -329,46 +343,57 @@ class ProxyApp:
                 cancelled: bool = False, broken: Optional[str] = None) -> None:
         try:
             recorder = self._recorder()
-            if recorder is None:
-                return
-            try:
-                answer = read_answer()
-            except Exception as exc:
-                # Still a span: the request happened; what kvtrace could not read is said on it.
-                self._finish_error(traced, status, f"kvtrace could not read the answer ({type(exc).__name__}: "
-                                                   f"{str(exc)[:200]})")
-                return
-            response = answer.response
-            choice = response["choices"][0] if response.get("choices") else {}
-            if not isinstance(choice.get("logprobs"), dict):
-                choice["logprobs"] = {"content": []}  # no margins: tokens unknown, the rest still read
-            if self._hasher is None:
-                self._hasher = TextHasher(recorder.settings.hash_key)
-            exchange = parse_exchange(traced.request, response, self._hasher, recorder.hash_tokens)
-            record = traced.record
-            reused = exchange.cached_tokens if exchange.cached_tokens is not None else 0
-            fill_record(record, exchange, reused, exchange.cached_tokens_source, sc.LAYER_KV_REUSE)
-            if traced.plan.endpoint == NATIVE:
-                record.operation = sc.OPERATION_TEXT_COMPLETION
-            self._configure(traced, status)
-            record.config[sc.MARGIN_UNIT] = answer.margin_unit if record.margins else None
-            slot = answer.slot if answer.slot is not None else (0 if traced.profile.total_slots == 1 else None)
-            record.config[sc.SERVER_SLOT_ID] = slot
-            if cancelled:
-                record.finish_reason = sc.FINISH_CANCELLED
-            if answer.error or broken:
-                record.error = f"upstream error: {answer.error}" if answer.error else broken
-            if self.provenance is not None:
-                self.provenance.describe(traced, record)
-            if record.reused_tokens > 0:
-                # What the server reported reusing, as the engine patches record a reuse.
-                record.events.append(CacheEvent(sc.EVENT_CACHE_REUSE, record.cache_layer, outcome=sc.OUTCOME_HIT,
-                                                tokens=record.reused_tokens, source=record.state_origin))
-            recorder.finish(record)
-            if self.provenance is not None:
-                self.provenance.finished(traced, record)
         except Exception:
-            self._count_failure("recording a request")
+            self._count_failure("finding the recorder")
+            return
+        if recorder is None:
+            return
+        try:
+            record = self._filled(traced, recorder, status, read_answer(), cancelled, broken)
+        except Exception as exc:
+            # Still a span: the request happened; what kvtrace could not read is said on it.
+            log.debug("kvtrace proxy: an answer could not be read", exc_info=True)
+            self._finish_error(traced, status, f"kvtrace could not read the answer ({type(exc).__name__}: "
+                                               f"{str(exc)[:200]})")
+            return
+        recorder.finish(record)  # never raises
+        if self.provenance is not None:
+            try:
+                self.provenance.finished(traced, record)
+            except Exception:
+                self.count("instrumentation_errors")
+                log.warning("kvtrace proxy: remembering a request's llama-server task failed", exc_info=True)
+
+    def _filled(self, traced: Traced, recorder: Recorder, status: int, answer: answers.UpstreamAnswer,
+                cancelled: bool, broken: Optional[str]) -> RequestRecord:
+        """The request's record with what the answer says."""
+        response = answer.response
+        choice = response["choices"][0] if response.get("choices") else {}
+        if not isinstance(choice.get("logprobs"), dict):
+            choice["logprobs"] = {"content": []}  # no margins: tokens unknown, the rest still read
+        if self._hasher is None:
+            self._hasher = TextHasher(recorder.settings.hash_key)
+        exchange = parse_exchange(traced.request, response, self._hasher, recorder.hash_tokens)
+        record = traced.record
+        reused = exchange.cached_tokens if exchange.cached_tokens is not None else 0
+        fill_record(record, exchange, reused, exchange.cached_tokens_source, sc.LAYER_KV_REUSE)
+        if traced.plan.endpoint == NATIVE:
+            record.operation = sc.OPERATION_TEXT_COMPLETION
+        self._configure(traced, status)
+        record.config[sc.MARGIN_UNIT] = answer.margin_unit if record.margins else None
+        slot = answer.slot if answer.slot is not None else (0 if traced.profile.total_slots == 1 else None)
+        record.config[sc.SERVER_SLOT_ID] = slot
+        if cancelled:
+            record.finish_reason = sc.FINISH_CANCELLED
+        if answer.error or broken:
+            record.error = f"upstream error: {answer.error}" if answer.error else broken
+        if self.provenance is not None:
+            self.provenance.describe(traced, record)
+        if record.reused_tokens > 0:
+            # What the server reported reusing, as the engine patches record a reuse.
+            record.events.append(CacheEvent(sc.EVENT_CACHE_REUSE, record.cache_layer, outcome=sc.OUTCOME_HIT,
+                                            tokens=record.reused_tokens, source=record.state_origin))
+        return record
 
     def _finish_error(self, traced: Traced, status: int, message: str) -> None:
         try:
@@ -412,11 +437,15 @@ class ProxyApp:
         record.config[sc.CACHE_SETTINGS] = cache or None
 
     def _count_failure(self, what: str) -> None:
+        self.count("instrumentation_errors")
+        log.warning("kvtrace proxy: %s failed; the request went through untraced", what, exc_info=True)
+
+    def count(self, name: str) -> None:
+        """One more of the recorder's counter ``name`` (published with the span counters)."""
         try:
             recorder = self._recorder()
             if recorder is not None:
-                recorder.pipeline.counters["instrumentation_errors"] += 1
-            log.warning("kvtrace proxy: %s failed; the request went through untraced", what, exc_info=True)
+                recorder.pipeline.counters[name] += 1
         except Exception:
             pass
 
@@ -565,7 +594,7 @@ def _response_headers(response: UpstreamResponse, keep_length: bool = False) -> 
 
 def _send_error(responder: Responder, status: int, kind: str, message: str) -> None:
     body = json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
-    if responder.started or responder.client_gone:
+    if responder.committed or responder.client_gone:
         return
     responder.start(status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())])
     try:
@@ -589,7 +618,7 @@ def _error_message(body: bytes) -> str:
 
 @contextlib.contextmanager
 def proxy_in_thread(upstream: str, recorder: Optional[Recorder] = None,
-                    llama_server_log: Optional[Path] = None) -> Iterator[str]:
+                    llama_server_log: Optional[Path] = None, limits: Limits = Limits()) -> Iterator[str]:
     """The proxy on a free local port, served by threads of this process; yields its base URL.
 
     ``recorder``: the recorder to use (default: the process recorder, as ``kvtrace proxy`` does).
@@ -597,7 +626,7 @@ def proxy_in_thread(upstream: str, recorder: Optional[Recorder] = None,
     """
     app = ProxyApp(upstream, recorder=(lambda: recorder) if recorder is not None else get_recorder,
                    llama_server_log=llama_server_log)
-    server = Server(app.handle, "127.0.0.1", 0).start()
+    server = Server(app.handle, "127.0.0.1", 0, limits, app.count).start()
     try:
         yield f"http://127.0.0.1:{server.port}"
     finally:
@@ -606,10 +635,10 @@ def proxy_in_thread(upstream: str, recorder: Optional[Recorder] = None,
 
 
 def serve(upstream: str, host: str, port: int, llama_server_log: Optional[Path] = None,
-          on_listening: Optional[Callable[[int], None]] = None) -> None:
+          on_listening: Optional[Callable[[int], None]] = None, limits: Limits = Limits()) -> None:
     """Run the proxy until SIGINT or SIGTERM (both a normal stop: the spans are flushed, exit 0)."""
     app = ProxyApp(upstream, llama_server_log=llama_server_log)
-    server = Server(app.handle, host, port)
+    server = Server(app.handle, host, port, limits, app.count)
     stop = threading.Event()
     for number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(number, lambda signum, frame: stop.set())

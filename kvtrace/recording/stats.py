@@ -56,7 +56,16 @@ COUNTERS = (
     "values_repaired",            # a client's value repaired, its span kept: text UTF-8 cannot carry (lone
                                   # surrogates → U+FFFD), a turn outside Int32 or integer outside int64 (left out)
     "recorder_failures",          # the recorder could not be created: this process ran untraced
+    # `kvtrace proxy`: requests and connections it refused (none of them a span), accept failures
+    "proxy_bad_requests",         # 400: malformed, not a path (origin form), or with dot-segments
+    "proxy_client_timeouts",      # 408: a request's head and body did not arrive in time
+    "proxy_refused_body",         # 413: a body over the proxy's limit
+    "proxy_refused_headers",      # 431: a head over the proxy's limit
+    "proxy_refused_busy",         # 503: as many client connections open as the proxy takes
+    "proxy_accept_errors",        # accept() or a connection's thread failed (EMFILE ...): retried
 )
+(PROXY_BAD_REQUESTS, PROXY_CLIENT_TIMEOUTS, PROXY_REFUSED_BODY, PROXY_REFUSED_HEADERS, PROXY_REFUSED_BUSY,
+ PROXY_ACCEPT_ERRORS) = COUNTERS[-6:]
 LOST_COUNTERS = ("spans_dropped_queue_full", "spans_failed_export", "spans_dropped_at_shutdown")
 
 SLOT_BYTES = 2048

@@ -1,0 +1,26 @@
+"""What one client may take of ``kvtrace proxy``, and the defaults (docs/proxy-limits.md).
+
+Kept apart from :mod:`http1` so that the command's options read the defaults without h11 (the
+optional ``proxy`` extra).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Each limit has its refusal: a status, a counter of :mod:`kvtrace.recording.stats`, a closed connection."""
+
+    max_header_bytes: int = 64 << 10
+    """Request line and headers (431)."""
+    max_body_bytes: int = 16 << 20
+    """A request's body (413)."""
+    max_connections: int = 256
+    """Client connections open at once; one more is answered 503 and closed."""
+    idle_timeout_s: float = 60.0
+    """A kept-alive connection waits this long for its next request (then it is closed), and a write
+    to the client (a streamed chunk, a whole answer) may take this long (then the client is cut off)."""
+    request_timeout_s: float = 60.0
+    """A request's head and body must arrive within this time of its first byte (408)."""
