@@ -14,14 +14,17 @@ instead, so ``kvtrace run`` can refuse it before the engine starts.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 from urllib.parse import urlparse
 
 from kvtrace import semconv
+from kvtrace.credentials import read_secret_file
 from kvtrace.errors import BadEndpoint, BadSetting, UnwritableDirectory
 
 EXPORTERS = ("spool", "otlp", "clickhouse", "none")
@@ -209,40 +212,82 @@ class Settings:
         )
 
 
+MIN_HASH_KEY_BYTES = 16
+"""A shorter deployment key could be found by trying keys against one hash of a guessed prompt."""
+
+log = logging.getLogger("kvtrace")
+_LOOSE_KEY_FILES_WARNED: set[str] = set()
+"""Key files this process has warned about already (settings are read more than once)."""
+
+
 def load_hash_key(environ: Optional[Mapping[str, str]] = None) -> bytes:
     """The deployment secret that keys token hashes.
 
     ``KVTRACE_HASH_KEY`` wins; otherwise a random key is created once in the
     per-user data directory, so that every process of this user on this
     machine hashes alike (runs stay comparable) while nobody without the key
-    can recover token ids.
+    can recover token ids.  Either must hold at least 16 bytes.
     """
     environ = os.environ if environ is None else environ
     explicit = environ.get("KVTRACE_HASH_KEY")
     if explicit:
-        return explicit.encode()
+        key = explicit.encode()
+        if len(key) < MIN_HASH_KEY_BYTES:
+            raise BadSetting(f"KVTRACE_HASH_KEY is {len(key)} bytes long; a hash key needs at least "
+                             f"{MIN_HASH_KEY_BYTES} (e.g. the output of `openssl rand -hex 32`), or unset it "
+                             "for a random key kept in the data home")
+        return key
     path = data_home(environ) / "hash.key"
+    key = _read_key_file(path)
+    return key if key is not None else _create_key_file(path)
+
+
+def _read_key_file(path: Path) -> Optional[bytes]:
+    """The key file's bytes, ``None`` when there is none yet; one too short is refused, one that others
+    may read is warned about."""
     try:
-        return path.read_bytes()
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:  # a FIFO must not block the read
+            mode = os.fstat(file.fileno()).st_mode
+            key = file.read() if stat.S_ISREG(mode) else b""
     except (FileNotFoundError, NotADirectoryError):
-        pass  # not made yet (or cannot be: making it says why)
+        return None  # not made yet (or cannot be: making it says why)
     except OSError as exc:
         raise UnwritableDirectory(f"cannot read the hash key {path} ({exc.strerror or exc}); "
                                   "fix its permissions or set KVTRACE_HASH_KEY") from None
+    if len(key) < MIN_HASH_KEY_BYTES:
+        raise BadSetting(f"the hash key file {path} holds {len(key)} bytes, fewer than {MIN_HASH_KEY_BYTES}; "
+                         "remove it for a new random key (runs recorded with the old one no longer compare "
+                         "with new ones) or set KVTRACE_HASH_KEY")
+    if mode & 0o077 and str(path) not in _LOOSE_KEY_FILES_WARNED:
+        _LOOSE_KEY_FILES_WARNED.add(str(path))
+        log.warning("kvtrace: the hash key %s can be read by other users (mode %03o): whoever reads it can "
+                    "confirm guessed prompts and tokens; run chmod 600 %s", path, mode & 0o777, path)
+    return key
+
+
+def _create_key_file(path: Path) -> bytes:
+    """A new random key, made 0600 from its first byte; when processes race, the first one's key wins."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        key = os.urandom(32)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(key)
-        os.chmod(tmp, 0o600)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.unlink(missing_ok=True)  # left by a process of this pid that died before its link
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.link(tmp, path)  # first writer wins; concurrent processes read its key
+            os.write(fd, os.urandom(32))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # whole or not at all: a reader never sees a key half written
         except FileExistsError:
             pass
         finally:
             tmp.unlink(missing_ok=True)
-        return path.read_bytes()
+        key = _read_key_file(path)
     except OSError as exc:
         raise UnwritableDirectory(
             f"cannot keep the hash key in the data home {path.parent} ({exc.strerror or exc}); set XDG_DATA_HOME "
             "to a directory this user can write, or set KVTRACE_HASH_KEY (and KVTRACE_SPOOL_DIR)") from None
+    if key is None:
+        raise UnwritableDirectory(f"the hash key {path} vanished as it was made; set KVTRACE_HASH_KEY")
+    return key

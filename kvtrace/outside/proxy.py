@@ -207,7 +207,7 @@ class ProxyApp:
         except (UpstreamBrokeOff, ClientGone):
             pass  # the client's answer ends where the upstream's did, or the client left
         if traced is not None:
-            self._finish_error(traced, response.status, _error_message(bytes(kept)))
+            self._finish_error(traced, response.status, f"upstream HTTP {response.status}", _error_message(bytes(kept)))
 
     def _whole(self, response: UpstreamResponse, responder: Responder, traced: Traced) -> None:
         try:
@@ -335,8 +335,8 @@ class ProxyApp:
                 answer = read_answer()
             except Exception as exc:
                 # Still a span: the request happened; what kvtrace could not read is said on it.
-                self._finish_error(traced, status, f"kvtrace could not read the answer ({type(exc).__name__}: "
-                                                   f"{str(exc)[:200]})")
+                self._finish_error(traced, status, f"kvtrace could not read the answer ({type(exc).__name__})",
+                                   str(exc)[:200])
                 return
             response = answer.response
             choice = response["choices"][0] if response.get("choices") else {}
@@ -356,8 +356,10 @@ class ProxyApp:
             record.config[sc.SERVER_SLOT_ID] = slot
             if cancelled:
                 record.finish_reason = sc.FINISH_CANCELLED
-            if answer.error or broken:
-                record.error = f"upstream error: {answer.error}" if answer.error else broken
+            if answer.error:
+                record.error, record.error_detail = "upstream error", answer.error
+            elif broken:
+                record.error = broken
             if self.provenance is not None:
                 self.provenance.describe(traced, record)
             if record.reused_tokens > 0:
@@ -370,7 +372,8 @@ class ProxyApp:
         except Exception:
             self._count_failure("recording a request")
 
-    def _finish_error(self, traced: Traced, status: int, message: str) -> None:
+    def _finish_error(self, traced: Traced, status: int, message: str, detail: Optional[str] = None) -> None:
+        """``message``: kvtrace's own words; ``detail``: the upstream's, kept as the capture policy says."""
         try:
             recorder = self._recorder()
             if recorder is None:
@@ -378,7 +381,7 @@ class ProxyApp:
             self._configure(traced, status)
             if self.provenance is not None:
                 self.provenance.abandon(traced)
-            traced.record.error = f"upstream HTTP {status}: {message}" if status >= 400 and status != 502 else message
+            traced.record.error, traced.record.error_detail = message, detail
             recorder.finish(traced.record)
         except Exception:
             self._count_failure("recording a failed request")
