@@ -46,8 +46,14 @@ def default_spool_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
 
 
 def default_database_url(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``KVTRACE_CLICKHOUSE_URL``, else the URL in the file ``KVTRACE_CLICKHOUSE_URL_FILE`` names (a server's
+    password kept off command lines and out of the environment), else the per-user embedded database."""
     env = os.environ if environ is None else environ
-    return env.get("KVTRACE_CLICKHOUSE_URL") or f"chdb://{data_home(env) / 'db'}"
+    if env.get("KVTRACE_CLICKHOUSE_URL"):
+        return env["KVTRACE_CLICKHOUSE_URL"]
+    if env.get("KVTRACE_CLICKHOUSE_URL_FILE"):
+        return read_secret_file(env["KVTRACE_CLICKHOUSE_URL_FILE"], "KVTRACE_CLICKHOUSE_URL_FILE (--db-file)")
+    return f"chdb://{data_home(env) / 'db'}"
 
 
 class _Env:
