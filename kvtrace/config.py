@@ -56,6 +56,26 @@ def default_database_url(environ: Optional[Mapping[str, str]] = None) -> str:
     return f"chdb://{data_home(env) / 'db'}"
 
 
+ENABLED_VARIABLE = "KVTRACE_ENABLED"
+"""Opts a process, and every process it starts, in to recording by engines that load kvtrace by
+themselves (vLLM's plugin): ``kvtrace run`` and ``kvtrace.instrument()`` set it."""
+
+
+def _truthy(value: Optional[str]) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes")
+
+
+def recording_opted_in(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """``KVTRACE_ENABLED=1`` and not ``KVTRACE_DISABLED`` / ``OTEL_SDK_DISABLED``: an engine that loads
+    kvtrace whenever it is installed records only then, so installing kvtrace alone records nothing."""
+    env = os.environ if environ is None else environ
+    return _truthy(env.get(ENABLED_VARIABLE)) and not recording_disabled(env)
+
+
+def recording_disabled(environ: Mapping[str, str]) -> bool:
+    return _truthy(environ.get("KVTRACE_DISABLED")) or (environ.get("OTEL_SDK_DISABLED") or "").strip().lower() == "true"
+
+
 class _Env:
     """Typed, validated reads of one environment; every refusal says what to set instead."""
 
@@ -172,9 +192,7 @@ class Settings:
         """Settings from ``environ`` (default ``os.environ``); a value kvtrace cannot use raises ConfigError."""
         environ = os.environ if environ is None else environ
         env = _Env(environ)
-        disabled = (env.raw("KVTRACE_DISABLED") or "").lower() in ("1", "true", "yes") or (
-            (env.raw("OTEL_SDK_DISABLED") or "").lower() == "true"
-        )
+        disabled = recording_disabled(environ)
         exporter = env.choice("KVTRACE_EXPORTER", "spool", EXPORTERS)
         clickhouse_url = default_database_url(environ)
         if exporter == "clickhouse":
