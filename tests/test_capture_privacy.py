@@ -120,7 +120,7 @@ def stored_requests(db) -> list[tuple]:
                     "ORDER BY episode_id").result_rows
 
 
-@pytest.mark.parametrize("capture", ["hashed", "none"])
+@pytest.mark.parametrize("capture", ["ids", "hashed", "none"])
 def test_equal_outputs_of_different_prompts_do_not_hash_alike(spool_dir, db, capture):
     # One-token answers ("yes" = 7, "no" = 8) to 200 different questions: hashed alone, the output
     # hash would be a substitution cipher of the answers.
@@ -168,6 +168,64 @@ def test_an_upstream_error_that_repeats_the_input_and_stop_strings_are_not_store
         stops = [json.loads(s)["stop"] for s in settings]
         # Keyed under the prompt like a token: equal only where the prompt is the same.
         assert len(set(stops)) == 2 and sorted(stops.count(s) for s in set(stops)) == [1, 2]
+
+
+class RefusingUpstream:
+    """An OpenAI-compatible server on 127.0.0.1 that answers every completion 400 with an error
+    message that repeats the client's prompt, as servers do."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def answer(self, status: int, document: dict) -> None:
+                body = json.dumps(document).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self.answer(404, {"error": {"message": "not found"}})
+
+            def do_POST(self) -> None:
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self.answer(400, {"error": {"message": f"prompt {request['prompt']!r} is too long"}})
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def test_a_proxied_upstreams_error_that_repeats_the_prompt_is_not_stored_in_the_clear(spool_dir, db, monkeypatch):
+    import httpx
+
+    from kvtrace.outside.proxy import proxy_in_thread
+
+    monkeypatch.setenv("KVTRACE_CAPTURE", "hashed")
+    recorder = Recorder(Settings.from_env(), exporter=SpoolExporter(spool_dir))
+    upstream = RefusingUpstream()
+    try:
+        with proxy_in_thread(upstream.url, recorder) as proxy:
+            answer = httpx.post(proxy + "/v1/completions", json={"prompt": SECRET, "max_tokens": 3}, timeout=60)
+    finally:
+        upstream.close()
+    assert answer.status_code == 400 and "Alice" in answer.text  # the client gets the upstream's answer
+    recorder.pipeline.force_flush()
+    recorder.shutdown()
+    ingest_paths(db, [spool_dir])
+    assert "Alice" not in everything_stored(db)
+    status, = db.query("SELECT StatusMessage FROM otel_traces WHERE StatusMessage != ''").result_rows[0]
+    assert status.startswith("upstream HTTP 400 (message keyed-hashed: ")
 
 
 def test_with_ids_capture_the_operator_reads_the_upstreams_words(spool_dir, db):

@@ -43,6 +43,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
 from kvtrace import semconv as sc
+from kvtrace.credentials import without_password
 from kvtrace.outside import answers
 from kvtrace.outside.http1 import (ClientGone, Headers, Request, Responder, Server, Upstream, UpstreamBrokeOff,
                                    UpstreamResponse, UpstreamUnreachable)
@@ -178,7 +179,7 @@ class ProxyApp:
         try:
             response = self.upstream.request(request.method, request.target, headers, upstream_body)
         except UpstreamUnreachable as exc:
-            message = f"kvtrace proxy: the upstream {self.upstream_url} could not be reached: {exc}"
+            message = f"kvtrace proxy: the upstream {without_password(self.upstream_url)} could not be reached: {exc}"
             _send_error(responder, 502, "upstream_unreachable", message)
             if traced is not None:
                 self._finish_error(traced, 502, message)
@@ -213,7 +214,7 @@ class ProxyApp:
         try:
             body = response.read()
         except UpstreamBrokeOff as exc:
-            message = f"kvtrace proxy: the upstream {self.upstream_url} broke off its answer: {exc}"
+            message = f"kvtrace proxy: the upstream {without_password(self.upstream_url)} broke off its answer: {exc}"
             _send_error(responder, 502, "upstream_broke_off", message)
             self._finish_error(traced, 502, message)
             return
@@ -388,7 +389,7 @@ class ProxyApp:
 
     def _configure(self, traced: Traced, status: int) -> None:
         record, profile, request = traced.record, traced.profile, traced.request
-        record.config[sc.PROXY_UPSTREAM] = self.upstream_url
+        record.config[sc.PROXY_UPSTREAM] = without_password(self.upstream_url)  # every span carries it
         record.config[sc.HTTP_RESPONSE_STATUS_CODE] = status
         record.config[sc.MARGIN_SOURCE] = traced.plan.source
         if profile.version:
