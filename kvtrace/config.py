@@ -73,7 +73,9 @@ def recording_opted_in(environ: Optional[Mapping[str, str]] = None) -> bool:
 
 
 def recording_disabled(environ: Mapping[str, str]) -> bool:
-    return _truthy(environ.get("KVTRACE_DISABLED")) or (environ.get("OTEL_SDK_DISABLED") or "").strip().lower() == "true"
+    """``KVTRACE_DISABLED`` (1, true, yes) or the OpenTelemetry SDK's ``OTEL_SDK_DISABLED=true``."""
+    otel_disabled = (environ.get("OTEL_SDK_DISABLED") or "").strip().lower() == "true"
+    return _truthy(environ.get("KVTRACE_DISABLED")) or otel_disabled
 
 
 class _Env:

@@ -7,11 +7,10 @@ the environment or a file instead of the rules file."""
 
 from __future__ import annotations
 
-import threading
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from receivers import Loopback
 
 from kvtrace.alerts.delivery import Deliverer
 from kvtrace.alerts.rules import AlertRulesError, parse_config
@@ -22,42 +21,16 @@ TOKEN = "T0K3N-in-the-path"
 SECRET_HEADER = "Bearer s3cret-header-value"
 
 
-class Server:
+def Server(status: int = 200, location: str = "") -> Loopback:
     """Answers every request with ``status`` (and a Location to ``location``), recording what it got."""
-
-    def __init__(self, status: int = 200, location: str = "") -> None:
-        self.requests: list[tuple[str, str, dict[str, str]]] = []
-        seen = self.requests
-
-        class Handler(BaseHTTPRequestHandler):
-            def handle_one(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                seen.append((self.command, self.path, dict(self.headers)))
-                self.send_response(status)
-                if location:
-                    self.send_header("Location", location)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            do_GET = do_POST = do_PUT = handle_one
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+    return Loopback(lambda method, path, body: (status, {"Location": location} if location else {}, b""))
 
 
 @pytest.fixture
 def servers():
-    started: list[Server] = []
+    started: list[Loopback] = []
 
-    def start(*args) -> Server:
+    def start(*args) -> Loopback:
         started.append(Server(*args))
         return started[-1]
 
@@ -76,13 +49,14 @@ def test_a_redirect_is_a_failed_delivery_and_is_never_followed(servers, status, 
     redirecting = servers(status, f"{target.url}/elsewhere")
     monkeypatch.setenv("HOOK_AUTH", SECRET_HEADER)
     config = parse_config({"rules": [RULE], "delivery": {
-        "webhook": {"url": f"{redirecting.url}/hooks/{TOKEN}?key={TOKEN}", "headers": {"Authorization": {"env": "HOOK_AUTH"}}},
+        "webhook": {"url": f"{redirecting.url}/hooks/{TOKEN}?key={TOKEN}",
+                    "headers": {"Authorization": {"env": "HOOK_AUTH"}}},
         "alertmanager": {"url": redirecting.url}, "attempts": 2, "retry_delay": 0}})
     deliverer = Deliverer(config.delivery)
     webhook_error = deliverer.send_webhook(firing())
     alertmanager_error = deliverer.send_alertmanager(firing(), now=1e9)
-    assert webhook_error == (f"{redirecting.url}/…: HTTP {status} {HTTPStatus(status).phrase} (a redirect, not followed: "
-                             "configure the URL it points to) (after 2 attempt(s))")
+    assert webhook_error == (f"{redirecting.url}/…: HTTP {status} {HTTPStatus(status).phrase} (a redirect, not "
+                             "followed: configure the URL it points to) (after 2 attempt(s))")
     assert alertmanager_error.startswith(f"{redirecting.url}/…: HTTP {status} ")
     assert [method for method, _, _ in redirecting.requests] == ["POST"] * 4  # retried, each a POST
     assert redirecting.requests[0][2]["Authorization"] == SECRET_HEADER  # the header comes from the environment

@@ -21,6 +21,7 @@ from kvtrace.config import Settings
 from kvtrace.analysis.forks import diff_runs
 from kvtrace.recording.recorder import Recorder
 from kvtrace.recording.exporters.spool import SpoolExporter
+from receivers import Loopback
 
 
 def test_the_same_token_never_gets_the_same_hash_twice_across_prompts(spool_dir, db, monkeypatch):
@@ -170,40 +171,17 @@ def test_an_upstream_error_that_repeats_the_input_and_stop_strings_are_not_store
         assert len(set(stops)) == 2 and sorted(stops.count(s) for s in set(stops)) == [1, 2]
 
 
-class RefusingUpstream:
-    """An OpenAI-compatible server on 127.0.0.1 that answers every completion 400 with an error
-    message that repeats the client's prompt, as servers do."""
+def refusing_upstream() -> Loopback:
+    """An OpenAI-compatible server that answers every completion 400 with an error message that repeats
+    the client's prompt, as servers do."""
 
-    def __init__(self) -> None:
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    def answer(method: str, path: str, body: bytes):
+        if method != "POST":
+            return 404, {}, b'{"error": {"message": "not found"}}'
+        message = f"prompt {json.loads(body)['prompt']!r} is too long"
+        return 400, {"Content-Type": "application/json"}, json.dumps({"error": {"message": message}}).encode()
 
-        class Handler(BaseHTTPRequestHandler):
-            def answer(self, status: int, document: dict) -> None:
-                body = json.dumps(document).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                self.answer(404, {"error": {"message": "not found"}})
-
-            def do_POST(self) -> None:
-                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                self.answer(400, {"error": {"message": f"prompt {request['prompt']!r} is too long"}})
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+    return Loopback(answer)
 
 
 def test_a_proxied_upstreams_error_that_repeats_the_prompt_is_not_stored_in_the_clear(spool_dir, db, monkeypatch):
@@ -213,7 +191,7 @@ def test_a_proxied_upstreams_error_that_repeats_the_prompt_is_not_stored_in_the_
 
     monkeypatch.setenv("KVTRACE_CAPTURE", "hashed")
     recorder = Recorder(Settings.from_env(), exporter=SpoolExporter(spool_dir))
-    upstream = RefusingUpstream()
+    upstream = refusing_upstream()
     try:
         with proxy_in_thread(upstream.url, recorder) as proxy:
             answer = httpx.post(proxy + "/v1/completions", json={"prompt": SECRET, "max_tokens": 3}, timeout=60)

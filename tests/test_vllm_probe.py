@@ -1,8 +1,8 @@
 """``kvtrace probe`` against vLLM's own OpenAI server, which kvtrace's plugin traces from inside.
 
 The story: an operator starts ``python -m vllm.entrypoints.openai.api_server`` with prefix caching
-on and ``KVTRACE_ENABLED=1``; vLLM loads kvtrace's plugin by itself.  The probe sends each of two prompts cold (with a fresh
-``cache_salt``, so no stored block matches), then warm twice.  Every probe request carries
+on and ``KVTRACE_ENABLED=1``; vLLM loads kvtrace's plugin by itself.  The probe sends each of two
+prompts cold (with a fresh ``cache_salt``, so no stored block matches), then warm twice.  Every probe request carries
 ``traceparent`` and ``baggage``: the engine core records it in the probe's run, episode and turn,
 as the child of the probe's span in the same trace.  The first warm request finds no unsalted
 blocks and stores them; the second reuses them.  ``kvtrace diff canary canary --turns 0,2`` compares

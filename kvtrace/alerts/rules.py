@@ -247,7 +247,8 @@ def _delivery(raw: Any, where: str) -> DeliveryConfig:
     if raw.get("webhook") is not None:
         w = _mapping(raw["webhook"], f"{where}: webhook")
         _no_unknown(w, {"url", "headers", "timeout"}, f"{where}: webhook")
-        webhook = WebhookConfig(_url(w.get("url"), f"{where}: webhook"), _headers(w.get("headers"), f"{where}: webhook"),
+        webhook = WebhookConfig(_url(w.get("url"), f"{where}: webhook"),
+                                _headers(w.get("headers"), f"{where}: webhook"),
                                 parse_duration(w.get("timeout", 5), f"{where}: webhook timeout"))
     if raw.get("alertmanager") is not None:
         a = _mapping(raw["alertmanager"], f"{where}: alertmanager")

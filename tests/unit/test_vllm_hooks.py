@@ -461,14 +461,13 @@ def test_kvtrace_disabled_wins_over_the_opt_in(patch_calls, monkeypatch):
 
 
 def test_instrument_opts_the_processes_it_starts_in():
+    import os
     import subprocess
     import sys
 
     child = "import os; print(os.environ.get('KVTRACE_ENABLED'))"
-    parent = ("import subprocess, sys, kvtrace\n"
-              f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True).stdout, end='')\n"
-              "kvtrace.instrument(['vllm'])\n"
-              f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True).stdout, end='')\n")
-    env = {k: v for k, v in __import__("os").environ.items() if k != "KVTRACE_ENABLED"}
+    ask_child = f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True).stdout)\n"
+    parent = "import subprocess, sys, kvtrace\n" + ask_child + "kvtrace.instrument(['vllm'])\n" + ask_child
+    env = {k: v for k, v in os.environ.items() if k != "KVTRACE_ENABLED"}
     done = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, env=env, timeout=120)
     assert done.stdout.split() == ["None", "1"], done.stderr
