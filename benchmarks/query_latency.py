@@ -40,7 +40,8 @@ from kvtrace.recording.records import CacheEvent
 
 
 def generate(spool: Path, episodes: int, turns: int, tokens: int, seed: int = 7) -> int:
-    os.environ.update({"KVTRACE_CAPTURE": "ids", "KVTRACE_HASH_KEY": "benchmark", "KVTRACE_SPOOL_DIR": str(spool)})
+    os.environ.update({"KVTRACE_CAPTURE": "ids", "KVTRACE_HASH_KEY": "kvtrace-benchmark-key",
+                       "KVTRACE_SPOOL_DIR": str(spool)})
     recorder = Recorder(Settings.from_env(), exporter=SpoolExporter(spool))
     rng = random.Random(seed)
     spans = 0

@@ -229,6 +229,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: one patch switch, one clock
+    os.environ["KVTRACE_ENABLED"] = "1"  # the plugin patches (with the timed table) only a process opted in
 
     hook_clock = HookClock()
     install_hook_timers(patch, hook_clock)

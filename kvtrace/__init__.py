@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator, Optional
 
 from kvtrace import semconv
+from kvtrace.config import ENABLED_VARIABLE
 try:
     from kvtrace.patches import patch_all, unpatch_all  # only the registry: a patch loads when its engine is imported
 except ModuleNotFoundError as missing:
@@ -25,8 +27,11 @@ __all__ = ["__version__", "instrument", "uninstrument", "correlate"]
 def instrument(engines: Optional[list[str]] = None) -> list[str]:
     """Patch the supported engines (now, or lazily when they are imported).
 
+    Also opts this process and those it starts in to recording (``KVTRACE_ENABLED=1``), so that an
+    engine process it spawns (vLLM's engine core, its workers) records through kvtrace's plugin too.
     Returns the names of the engines whose patches were registered.
     """
+    os.environ[ENABLED_VARIABLE] = "1"
     return patch_all(engines)
 
 

@@ -81,7 +81,14 @@ def build_parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
         default=None,
         help="ClickHouse to use: chdb:///path (embedded, default: per-user data dir), "
         "chdb://memory, or http(s)://user:password@host:port/database "
-        "(env KVTRACE_CLICKHOUSE_URL)",
+        "(env KVTRACE_CLICKHOUSE_URL; a password on the command line is visible to every user in ps: "
+        "give it in the environment or with --db-file)",
+    )
+    parser.add_argument(
+        "--db-file",
+        metavar="FILE",
+        default=None,
+        help="read the --db URL from FILE (env KVTRACE_CLICKHOUSE_URL_FILE)",
     )
     parser.add_argument(
         "--spool-dir",
@@ -105,13 +112,31 @@ def build_parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
     return parser
 
 
+LIBRARY_LOGGERS = ("urllib3", "clickhouse_connect", "chdb")
+"""Libraries whose words (a retried connection, a driver error, chDB's own error text) kvtrace's one-line
+message already says in its own: shown with --debug or --verbose only."""
+
+
+def configure_logging(args) -> None:
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(name)s: %(levelname)s: %(message)s")
+    level = logging.DEBUG if (args.verbose or traceback_requested(args)) else logging.CRITICAL + 1
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(level)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(name)s: %(levelname)s: %(message)s")
+    configure_logging(args)
+    if args.db and args.db_file:
+        print("kvtrace: error: give the database as --db URL or --db-file FILE, not both", file=sys.stderr)
+        return 2
     if args.db:
         os.environ["KVTRACE_CLICKHOUSE_URL"] = args.db
+    if args.db_file:
+        os.environ.pop("KVTRACE_CLICKHOUSE_URL", None)  # the file given here wins over the environment
+        os.environ["KVTRACE_CLICKHOUSE_URL_FILE"] = args.db_file
     if args.spool_dir:
         os.environ["KVTRACE_SPOOL_DIR"] = args.spool_dir
     if not getattr(args, "func", None):

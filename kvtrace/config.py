@@ -14,14 +14,17 @@ instead, so ``kvtrace run`` can refuse it before the engine starts.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 from urllib.parse import urlparse
 
 from kvtrace import semconv
+from kvtrace.credentials import read_secret_file
 from kvtrace.errors import BadEndpoint, BadSetting, UnwritableDirectory
 from kvtrace.recording.records import TURN_MAX, TURN_MIN
 
@@ -44,8 +47,36 @@ def default_spool_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
 
 
 def default_database_url(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``KVTRACE_CLICKHOUSE_URL``, else the URL in the file ``KVTRACE_CLICKHOUSE_URL_FILE`` names (a server's
+    password kept off command lines and out of the environment), else the per-user embedded database."""
     env = os.environ if environ is None else environ
-    return env.get("KVTRACE_CLICKHOUSE_URL") or f"chdb://{data_home(env) / 'db'}"
+    if env.get("KVTRACE_CLICKHOUSE_URL"):
+        return env["KVTRACE_CLICKHOUSE_URL"]
+    if env.get("KVTRACE_CLICKHOUSE_URL_FILE"):
+        return read_secret_file(env["KVTRACE_CLICKHOUSE_URL_FILE"], "KVTRACE_CLICKHOUSE_URL_FILE (--db-file)")
+    return f"chdb://{data_home(env) / 'db'}"
+
+
+ENABLED_VARIABLE = "KVTRACE_ENABLED"
+"""Opts a process, and every process it starts, in to recording by engines that load kvtrace by
+themselves (vLLM's plugin): ``kvtrace run`` and ``kvtrace.instrument()`` set it."""
+
+
+def _truthy(value: Optional[str]) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes")
+
+
+def recording_opted_in(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """``KVTRACE_ENABLED=1`` and not ``KVTRACE_DISABLED`` / ``OTEL_SDK_DISABLED``: an engine that loads
+    kvtrace whenever it is installed records only then, so installing kvtrace alone records nothing."""
+    env = os.environ if environ is None else environ
+    return _truthy(env.get(ENABLED_VARIABLE)) and not recording_disabled(env)
+
+
+def recording_disabled(environ: Mapping[str, str]) -> bool:
+    """``KVTRACE_DISABLED`` (1, true, yes) or the OpenTelemetry SDK's ``OTEL_SDK_DISABLED=true``."""
+    otel_disabled = (environ.get("OTEL_SDK_DISABLED") or "").strip().lower() == "true"
+    return _truthy(environ.get("KVTRACE_DISABLED")) or otel_disabled
 
 
 class _Env:
@@ -168,9 +199,7 @@ class Settings:
         """Settings from ``environ`` (default ``os.environ``); a value kvtrace cannot use raises ConfigError."""
         environ = os.environ if environ is None else environ
         env = _Env(environ)
-        disabled = (env.raw("KVTRACE_DISABLED") or "").lower() in ("1", "true", "yes") or (
-            (env.raw("OTEL_SDK_DISABLED") or "").lower() == "true"
-        )
+        disabled = recording_disabled(environ)
         exporter = env.choice("KVTRACE_EXPORTER", "spool", EXPORTERS)
         clickhouse_url = default_database_url(environ)
         if exporter == "clickhouse":
@@ -214,40 +243,82 @@ class Settings:
         )
 
 
+MIN_HASH_KEY_BYTES = 16
+"""A shorter deployment key could be found by trying keys against one hash of a guessed prompt."""
+
+log = logging.getLogger("kvtrace")
+_LOOSE_KEY_FILES_WARNED: set[str] = set()
+"""Key files this process has warned about already (settings are read more than once)."""
+
+
 def load_hash_key(environ: Optional[Mapping[str, str]] = None) -> bytes:
     """The deployment secret that keys token hashes.
 
     ``KVTRACE_HASH_KEY`` wins; otherwise a random key is created once in the
     per-user data directory, so that every process of this user on this
     machine hashes alike (runs stay comparable) while nobody without the key
-    can recover token ids.
+    can recover token ids.  Either must hold at least 16 bytes.
     """
     environ = os.environ if environ is None else environ
     explicit = environ.get("KVTRACE_HASH_KEY")
     if explicit:
-        return explicit.encode()
+        key = explicit.encode()
+        if len(key) < MIN_HASH_KEY_BYTES:
+            raise BadSetting(f"KVTRACE_HASH_KEY is {len(key)} bytes long; a hash key needs at least "
+                             f"{MIN_HASH_KEY_BYTES} (e.g. the output of `openssl rand -hex 32`), or unset it "
+                             "for a random key kept in the data home")
+        return key
     path = data_home(environ) / "hash.key"
+    key = _read_key_file(path)
+    return key if key is not None else _create_key_file(path)
+
+
+def _read_key_file(path: Path) -> Optional[bytes]:
+    """The key file's bytes, ``None`` when there is none yet; one too short is refused, one that others
+    may read is warned about."""
     try:
-        return path.read_bytes()
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:  # a FIFO must not block the read
+            mode = os.fstat(file.fileno()).st_mode
+            key = file.read() if stat.S_ISREG(mode) else b""
     except (FileNotFoundError, NotADirectoryError):
-        pass  # not made yet (or cannot be: making it says why)
+        return None  # not made yet (or cannot be: making it says why)
     except OSError as exc:
         raise UnwritableDirectory(f"cannot read the hash key {path} ({exc.strerror or exc}); "
                                   "fix its permissions or set KVTRACE_HASH_KEY") from None
+    if len(key) < MIN_HASH_KEY_BYTES:
+        raise BadSetting(f"the hash key file {path} holds {len(key)} bytes, fewer than {MIN_HASH_KEY_BYTES}; "
+                         "remove it for a new random key (runs recorded with the old one no longer compare "
+                         "with new ones) or set KVTRACE_HASH_KEY")
+    if mode & 0o077 and str(path) not in _LOOSE_KEY_FILES_WARNED:
+        _LOOSE_KEY_FILES_WARNED.add(str(path))
+        log.warning("kvtrace: the hash key %s can be read by other users (mode %03o): whoever reads it can "
+                    "confirm guessed prompts and tokens; run chmod 600 %s", path, mode & 0o777, path)
+    return key
+
+
+def _create_key_file(path: Path) -> bytes:
+    """A new random key, made 0600 from its first byte; when processes race, the first one's key wins."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        key = os.urandom(32)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(key)
-        os.chmod(tmp, 0o600)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.unlink(missing_ok=True)  # left by a process of this pid that died before its link
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.link(tmp, path)  # first writer wins; concurrent processes read its key
+            os.write(fd, os.urandom(32))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # whole or not at all: a reader never sees a key half written
         except FileExistsError:
             pass
         finally:
             tmp.unlink(missing_ok=True)
-        return path.read_bytes()
+        key = _read_key_file(path)
     except OSError as exc:
         raise UnwritableDirectory(
             f"cannot keep the hash key in the data home {path.parent} ({exc.strerror or exc}); set XDG_DATA_HOME "
             "to a directory this user can write, or set KVTRACE_HASH_KEY (and KVTRACE_SPOOL_DIR)") from None
+    if key is None:
+        raise UnwritableDirectory(f"the hash key {path} vanished as it was made; set KVTRACE_HASH_KEY")
+    return key

@@ -13,24 +13,21 @@ chDB's raw message.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import logging
 import math
 import os
+import sys
+import tempfile
 from pathlib import Path
+from typing import Iterator
 from urllib.parse import unquote, urlparse
 
 from kvtrace.config import default_database_url
+from kvtrace.credentials import without_password as describe  # the URL in messages (also for other modules)
 from kvtrace.errors import ConfigError, DatabaseBusy, DatabaseUnreachable
 from kvtrace.safe_files import private_dir
-
-
-def describe(url: str) -> str:
-    """The URL without its password, for messages."""
-    parsed = urlparse(url)
-    if parsed.password:
-        netloc = parsed.netloc.replace(f":{parsed.password}@", ":***@")
-        return parsed._replace(netloc=netloc).geturl()
-    return url
 
 
 def chdb_path(url: str) -> str | None:
@@ -61,8 +58,9 @@ def connect(url: str | None = None):
         else:
             dsn = "chdb://memory"
         try:
-            client = clickhouse_connect.get_client(dsn=dsn)
-            client.command("SELECT 1")
+            with _chdb_output_held():
+                client = clickhouse_connect.get_client(dsn=dsn)
+                client.command("SELECT 1")
         except Exception as exc:
             raise _chdb_error(url, path, exc) from None
         return client
@@ -76,7 +74,8 @@ def connect(url: str | None = None):
     except ValueError:
         raise ConfigError(f"database URL {describe(url)!r} has no valid port; e.g. http://host:8123/db") from None
     try:
-        client = server_client(url, connect_timeout_s=5, read_timeout_s=60)
+        client = server_client(url, connect_timeout_s=CONNECT_TIMEOUT_S, read_timeout_s=QUERY_TIMEOUT_S,
+                               first_answer_s=CONNECT_TIMEOUT_S)
     except Exception as exc:
         raise DatabaseUnreachable(
             f"cannot reach ClickHouse at {describe(url)}: {_first_line(exc)}. "
@@ -85,11 +84,19 @@ def connect(url: str | None = None):
     return client
 
 
-def server_client(url: str, connect_timeout_s: float, read_timeout_s: float):
+CONNECT_TIMEOUT_S = 5.0
+"""How long a command waits for a database server to take the connection, and again for its first answer."""
+QUERY_TIMEOUT_S = 60.0
+"""How long a command waits for each answer of a server that answered ``/ping``."""
+
+
+def server_client(url: str, connect_timeout_s: float, read_timeout_s: float, first_answer_s: float | None = None):
     """A clickhouse-connect client for a server URL (``http(s)://``), with these time-outs.
 
-    Raises whatever connecting raised. The time-outs are how long to wait for
-    the connection and for each answer.
+    Raises whatever connecting raised.  A server that is dead, or takes the connection and never
+    answers, fails within the connect time-out plus ``first_answer_s`` (default: the read time-out):
+    ``/ping`` (one socket, no retries) must answer in it, and so must the queries clickhouse-connect
+    sends while it builds the client; the read time-out is each later answer's.
     """
     import clickhouse_connect  # deferred, heavy: as in connect()
     from urllib3 import Timeout
@@ -97,11 +104,9 @@ def server_client(url: str, connect_timeout_s: float, read_timeout_s: float):
     parsed = urlparse(url)
     host = parsed.hostname or "localhost"
     port = parsed.port or (8443 if parsed.scheme == "https" else 8123)
-    if min(connect_timeout_s, read_timeout_s) < 1:
-        # clickhouse-connect counts its time-outs in whole seconds and talks to the server while it
-        # builds the client: ask /ping with the exact time-outs first, so a dead or hung server
-        # costs those, not a second or more.
-        _ping(parsed.scheme, host, port, connect_timeout_s, read_timeout_s)
+    first_answer_s = read_timeout_s if first_answer_s is None else first_answer_s
+    _ping(parsed.scheme, host, port, connect_timeout_s, first_answer_s)
+    # clickhouse-connect counts its time-outs in whole seconds: /ping first keeps a dead server's cost exact.
     client = clickhouse_connect.get_client(
         host=host,
         port=port,
@@ -110,30 +115,50 @@ def server_client(url: str, connect_timeout_s: float, read_timeout_s: float):
         database=parsed.path.strip("/") or "default",
         secure=parsed.scheme == "https",
         connect_timeout=max(1, math.ceil(connect_timeout_s)),
-        send_receive_timeout=max(1, math.ceil(read_timeout_s)),
+        send_receive_timeout=max(1, math.ceil(first_answer_s)),
     )
     client.command("SELECT 1")
     client.timeout = Timeout(connect=connect_timeout_s, read=read_timeout_s)  # exact from here on
     return client
 
 
-def _ping(scheme: str, host: str, port: int, connect_timeout_s: float, read_timeout_s: float) -> None:
+def _ping(scheme: str, host: str, port: int, connect_timeout_s: float, answer_timeout_s: float) -> None:
     """ClickHouse's ``/ping`` answers ``Ok.``; raise if it does not within the time-outs."""
     connection_class = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
     connection = connection_class(host, port, timeout=connect_timeout_s)
     try:
         connection.connect()
-        connection.sock.settimeout(read_timeout_s)
+        connection.sock.settimeout(answer_timeout_s)
         connection.request("GET", "/ping")
         response = connection.getresponse()
         response.read()
         if response.status != 200:
             raise OSError(f"/ping answered HTTP {response.status}")
     except TimeoutError:
-        raise TimeoutError(f"no answer within {connect_timeout_s:g} s (connect) / {read_timeout_s:g} s (read)") \
+        raise TimeoutError(f"no answer within {connect_timeout_s:g} s (connect) / {answer_timeout_s:g} s (answer)") \
             from None
     finally:
         connection.close()
+
+
+@contextlib.contextmanager
+def _chdb_output_held() -> Iterator[None]:
+    """chDB's engine writes its errors (``Code: 76. DB::Exception: Cannot lock file …``) to file
+    descriptor 2 itself, before raising the same error: hold that text while the database opens, so the
+    command's one line says it, and log it on the ``chdb`` logger (shown with --debug or --verbose)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            text = held.read().decode("utf-8", "replace").strip()
+            if text:
+                logging.getLogger("chdb").debug("%s", text)
 
 
 def _first_line(exc: Exception) -> str:

@@ -26,7 +26,7 @@ from kvtrace.recording.recorder import Recorder
 from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
 from kvtrace.recording.exporters.spool import SpoolExporter
 
-SCENARIO_ENV = {"KVTRACE_CAPTURE": "ids", "KVTRACE_HASH_KEY": "kvtrace-tests", "KVTRACE_BLOCK_SIZE": "4"}
+SCENARIO_ENV = {"KVTRACE_CAPTURE": "ids", "KVTRACE_HASH_KEY": "kvtrace-tests-key", "KVTRACE_BLOCK_SIZE": "4"}
 
 
 @dataclass

@@ -59,7 +59,8 @@ def opened(recorded):
 
 
 def write_rules(path, rules, delivery=None):
-    path.write_text(yaml.safe_dump({"rules": rules, **({"delivery": delivery} if delivery else {})}))
+    document = {"rules": rules, **({"delivery": delivery} if delivery else {})}
+    path.write_text(yaml.dump(document, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper)))
     return path
 
 
@@ -208,3 +209,84 @@ def test_the_example_rules_file_is_valid():
     assert [r.metric for r in config.rules] == ["margin_shift_p95_abs", "margin_shift_mean_abs", "divergence_rate",
                                                 "near_tie_share"]
     assert config.rules[0].window_s == 1800 and config.delivery.alertmanager.ends_after_s == 900
+
+
+class CountingClient:
+    """The real database client, counting the queries sent through it."""
+
+    def __init__(self, client):
+        self.client, self.queries = client, 0
+
+    def query(self, *args, **kwargs):
+        self.queries += 1
+        return self.client.query(*args, **kwargs)
+
+
+def many_rules(count: int) -> list[dict]:
+    """``count`` rules over every metric and two windows, with thresholds, labels and the filters the
+    queries answer row by row all different."""
+    formats = ("Q4_K_M", "F16", None)
+    rules = []
+    for i in range(count):
+        metric = ("margin_shift_p95_abs", "margin_shift_mean_abs", "near_tie_share", "divergence_rate")[i % 4]
+        rule = {"name": f"rule-{i}", "metric": metric, "threshold": (i % 50) / 100, "window": ("30m", "1h")[i % 3 % 2],
+                "min_samples": 1 + i % 7, "labels": {"team": f"t{i % 13}"}}
+        fmt = formats[i % 5 % 3]
+        if fmt and metric != "divergence_rate":
+            rule["filters"] = {"weight_format": fmt}
+        if metric == "near_tie_share" and i % 2:
+            rule["filters"] = {**rule.get("filters", {}), "engine": "llama.cpp"}
+        if metric == "divergence_rate":
+            rule["baseline_arm"] = "off"
+        rules.append(rule)
+    return rules
+
+
+def test_ten_thousand_rules_ask_each_question_once_and_judge_as_each_rule_alone(recorded):
+    from kvtrace import queries
+    from kvtrace.alerts.evaluation import evaluate, judge
+    from kvtrace.alerts.rules import parse_config
+
+    now = time.time()
+    config = parse_config({"rules": many_rules(10_000)})
+    with opened(recorded) as client:
+        counting = CountingClient(client)
+        outcomes = evaluate(counting, config, now).outcomes
+        # Three saved queries (the two margin-shift metrics share one) over two windows.
+        assert counting.queries == 6
+        assert not [o for o in outcomes if o.error]
+        for rule, outcome in list(zip(config.rules, outcomes))[::397]:  # each rule's own query, filters in it
+            columns, rows = queries.run(client, rule.measure.query, rule.query_params(now - rule.window_s, now))
+            alone = judge(rule, [dict(zip(columns, row)) for row in rows])
+            assert (outcome.rows, [(a.labels, a.value) for a in outcome.firing]) == \
+                (alone.rows, [(a.labels, a.value) for a in alone.firing]), rule.name
+    fired = {o.rule.name for o in outcomes if o.firing}
+    assert "rule-0" in fired and "rule-40" not in fired  # p95 shift 0.25 over 0.0; no rule fires over 0.4
+    assert any(o.rows and not o.firing for o in outcomes) and len(fired) > 1000
+
+
+def test_ten_thousand_rules_from_the_command_line(recorded, tmp_path, capsys):
+    rules = write_rules(tmp_path / "rules.yaml", many_rules(10_000))
+    assert kvtrace(recorded, tmp_path, "--rules", str(rules)) == 1
+    out = capsys.readouterr().out
+    state = json.loads((tmp_path / "state.json").read_text())["alerts"]
+    assert out.count(" FIRING   ") == len(state) > 1000
+
+
+def test_a_webhook_that_redirects_has_not_heard_the_alert(recorded, tmp_path, capsys):
+    from test_alert_delivery import Server
+
+    target = Server()
+    redirecting = Server(302, target.url)
+    try:
+        rules = write_rules(tmp_path / "rules.yaml", [SHIFT_RULE],
+                            {"webhook": {"url": f"{redirecting.url}/hook/T0K3N"}, "attempts": 2, "retry_delay": 0})
+        assert kvtrace(recorded, tmp_path, "--rules", str(rules)) == 1
+        err = capsys.readouterr().err
+        assert f"webhook delivery failed: {redirecting.url}/…: HTTP 302 Found" in err and "T0K3N" not in err
+        assert target.requests == [] and len(redirecting.requests) == 2
+        (tracked,) = json.loads((tmp_path / "state.json").read_text())["alerts"].values()
+        assert tracked["pending"] == ["webhook"]  # told again at the next evaluation
+    finally:
+        target.close()
+        redirecting.close()

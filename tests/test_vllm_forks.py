@@ -56,7 +56,8 @@ def fork_runs(tmp_path_factory):
     model = make_model(home / "fork-hf", size="fork")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTRACE_")}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", XDG_DATA_HOME=str(home / "data"),
-               KVTRACE_SPOOL_DIR=str(home / "spool"), KVTRACE_CAPTURE="ids", KVTRACE_HASH_KEY="test-deployment-key")
+               KVTRACE_SPOOL_DIR=str(home / "spool"), KVTRACE_CAPTURE="ids", KVTRACE_HASH_KEY="test-deployment-key",
+               KVTRACE_ENABLED="1")
     done = subprocess.run([sys.executable, WORKLOAD, "--model", str(model), "--episodes", str(EPISODES),
                            "--pass", f"off:{OFF}", "--pass", f"prefix:{PREFIX}", "--pass", f"off:{OFF_AGAIN}"],
                           env=env, capture_output=True, text=True, timeout=900)

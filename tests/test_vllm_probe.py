@@ -1,8 +1,8 @@
 """``kvtrace probe`` against vLLM's own OpenAI server, which kvtrace's plugin traces from inside.
 
 The story: an operator starts ``python -m vllm.entrypoints.openai.api_server`` with prefix caching
-on; vLLM loads kvtrace's plugin by itself.  The probe sends each of two prompts cold (with a fresh
-``cache_salt``, so no stored block matches), then warm twice.  Every probe request carries
+on and ``KVTRACE_ENABLED=1``; vLLM loads kvtrace's plugin by itself.  The probe sends each of two
+prompts cold (with a fresh ``cache_salt``, so no stored block matches), then warm twice.  Every probe request carries
 ``traceparent`` and ``baggage``: the engine core records it in the probe's run, episode and turn,
 as the child of the probe's span in the same trace.  The first warm request finds no unsalted
 blocks and stores them; the second reuses them.  ``kvtrace diff canary canary --turns 0,2`` compares
@@ -52,11 +52,12 @@ def server(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTRACE_")}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                KVTRACE_SPOOL_DIR=str(root / "spool"), XDG_DATA_HOME=str(root / "data"), KVTRACE_CAPTURE="ids",
-               KVTRACE_HASH_KEY="test-deployment-key")
+               KVTRACE_HASH_KEY="test-deployment-key", KVTRACE_ENABLED="1")
     port = free_port()
     log_path = root / "server.log"
     with open(log_path, "wb") as log:
-        # No `kvtrace run`: vLLM loads kvtrace's plugin (entry point vllm.general_plugins) in every process.
+        # No `kvtrace run`: vLLM loads kvtrace's plugin (entry point vllm.general_plugins) in every process,
+        # which records because KVTRACE_ENABLED=1 opted the server in.
         process = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
              "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),

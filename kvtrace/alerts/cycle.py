@@ -56,10 +56,11 @@ def apply(state: AlertState, evaluation: Evaluation, config: AlertConfig) -> Cyc
             report.started.append(tracked)
         else:
             tracked.annotations, tracked.value = alert.annotations, alert.value
-    evaluated = evaluation.evaluated_rules
+    evaluated, failed = evaluation.evaluated_rules, _failed(evaluation)
+    configured = {r.name for r in config.rules}
     for fp, tracked in state.alerts.items():
-        if tracked.status == FIRING and fp not in firing_now and tracked.rule not in _failed(evaluation):
-            if tracked.rule in evaluated or tracked.rule not in {r.name for r in config.rules}:
+        if tracked.status == FIRING and fp not in firing_now and tracked.rule not in failed:
+            if tracked.rule in evaluated or tracked.rule not in configured:
                 tracked.status, tracked.ends_at, tracked.pending = RESOLVED, now, list(targets)
                 report.resolved.append(tracked)
     return report

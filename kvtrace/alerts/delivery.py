@@ -2,7 +2,12 @@
 
 Plain ``urllib``: a POST with a timeout, retried a few times.  Delivery never
 raises: a failure is returned as a message, and the caller keeps the
-notification pending for the next evaluation.
+notification pending for the next evaluation.  Redirects are never followed:
+urllib would repeat a POST answered 301/302/303 as a GET, with the custom
+headers (``Authorization``) going to wherever the redirect points, and a 2xx
+there would count as delivered; an answer other than 2xx is a failed
+delivery.  Messages show a receiver's URL without its path, query or user
+info, where such URLs carry their tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any, Callable, Optional
 from kvtrace import __version__
 from kvtrace.alerts.rules import AlertmanagerConfig, DeliveryConfig, WebhookConfig
 from kvtrace.alerts.state import FIRING, RESOLVED, TrackedAlert
+from kvtrace.credentials import redacted_url
 
 WEBHOOK = "webhook"
 ALERTMANAGER = "alertmanager"
@@ -58,11 +64,20 @@ def alertmanager_payload(alerts: list[TrackedAlert], now: float, ends_after_s: O
     return out
 
 
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None  # urllib then raises the 3xx as an HTTPError: a failed delivery
+
+
+_OPENER = urllib.request.build_opener(_RefuseRedirects)
+
+
 def post_json(url: str, payload: Any, headers: dict[str, str], timeout_s: float) -> None:
+    """POST ``payload`` as JSON; raises (``HTTPError``) unless the receiver itself answers 2xx."""
     body = json.dumps(payload).encode()
     request = urllib.request.Request(url, data=body, method="POST",
                                      headers={"Content-Type": "application/json", **headers})
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+    with _OPENER.open(request, timeout=timeout_s) as response:
         response.read()
 
 
@@ -86,6 +101,7 @@ class Deliverer:
 
     def _with_retries(self, url: str, payload: Any, headers: dict[str, str], timeout_s: float) -> Optional[str]:
         error = None
+        shown = redacted_url(url)
         for attempt in range(self.delivery.attempts):
             if attempt:
                 self._sleep(self.delivery.retry_delay_s * attempt)
@@ -93,7 +109,9 @@ class Deliverer:
                 self._post(url, payload, headers, timeout_s)
                 return None
             except urllib.error.HTTPError as exc:
-                error = f"{url}: HTTP {exc.code} {exc.reason}"
+                error = f"{shown}: HTTP {exc.code} {exc.reason}"
+                if 300 <= exc.code < 400:
+                    error += " (a redirect, not followed: configure the URL it points to)"
             except Exception as exc:  # refused, timed out, DNS...: all the same to the loop
-                error = f"{url}: {getattr(exc, 'reason', None) or exc}"
+                error = f"{shown}: {str(getattr(exc, 'reason', None) or exc).replace(url, shown)}"
         return f"{error} (after {self.delivery.attempts} attempt(s))"

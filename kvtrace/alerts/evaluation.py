@@ -3,8 +3,10 @@
 A rule fires for each row of its query's answer whose value is above the
 threshold and that rests on at least ``min_samples`` samples (matched
 positions, compared episodes or generated positions): a handful of tokens
-must not page anyone.  A rule whose query fails is reported as not evaluated;
-its alerts keep their last known state.
+must not page anyone.  Rules that ask the same question (metric, window and
+the filters the query cannot answer row by row) share one query: a file of
+thousands of rules costs a few queries.  A rule whose query fails is reported
+as not evaluated; its alerts keep their last known state.
 """
 
 from __future__ import annotations
@@ -64,25 +66,33 @@ class Evaluation:
 
 
 def evaluate(client, config: AlertConfig, at: float) -> Evaluation:
-    """Every rule over the window ending at ``at`` (epoch seconds)."""
-    return Evaluation(at, [evaluate_rule(client, rule, at) for rule in config.rules])
+    """Every rule over the window ending at ``at`` (epoch seconds): one query per distinct question."""
+    questions: dict[tuple, list[int]] = {}
+    for index, rule in enumerate(config.rules):
+        params = rule.shared_params(at - rule.window_s, at)
+        questions.setdefault((rule.measure.query, *sorted(params.items())), []).append(index)
+    outcomes: list[RuleOutcome] = [RuleOutcome(rule) for rule in config.rules]
+    for (query, *params), asking in questions.items():
+        try:
+            columns, rows = queries.run(client, query, dict(params))
+        except Exception as exc:  # one broken question must not hide the others' answers
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            for index in asking:
+                outcomes[index].error = error
+            continue
+        answer = [dict(zip(columns, row)) for row in rows]
+        for index in asking:
+            outcomes[index] = judge(config.rules[index], answer)
+    return Evaluation(at, outcomes)
 
 
-def evaluate_rule(client, rule: Rule, at: float) -> RuleOutcome:
-    outcome = RuleOutcome(rule)
-    try:
-        _judge(outcome, *queries.run(client, rule.measure.query, rule.query_params(at - rule.window_s, at)))
-    except Exception as exc:  # one broken rule must not hide the others' answers
-        outcome.firing, outcome.rows = [], 0
-        outcome.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return outcome
-
-
-def _judge(outcome: RuleOutcome, columns: list[str], rows) -> None:
-    rule, metric = outcome.rule, outcome.rule.measure
-    for row in rows:
-        values = dict(zip(columns, row))
+def judge(rule: Rule, answer: list[dict[str, Any]]) -> RuleOutcome:
+    """The rule's outcome on its question's answer (rows as column → value)."""
+    outcome, metric = RuleOutcome(rule), rule.measure
+    for values in answer:
         if metric.rollup_label and values.get(metric.rollup_label) == "(all)":
+            continue
+        if not rule.selects(values):
             continue
         value = float(values[metric.value_column])
         samples = int(values[metric.samples_column] or 0)
@@ -91,6 +101,7 @@ def _judge(outcome: RuleOutcome, columns: list[str], rows) -> None:
         outcome.rows += 1
         if value > rule.threshold:
             outcome.firing.append(_alert(rule, values, value, samples))
+    return outcome
 
 
 def _alert(rule: Rule, values: dict[str, Any], value: float, samples: int) -> Alert:

@@ -10,7 +10,9 @@ Example (see ``examples/alert-rules.yaml`` for a commented one)::
         min_samples: 50          # matched positions / compared episodes / generated positions
         filters: {engine: llama_cpp, weight_format: Q4_K_M}
     delivery:
-      webhook: {url: "http://hooks.internal/kvtrace"}
+      webhook:
+        url: {env: KVTRACE_WEBHOOK_URL}          # or a string, or {file: /run/secrets/webhook-url}
+        headers: {Authorization: {env: KVTRACE_WEBHOOK_AUTH}}
       alertmanager: {url: "http://alertmanager:9093"}
 
 A metric names the saved query that measures it and the column whose value
@@ -22,13 +24,16 @@ columns.
 from __future__ import annotations
 
 import math
+import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
+from kvtrace.credentials import read_secret_env, read_secret_file
 from kvtrace.errors import ConfigError
 
 
@@ -47,21 +52,27 @@ class Metric:
     description: str
     rollup_label: Optional[str] = None
     """A label column whose value ``(all)`` marks a roll-up row (skipped: its parts are alerted on)."""
+    row_filters: tuple[str, ...] = ()
+    """Filters the query answers row by row (grouping columns that each request falls in by itself): a
+    rule's filter on one of them picks rows of the shared answer rather than changing the query."""
 
 
 METRICS: dict[str, Metric] = {
     "margin_shift_mean_abs": Metric(
         "margin_shift", "mean_abs_shift", "positions", ("weight_format",),
-        "mean |Δ margin| between cache-hit and recompute paths at matched positions", rollup_label="weight_format"),
+        "mean |Δ margin| between cache-hit and recompute paths at matched positions", rollup_label="weight_format",
+        row_filters=("weight_format",)),
     "margin_shift_p95_abs": Metric(
         "margin_shift", "p95_abs_shift", "positions", ("weight_format",),
-        "p95 |Δ margin| between cache-hit and recompute paths at matched positions", rollup_label="weight_format"),
+        "p95 |Δ margin| between cache-hit and recompute paths at matched positions", rollup_label="weight_format",
+        row_filters=("weight_format",)),
+    # No row filters: a configuration is a whole run's, so a filter changes which requests make up a run.
     "divergence_rate": Metric(
         "divergence_rates", "fork_rate", "episodes_compared", ("engine", "weight_format", "arm", "compared_with"),
         "share of episodes that forked between paired runs"),
     "near_tie_share": Metric(
         "near_tie_share", "near_tie_share", "positions", ("engine", "model", "weight_format"),
-        "share of near-tie decisions on cache-hit paths"),
+        "share of near-tie decisions on cache-hit paths", row_filters=("engine", "model", "weight_format")),
 }
 
 FILTER_KEYS = ("engine", "model", "weight_format")
@@ -104,7 +115,7 @@ class Rule:
         return METRICS[self.metric]
 
     def query_params(self, since: float, until: float) -> dict[str, Any]:
-        """The saved query's parameters for the window [since, until) (epoch seconds)."""
+        """The saved query's parameters for the window [since, until) (epoch seconds), every filter in them."""
         params: dict[str, Any] = {"run_prefix": self.run_prefix, "since": f"{since:.3f}", "until": f"{until:.3f}"}
         params.update({key: self.filters.get(key, "") for key in FILTER_KEYS})
         if self.metric == "divergence_rate":
@@ -112,6 +123,17 @@ class Rule:
         if self.metric == "near_tie_share":
             params["near_tie"] = self.near_tie
         return params
+
+    def shared_params(self, since: float, until: float) -> dict[str, Any]:
+        """:meth:`query_params` without the filters the answer gives row by row: rules that differ only
+        in those (and in thresholds, names, labels) ask the same question once."""
+        params = self.query_params(since, until)
+        params.update({key: "" for key in self.measure.row_filters})
+        return params
+
+    def selects(self, row: dict[str, Any]) -> bool:
+        """Whether a row of the shared answer is one this rule's row filters keep."""
+        return all(str(row[key]) == self.filters[key] for key in self.measure.row_filters if key in self.filters)
 
 
 @dataclass(frozen=True)
@@ -145,12 +167,16 @@ class AlertConfig:
     delivery: DeliveryConfig
 
 
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's safe loader where PyYAML was built with it: several times faster on a file of thousands of rules."""
+
+
 def load_rules(path: Path) -> AlertConfig:
     path = Path(path)
     if path.exists() and not path.is_file():  # a directory, or a FIFO that would block the read
         raise AlertRulesError(f"rules file {path} is not a regular file")
     try:
-        document = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        document = yaml.load(path.read_bytes().decode("utf-8"), Loader=_SAFE_LOADER)
     except FileNotFoundError:
         raise AlertRulesError(f"rules file {path} does not exist; see examples/alert-rules.yaml") from None
     except UnicodeDecodeError as exc:
@@ -176,8 +202,7 @@ def parse_config(document: Any, source: str = "rules") -> AlertConfig:
     for index, raw in enumerate(document["rules"]):
         raw = _mapping(raw, f"{source}: rule #{index + 1}")
         rules.append(_rule({**defaults, **raw}, f"{source}: rule #{index + 1}"))
-    names = [r.name for r in rules]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
+    duplicates = sorted(name for name, count in Counter(r.name for r in rules).items() if count > 1)
     if duplicates:
         raise AlertRulesError(f"{source}: rule names must be unique; repeated: {', '.join(duplicates)}")
     return AlertConfig(tuple(rules), _delivery(document.get("delivery"), f"{source}: delivery"))
@@ -222,14 +247,15 @@ def _delivery(raw: Any, where: str) -> DeliveryConfig:
     if raw.get("webhook") is not None:
         w = _mapping(raw["webhook"], f"{where}: webhook")
         _no_unknown(w, {"url", "headers", "timeout"}, f"{where}: webhook")
-        webhook = WebhookConfig(_url(w.get("url"), f"{where}: webhook"), _strings(w.get("headers"), where),
+        webhook = WebhookConfig(_url(w.get("url"), f"{where}: webhook"),
+                                _headers(w.get("headers"), f"{where}: webhook"),
                                 parse_duration(w.get("timeout", 5), f"{where}: webhook timeout"))
     if raw.get("alertmanager") is not None:
         a = _mapping(raw["alertmanager"], f"{where}: alertmanager")
         _no_unknown(a, {"url", "headers", "timeout", "ends_after"}, f"{where}: alertmanager")
         ends_after = a.get("ends_after")
         alertmanager = AlertmanagerConfig(
-            _url(a.get("url"), f"{where}: alertmanager"), _strings(a.get("headers"), where),
+            _url(a.get("url"), f"{where}: alertmanager"), _headers(a.get("headers"), f"{where}: alertmanager"),
             parse_duration(a.get("timeout", 5), f"{where}: alertmanager timeout"),
             parse_duration(ends_after, f"{where}: alertmanager ends_after") if ends_after is not None else None)
     attempts = raw.get("attempts", 3)
@@ -241,9 +267,30 @@ def _delivery(raw: Any, where: str) -> DeliveryConfig:
 
 
 def _url(value: Any, where: str) -> str:
+    value = _credential(value, f"{where} url")
     if not isinstance(value, str) or not value.startswith(("http://", "https://")):
-        raise AlertRulesError(f"{where}: needs `url: http(s)://...`")
+        raise AlertRulesError(f"{where}: needs `url: http(s)://...` (or `url: {{env: NAME}}` / `{{file: PATH}}`)")
     return value.rstrip("/")
+
+
+def _headers(value: Any, where: str) -> dict[str, str]:
+    return {str(name): str(_credential(v, f"{where} header {name}")) for name, v in _mapping(value, where).items()}
+
+
+def _credential(value: Any, where: str) -> Any:
+    """``{env: NAME}`` or ``{file: PATH}`` read from there (a token kept out of the rules file), anything
+    else as it is."""
+    if not isinstance(value, dict):
+        return value
+    if len(value) != 1 or next(iter(value)) not in ("env", "file"):
+        raise AlertRulesError(f"{where}: expected a string, `{{env: NAME}}` or `{{file: PATH}}`")
+    (source, name), = value.items()
+    try:
+        if source == "env":
+            return read_secret_env(os.environ, str(name), where)
+        return read_secret_file(os.path.expanduser(str(name)), where)
+    except ConfigError as exc:
+        raise AlertRulesError(str(exc)) from None
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:

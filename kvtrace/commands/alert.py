@@ -91,6 +91,10 @@ def cycle(args, config, state, deliverer, at: float) -> int:
     return report.exit_code
 
 
+SHOWN_RULE_NAMES = 5
+"""Rules named in the line of an error that many share."""
+
+
 def print_report(report) -> None:
     evaluation = report.evaluation
     stamp = datetime.fromtimestamp(evaluation.at).isoformat(timespec="seconds")
@@ -99,8 +103,14 @@ def print_report(report) -> None:
               f"[{alert.samples} samples]", flush=True)
     for tracked in report.resolved:
         print(f"{stamp} RESOLVED {tracked.rule}: {tracked.annotations.get('summary', '')}", flush=True)
+    by_error: dict[str, list[str]] = {}
     for outcome in evaluation.failed:
-        print(f"kvtrace: error: could not evaluate rule {outcome.rule.name}: {outcome.error}", file=sys.stderr)
+        by_error.setdefault(outcome.error, []).append(outcome.rule.name)
+    for error, names in by_error.items():  # one line per reason: an unreachable database fails every rule
+        shown = ", ".join(names[:SHOWN_RULE_NAMES]) + (f" and {len(names) - SHOWN_RULE_NAMES} more"
+                                                       if len(names) > SHOWN_RULE_NAMES else "")
+        print(f"kvtrace: error: could not evaluate rule{'s' if len(names) > 1 else ''} {shown}: {error}",
+              file=sys.stderr)
     for message in report.delivery_errors:
         print(f"kvtrace: warning: {message}", file=sys.stderr)
     if not evaluation.firing and not evaluation.failed:

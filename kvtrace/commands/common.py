@@ -8,7 +8,7 @@ from kvtrace import progress
 from kvtrace.collectors.ingest import ingest_paths
 from kvtrace.collectors.schema import init_schema, latest_version, schema_state
 from kvtrace.config import default_database_url, default_spool_dir
-from kvtrace.db import connect
+from kvtrace.db import connect, describe
 from kvtrace.errors import KvtraceError, SchemaMissing
 from kvtrace.progress import BarProgress, Progress
 
@@ -30,7 +30,7 @@ def open_database(args, ingest: bool = True):
     client = connect(url)
     version, missing = schema_state(client)
     if version == 0 and not url.startswith("chdb:"):
-        raise SchemaMissing(f"{url} has no kvtrace tables yet; run `kvtrace --db URL db init` first")
+        raise SchemaMissing(f"{describe(url)} has no kvtrace tables yet; run `kvtrace --db URL db init` first")
     if version < latest_version() or missing:
         init_schema(client)
     if ingest:

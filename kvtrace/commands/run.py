@@ -18,6 +18,7 @@ from pathlib import Path
 
 import kvtrace.bootstrap
 from kvtrace.semconv import CAPTURE_MODES
+from kvtrace.config import ENABLED_VARIABLE
 from kvtrace.errors import ConfigError
 from kvtrace.preflight import check_settings
 
@@ -37,8 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def child_environment(base: dict[str, str], args: argparse.Namespace) -> dict[str, str]:
-    """The wrapped command's environment: bootstrap first on PYTHONPATH, kvtrace options as env."""
+    """The wrapped command's environment: bootstrap first on PYTHONPATH, kvtrace options as env, and
+    the opt-in that engines loading kvtrace by themselves (vLLM's plugin) wait for."""
     env = dict(base)
+    env[ENABLED_VARIABLE] = "1"
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != BOOTSTRAP_DIR]
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *paths])
     for name, value in (("KVTRACE_RUN_ID", args.run_id), ("KVTRACE_CAPTURE", args.capture),

@@ -4,8 +4,10 @@ Records a handful of synthetic requests (no engine needed) under a fresh run
 id through the real recorder and spool, ingests them, reads them back from
 the typed tables and checks that every token and margin survived bit-exact.
 
-It also warns when this machine is one where llama.cpp's AMX weight repack can crash quantized
-models (the exit code does not change: kvtrace's own commands load with the repack off).
+It also says whether vLLM processes started from this environment would record (kvtrace's plugin
+records only processes opted in), and warns when this machine is one where llama.cpp's AMX weight
+repack can crash quantized models (the exit code does not change: kvtrace's own commands load with
+the repack off).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from kvtrace import correlate, semconv
 from kvtrace.collectors.ingest import ingest_paths
 from kvtrace.commands.arguments import count
 from kvtrace.commands.common import open_database
-from kvtrace.config import Settings
+from kvtrace.config import Settings, recording_opted_in
 from kvtrace.patches.llama_cpp.repack import amx_hint
 from kvtrace.preflight import check_settings
 from kvtrace.recording.exporters.spool import SpoolExporter
@@ -36,6 +38,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     check_settings()  # the configuration an engine would record with, before this check overrides capture
+    opted_in = recording_opted_in()  # before this check's own recorder is made
     run_id = f"selfcheck-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="kvtrace-selfcheck-") as spool:
@@ -73,12 +76,20 @@ def run(args) -> int:
     ok = got == expected and tokens == 32 * args.requests
     print(f"run {run_id}: {report.spans} spans ingested, {len(got)} requests, {tokens} token rows, "
           f"{events} cache events read back")
+    print(vllm_recording(opted_in))
     warn_about_amx()
     if ok:
         print("selfcheck passed: tokens and margins are bit-exact after record → spool → ClickHouse")
         return 0
     print("selfcheck FAILED: what was read back differs from what was recorded", file=sys.stderr)
     return 1
+
+
+def vllm_recording(opted_in: bool) -> str:
+    now = ("this environment is opted in (KVTRACE_ENABLED=1)" if opted_in
+           else "this environment is not: installing kvtrace alone records nothing")
+    return (f"vLLM: kvtrace's plugin records only processes started by `kvtrace run` or with KVTRACE_ENABLED=1 "
+            f"(their workers inherit it); {now}")
 
 
 def warn_about_amx() -> None:

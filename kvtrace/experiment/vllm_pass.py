@@ -41,6 +41,7 @@ from kvtrace.experiment.runner import Agent, drive_episodes
 
 ENGINE_ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: its spans in this recorder
+    "KVTRACE_ENABLED": "1",  # kvtrace's plugin records only processes opted in
 }
 ENGINE_ENVIRONMENT_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on the CPU backend: ~250k tokens of the test models

@@ -79,14 +79,15 @@ class TextHasher:
         self._key = hashlib.blake2b(key, digest_size=32).digest()
         self._memo: dict[bytes, int] = {}
 
-    def _digest(self, domain: bytes, payload: bytes) -> bytes:
+    def _digest(self, domain: bytes, payload: bytes, size: int = 8) -> bytes:
         # The domain keeps text hashes apart from the capture policy's token-id hashes.
-        return hashlib.blake2b(domain + b"\0" + payload, key=self._key, digest_size=8).digest()
+        return hashlib.blake2b(domain + b"\0" + payload, key=self._key, digest_size=size).digest()
 
     def request_hash(self, request: dict[str, Any]) -> str:
+        """A prompt hash: 128-bit, as the capture policy's (it is the place of every token hashed under it)."""
         shaping = {k: request[k] for k in PROMPT_FIELDS if request.get(k) is not None}
         canonical = json.dumps(shaping, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        return self._digest(b"kvtrace.request_text", canonical.encode("utf-8", "surrogatepass")).hex()
+        return self._digest(b"kvtrace.request_text", canonical.encode("utf-8", "surrogatepass"), size=16).hex()
 
     def token_id(self, token_bytes: bytes) -> int:
         value = self._memo.get(token_bytes)

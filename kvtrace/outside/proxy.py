@@ -44,6 +44,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
 from kvtrace import semconv as sc
+from kvtrace.credentials import without_password
 from kvtrace.outside import answers
 from kvtrace.outside.http1 import ClientGone, Headers, Request, Responder, Server
 from kvtrace.outside.limits import Limits
@@ -180,7 +181,7 @@ class ProxyApp:
         try:
             response = self.upstream.request(request.method, request.target, headers, upstream_body)
         except UpstreamUnreachable as exc:
-            message = f"kvtrace proxy: the upstream {self.upstream_url} could not be reached: {exc}"
+            message = f"kvtrace proxy: the upstream {without_password(self.upstream_url)} could not be reached: {exc}"
             _send_error(responder, 502, "upstream_unreachable", message)
             if traced is not None:
                 self._finish_error(traced, 502, message)
@@ -215,7 +216,7 @@ class ProxyApp:
         except ClientGone:
             pass  # the client left
         if traced is not None:
-            self._finish_error(traced, response.status, _error_message(bytes(kept)))
+            self._finish_error(traced, response.status, f"upstream HTTP {response.status}", _error_message(bytes(kept)))
 
     def _whole(self, response: UpstreamResponse, responder: Responder, traced: Traced) -> None:
         try:
@@ -290,7 +291,7 @@ class ProxyApp:
     def _broke_off(self, responder: Responder, why: str) -> str:
         """The upstream's answer ended before its end: a 502 if nothing went to the client yet (else its
         connection closes with the answer unfinished, as it would without the proxy); the message."""
-        message = f"kvtrace proxy: the upstream {self.upstream_url} broke off its answer: {why}"
+        message = f"kvtrace proxy: the upstream {without_password(self.upstream_url)} broke off its answer: {why}"
         _send_error(responder, 502, "upstream_broke_off", message)
         return message
 
@@ -353,8 +354,8 @@ class ProxyApp:
         except Exception as exc:
             # Still a span: the request happened; what kvtrace could not read is said on it.
             log.debug("kvtrace proxy: an answer could not be read", exc_info=True)
-            self._finish_error(traced, status, f"kvtrace could not read the answer ({type(exc).__name__}: "
-                                               f"{str(exc)[:200]})")
+            self._finish_error(traced, status, f"kvtrace could not read the answer ({type(exc).__name__})",
+                               str(exc)[:200])
             return
         recorder.finish(record)  # never raises
         if self.provenance is not None:
@@ -385,8 +386,10 @@ class ProxyApp:
         record.config[sc.SERVER_SLOT_ID] = slot
         if cancelled:
             record.finish_reason = sc.FINISH_CANCELLED
-        if answer.error or broken:
-            record.error = f"upstream error: {answer.error}" if answer.error else broken
+        if answer.error:
+            record.error, record.error_detail = "upstream error", answer.error
+        elif broken:
+            record.error = broken
         if self.provenance is not None:
             self.provenance.describe(traced, record)
         if record.reused_tokens > 0:
@@ -395,7 +398,8 @@ class ProxyApp:
                                             tokens=record.reused_tokens, source=record.state_origin))
         return record
 
-    def _finish_error(self, traced: Traced, status: int, message: str) -> None:
+    def _finish_error(self, traced: Traced, status: int, message: str, detail: Optional[str] = None) -> None:
+        """``message``: kvtrace's own words; ``detail``: the upstream's, kept as the capture policy says."""
         try:
             recorder = self._recorder()
             if recorder is None:
@@ -403,14 +407,14 @@ class ProxyApp:
             self._configure(traced, status)
             if self.provenance is not None:
                 self.provenance.abandon(traced)
-            traced.record.error = f"upstream HTTP {status}: {message}" if status >= 400 and status != 502 else message
+            traced.record.error, traced.record.error_detail = message, detail
             recorder.finish(traced.record)
         except Exception:
             self._count_failure("recording a failed request")
 
     def _configure(self, traced: Traced, status: int) -> None:
         record, profile, request = traced.record, traced.profile, traced.request
-        record.config[sc.PROXY_UPSTREAM] = self.upstream_url
+        record.config[sc.PROXY_UPSTREAM] = without_password(self.upstream_url)  # every span carries it
         record.config[sc.HTTP_RESPONSE_STATUS_CODE] = status
         record.config[sc.MARGIN_SOURCE] = traced.plan.source
         if profile.version:

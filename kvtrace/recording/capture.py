@@ -17,18 +17,24 @@ cache-hit vs recompute reference of the margin and flip analyses), and the
 chosen vs top-1 id of one position — and is unlinkable everywhere else.
 Prompt token ids are recorded with ``ids`` capture only: under ``hashed``
 their place would be the prompt itself, so they would say nothing the prompt
-hash does not.
+hash does not.  The output hash is keyed by the prompt hash for the same
+reason: equal outputs of different prompts must not hash alike.
 
-Prompt hashes and block hashes are keyed hashes in every mode; prompt text is
-never captured.
+Prompt hashes (128-bit: the place of every token, so two prompts must never
+share one), output hashes and block hashes are keyed hashes in every mode;
+prompt text is never captured.  Text the client or the upstream wrote that
+reaches a record anyway (an error message that repeats the input, sampling
+``stop`` strings) is kept with ``ids`` capture, keyed-hashed with ``hashed``
+and dropped with ``none``.  docs/privacy.md says what each mode stores.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from array import array
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -36,7 +42,15 @@ from kvtrace import semconv as sc
 from kvtrace.recording.packed_arrays import INT64, unpack
 
 _HASH_BYTES = 8
+_PROMPT_HASH_BYTES = 16
+"""Prompt hashes are 128-bit: at 64 bits, a billion distinct prompts would give ~3 % odds that two of
+them share a hash, and with it the keys of every token placed under it."""
 _TOKEN_BYTES = 8
+_OUTPUT_DOMAIN = b"kvtrace.output"
+_TEXT_DOMAIN = b"kvtrace.text"
+"""BLAKE2b personalisations (at most 16 bytes): these hashes are apart from every other keyed hash."""
+CLIENT_TEXT_SETTINGS = ("stop",)
+"""Sampling settings whose values are text the client wrote."""
 
 # --- hashing a token in its place -----------------------------------------------------
 #
@@ -45,7 +59,8 @@ _TOKEN_BYTES = 8
 #     E_i(x) = P(P(x ^ k0_i) ^ k1_i) ^ k2_i
 #
 # over P, SplitMix64's output function (a bijection of 64-bit words with full avalanche), and
-# (k0_i, k1_i, k2_i) are 192 bits of SHAKE256(deployment key || domain || context) at offset 24*i.
+# (k0_i, k1_i, k2_i) are 192 bits of SHAKE256(deployment key || domain || context) at offset 24*i, the
+# context being the request's 128-bit prompt hash (hex): prompts that shared a context would share keys.
 #
 # Why this shape: this runs on the engine thread for every generated token.  A keyed BLAKE2b per
 # (position, id) costs ~1 µs per call in CPython (~2.3 µs per output token for chosen, top-1 and
@@ -105,12 +120,54 @@ class CapturePolicy:
         self._key = hashlib.blake2b(key, digest_size=32).digest()  # normalise any key length to 32 bytes
         self._place_stream = hashlib.shake_256(self._key + _PLACE_DOMAIN)
 
-    def _digest(self, payload: bytes, parent: bytes = b"") -> bytes:
-        return hashlib.blake2b(parent + payload, key=self._key, digest_size=_HASH_BYTES).digest()
+    def _digest(self, payload: bytes, parent: bytes = b"", size: int = _HASH_BYTES, domain: bytes = b"") -> bytes:
+        return hashlib.blake2b(parent + payload, key=self._key, digest_size=size, person=domain).digest()
 
     def hash_tokens(self, tokens: Sequence[int]) -> str:
-        """Keyed hash of a whole token sequence (prompt hash, cache-key hash)."""
-        return self._digest(_pack(tokens)).hex()
+        """Keyed 128-bit hash of a whole token sequence (prompt hash, cache-key hash)."""
+        return self._digest(_pack(tokens), size=_PROMPT_HASH_BYTES).hex()
+
+    def output_hash(self, prompt_hash: Optional[str], tokens: Sequence[int]) -> str:
+        """Keyed hash of a request's generated ids under its prompt hash: the same output hashes alike
+        only under the same prompt (a one-token output hashed alone would be a substitution cipher)."""
+        return self._digest(_pack(tokens), (prompt_hash or "").encode() + b"\0", domain=_OUTPUT_DOMAIN).hex()
+
+    def client_text(self, context: Optional[str], text: str) -> Optional[str]:
+        """Text the client or the upstream wrote, as this policy lets it leave the process: as it is
+        with ``ids`` capture, ``None`` with ``none``, and with ``hashed`` its keyed hash under the
+        request's prompt hash (``context``), so that, like a token, it compares equal only in its place:
+        hashed alone, a few common texts (stop strings, error messages) would be told by their counts."""
+        if self.mode == sc.CAPTURE_IDS:
+            return text
+        if self.mode == sc.CAPTURE_NONE:
+            return None
+        return self._digest(text.encode("utf-8", "surrogatepass"), (context or "").encode() + b"\0",
+                            domain=_TEXT_DOMAIN).hex()
+
+    def error_text(self, context: Optional[str], error: str, detail: Optional[str]) -> str:
+        """A span's status message: kvtrace's own words (``error``) and, as :meth:`client_text` lets
+        it, the engine's or upstream's text (``detail``), which may repeat the client's input."""
+        if not detail:
+            return error
+        kept = self.client_text(context, detail)
+        if kept is None:
+            return f"{error} (message not captured)"
+        if self.mode == sc.CAPTURE_IDS:
+            return f"{error}: {kept}"
+        return f"{error} (message keyed-hashed: {kept})"
+
+    def sampling_settings(self, context: Optional[str], settings: dict[str, Any]) -> dict[str, Any]:
+        """A request's sampling settings with the client's text in them (``stop`` strings) as
+        :meth:`client_text` lets it leave: kept, keyed-hashed (one hash of the whole value) or left out."""
+        if self.mode == sc.CAPTURE_IDS or not any(name in settings for name in CLIENT_TEXT_SETTINGS):
+            return settings
+        kept = dict(settings)
+        for name in CLIENT_TEXT_SETTINGS:
+            if name in kept:
+                text = self.client_text(context, json.dumps(kept.pop(name), sort_keys=True, ensure_ascii=False))
+                if text is not None:
+                    kept[name] = text
+        return kept
 
     def block_hashes(self, tokens: Sequence[int], block_size: int) -> list[str]:
         """Chained keyed hashes over full blocks of ``block_size`` tokens.
@@ -149,7 +206,7 @@ class CapturePolicy:
                          runner_up: Sequence[int]) -> Optional[OutputTokenIds]:
         """Generated ids as this policy lets them leave the process (``None``: not at all).
 
-        ``context`` is the request's prompt hash.  With ``hashed`` capture the
+        ``context`` is the request's (128-bit) prompt hash.  With ``hashed`` capture the
         i-th entry of every list is hashed under the key of (context, i), so a
         chosen token equal to the top-1 token stays equal, and the same token
         at the same position of a request with the same prompt hash gets the

@@ -157,13 +157,18 @@ class Recorder:
         }
         if r.model:
             a[sc.GEN_AI_REQUEST_MODEL] = r.model
+        prompt = r.prompt_token_ids
+        # The prompt hash (from the prompt's ids, or a text hash an importer set) places every
+        # generated token and every piece of the client's text: they compare equal only under it.
+        prompt_hash = capture.hash_tokens(prompt) if prompt is not None else r.config.get(sc.PROMPT_HASH)
         for key, value in r.config.items():
             if value is None:
                 continue
+            if key == sc.SAMPLING_SETTINGS and isinstance(value, dict):
+                value = capture.sampling_settings(prompt_hash, value)
             a[key] = settings_text(value) if isinstance(value, dict) else value
-        prompt = r.prompt_token_ids
         if prompt is not None:
-            a[sc.PROMPT_HASH] = capture.hash_tokens(prompt)
+            a[sc.PROMPT_HASH] = prompt_hash
             # An engine that hashes its own blocks (vLLM) reports its block size in the config.
             a.setdefault(sc.PROMPT_BLOCK_SIZE, self.settings.block_size)
             a[sc.PROMPT_BLOCK_HASHES] = r.vendor_block_hashes or capture.block_hashes(prompt, self.settings.block_size)
@@ -185,10 +190,8 @@ class Recorder:
             a[sc.CACHE_HIT_BLOCK_HASHES] = r.hit_block_hashes
         if r.block_layers:
             a[sc.PROMPT_BLOCK_LAYERS] = r.block_layers
-        a[sc.OUTPUT_HASH] = capture.hash_tokens(r.output_token_ids)
-        # The prompt hash (from the prompt's ids, or a text hash an importer set) places every
-        # generated token: hashed ids compare equal only where prompts and positions agree.
-        ids = capture.output_token_ids(a.get(sc.PROMPT_HASH), r.output_token_ids, r.top1_ids, r.runner_up_ids)
+        a[sc.OUTPUT_HASH] = capture.output_hash(prompt_hash, r.output_token_ids)
+        ids = capture.output_token_ids(prompt_hash, r.output_token_ids, r.top1_ids, r.runner_up_ids)
         if ids is not None:
             a[sc.OUTPUT_TOKEN_IDS] = ids.chosen
             a[sc.OUTPUT_TOP1_IDS] = ids.top1
@@ -202,13 +205,17 @@ class Recorder:
 
     def _to_span(self, r: RequestRecord) -> ReadableSpan:
         context = SpanContext(int(r.trace_id, 16), int(r.span_id, 16), is_remote=False, trace_flags=_SAMPLED)
-        status = Status(StatusCode.ERROR, r.error) if r.error else Status(StatusCode.UNSET)
+        attributes = self.request_attributes(r)
+        status = Status(StatusCode.UNSET)
+        if r.error:
+            status = Status(StatusCode.ERROR,
+                            self.capture.error_text(attributes.get(sc.PROMPT_HASH), r.error, r.error_detail))
         return ReadableSpan(
             name=sc.SPAN_REQUEST,
             context=context,
             parent=r.parent,
             resource=self.resource,
-            attributes=self.request_attributes(r),
+            attributes=attributes,
             events=[_to_event(e) for e in r.events],
             kind=SpanKind.INTERNAL,
             status=status,

@@ -106,6 +106,10 @@ class RequestRecord:
     finish_reason: Optional[str] = None
     events: list[CacheEvent] = field(default_factory=list)
     error: Optional[str] = None
+    """What went wrong, in kvtrace's own words (an exception type, "upstream HTTP 400"): stored as it is."""
+    error_detail: Optional[str] = None
+    """The engine's or upstream's own message, which may repeat the client's input: stored as the
+    capture policy lets the client's text leave (``CapturePolicy.error_text``)."""
 
     def add_token(self, chosen: int, top1: int, runner_up: int, margin: float, logprob: float) -> None:
         # Appended as given, on the engine's thread once per token: the recorder makes the span's

@@ -78,7 +78,7 @@ def end(state: CallState, result: Any = None, error: Optional[BaseException] = N
         if state.unwatch_eval is not None:  # the engine never evaluated the prompt
             state.unwatch_eval()
         if error is not None:
-            record.error = f"{type(error).__name__}: {error}"
+            record.error, record.error_detail = type(error).__name__, str(error)
         reason = finish_reason or _finish_reason(result)
         if reason:
             record.finish_reason = reason

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 
-from kvtrace.config import Settings
+from kvtrace.config import recording_opted_in
 from kvtrace.patches.hooks import Hook, HookTable
 from kvtrace.patches.vllm import api_process, block_pool, config, engine_core, sampler, worker
 from kvtrace.patches.vllm.common import ENGINE, FAILURES, MODULE, SUPPORTED, VERSION
@@ -126,10 +126,13 @@ def _forget_requests() -> None:
 def register() -> None:
     """``vllm.general_plugins`` entry point: vLLM calls it in each of its processes, maybe repeatedly.
 
-    ``KVTRACE_DISABLED=1`` (or ``VLLM_PLUGINS`` without ``kvtrace``) leaves vLLM untouched.
+    vLLM loads it wherever kvtrace is installed, so it patches only a process opted in to recording:
+    started by ``kvtrace run`` (or by a process that called ``kvtrace.instrument()``), or with
+    ``KVTRACE_ENABLED=1``; workers inherit it.  Otherwise, and with ``KVTRACE_DISABLED=1`` (or
+    ``VLLM_PLUGINS`` without ``kvtrace``), vLLM is left untouched and nothing is read or written.
     """
     try:
-        if Settings.from_env().disabled:
+        if not recording_opted_in():
             return
         patch()
     except Exception as exc:  # a plugin must never stop vLLM

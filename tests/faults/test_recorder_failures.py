@@ -30,6 +30,7 @@ BAD_SETTINGS = [
     ({"KVTRACE_SHUTDOWN_TIMEOUT": "inf"}, "KVTRACE_SHUTDOWN_TIMEOUT='inf' is not a positive number"),
     ({"KVTRACE_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TIMEOUT": "10s"}, "OTEL_EXPORTER_OTLP_TIMEOUT='10s'"),
     ({"KVTRACE_BLOCK_SIZE": "0"}, "KVTRACE_BLOCK_SIZE='0' is too small"),
+    ({"KVTRACE_HASH_KEY": "short-key"}, "KVTRACE_HASH_KEY is 9 bytes long; a hash key needs at least 16"),
     # Directories that cannot be written (a path under a file: no permission bits, so root is refused too).
     ({"XDG_DATA_HOME": "/dev/null/data", "KVTRACE_HASH_KEY": ""}, "cannot keep the hash key in the data home"),
     ({"KVTRACE_SPOOL_DIR": "/dev/null/spool"}, "the spool directory /dev/null/spool cannot be written"),

@@ -2,7 +2,7 @@
 
 A hash that changed between versions would make a run recorded before an upgrade look forked
 from every run recorded after it, so the values themselves are pinned, not only the two
-implementations against each other.
+implementations against each other (a change of them is a change of the docs/privacy.md scheme).
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from kvtrace.recording.capture import CapturePolicy, encrypt_numpy
 
 KEY = b"deployment key"
 
-# Hashes written by the release before the compiled helper, for prompt [1, 2, 3] under KEY.
+# Hashes of the 128-bit prompt-hash context (earlier releases placed tokens under a 64-bit prompt hash,
+# whose hashes compare with none of these), for prompt [1, 2, 3] under KEY.
+PINNED_PROMPT_HASH = "df761e2b4d01d7b5e33011859c91083b"
 PINNED_IDS = ([7, 8, 2**62, -1], [7, 9, 0, 5], [9, -1, 1, 4])
 PINNED_HASHES = (
-    [2094516970779847597, 5708299883339700205, 7792778412523520214, -1],
-    [2094516970779847597, 92404071727064432, 7393052468213980691, 7813144138520808002],
-    [4590765804561816697, -1, 4544437284733167835, 4018417306167806589],
+    [8765039313435853461, 3267352345394795200, 6273265719429295009, -1],
+    [8765039313435853461, 1666480101052370876, 1883005927551290974, 5033409480854916474],
+    [8737887234612177402, -1, 4970619545628697881, 417996104270515321],
 )
 
 
@@ -40,8 +42,9 @@ def policy(request, monkeypatch):
     return CapturePolicy("hashed", KEY)
 
 
-def test_hashes_are_the_ones_earlier_releases_stored(policy):
+def test_hashes_stay_the_ones_this_scheme_stores(policy):
     context = policy.hash_tokens([1, 2, 3])
+    assert context == PINNED_PROMPT_HASH  # 128 bits: the place of every token hashed under it
     hashed = policy.output_token_ids(context, *PINNED_IDS)
     assert tuple(list(ids) for ids in hashed) == PINNED_HASHES
 

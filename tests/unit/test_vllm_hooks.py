@@ -422,3 +422,52 @@ def test_the_engines_own_errors_pass_through_untouched(engine, memory_recorder):
     with pytest.raises(AttributeError):
         engine.kv_cache_manager.get_computed_blocks(None)
     assert memory_recorder.pipeline.counters["instrumentation_errors"] == 0
+
+
+# --- the plugin: vLLM loads it wherever kvtrace is installed, so it records only where asked ---------
+
+
+@pytest.fixture
+def patch_calls(monkeypatch):
+    calls = []
+    monkeypatch.setattr(vllm_patch, "patch", lambda: calls.append("patch") or True)
+    return calls
+
+
+def test_installed_alone_the_plugin_patches_nothing_and_writes_nothing(patch_calls, kvtrace_env, monkeypatch):
+    monkeypatch.delenv("KVTRACE_HASH_KEY")
+    vllm_patch.register()
+    assert patch_calls == []
+    assert not (kvtrace_env / "data").exists()  # not even a hash key made
+
+
+def test_a_process_kvtrace_run_starts_is_opted_in_and_so_are_its_workers(patch_calls, monkeypatch):
+    import argparse
+
+    from kvtrace.commands.run import child_environment
+
+    env = child_environment({}, argparse.Namespace(run_id=None, capture=None, engines=None))
+    assert env["KVTRACE_ENABLED"] == "1"  # inherited by every process the command starts
+    monkeypatch.setenv("KVTRACE_ENABLED", env["KVTRACE_ENABLED"])
+    vllm_patch.register()
+    assert patch_calls == ["patch"]
+
+
+def test_kvtrace_disabled_wins_over_the_opt_in(patch_calls, monkeypatch):
+    monkeypatch.setenv("KVTRACE_ENABLED", "1")
+    monkeypatch.setenv("KVTRACE_DISABLED", "1")
+    vllm_patch.register()
+    assert patch_calls == []
+
+
+def test_instrument_opts_the_processes_it_starts_in():
+    import os
+    import subprocess
+    import sys
+
+    child = "import os; print(os.environ.get('KVTRACE_ENABLED'))"
+    ask_child = f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True).stdout)\n"
+    parent = "import subprocess, sys, kvtrace\n" + ask_child + "kvtrace.instrument(['vllm'])\n" + ask_child
+    env = {k: v for k, v in os.environ.items() if k != "KVTRACE_ENABLED"}
+    done = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout.split() == ["None", "1"], done.stderr
