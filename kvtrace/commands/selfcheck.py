@@ -84,4 +84,4 @@ def run(args) -> int:
 def warn_about_amx() -> None:
     hint = amx_hint()
     if hint:
-        print(f"kvtrace: warning: {hint} (README: 'AMX machines')", file=sys.stderr)
+        print(f"kvtrace: warning: {hint} (docs/tracing.md: 'Intel AMX machines')", file=sys.stderr)
