@@ -2,9 +2,10 @@
 probe relies on for its cold requests.
 
 The canary story of tests/test_probe_llama_server.py, on the server the study used, with README's
-command and the example prompts: the probe tells llama-server from the models list, sends each cold request with ``cache_prompt: false`` and
-the warm ones with the cache on; the server's own counts (``usage.prompt_tokens_details``) say the
-cold request recomputed its whole prompt and the warm one reused it.
+command and the example prompts: the probe tells llama-server from the models list, sends each cold
+request with ``cache_prompt: false`` and the warm ones with the cache on; the server's own counts
+(``usage.prompt_tokens_details``) say the cold request recomputed its whole prompt and the warm one
+reused it.
 """
 
 from __future__ import annotations
