@@ -1,4 +1,4 @@
-"""Settings from the environment (documented in README.md, "Configuration").
+"""Settings from the environment (documented in docs/tracing.md, "Configuration").
 
 kvtrace reads ``KVTRACE_*`` variables, plus the standard OpenTelemetry ones
 where they apply: ``OTEL_SDK_DISABLED``, ``OTEL_SERVICE_NAME`` and

@@ -16,7 +16,9 @@ import pytest
 
 from kvtrace.experiment.server import stop_server, wait_until_healthy
 
-SERVER_ARGS = ("-c", "1024", "-t", "1", "-tb", "1", "-b", "64", "-ub", "64", "--no-warmup",
+SIZING = ("-c", "1024", "-t", "1", "-tb", "1", "-b", "64", "-ub", "64", "--no-warmup")
+"""A small context on one thread: the tiny model on a shared machine."""
+SERVER_ARGS = (*SIZING,
                # The CPU repack of quantized weights (AMX) crashes decode on some Xeons; off here, as in
                # kvtrace's own llama.cpp loads, so every machine runs the same kernels.
                "--no-repack")
@@ -42,9 +44,16 @@ def running_llama_server(model: Path, *extra: str, log_path: Path, slots: int = 
     """Start llama-server on a free port; yields its base URL (``http://127.0.0.1:PORT``)."""
     binary = llama_server_binary()
     port = free_port()
+    with started_llama_server([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                               "-np", str(slots), *SERVER_ARGS, *extra], port, log_path) as base:
+        yield base
+
+
+@contextlib.contextmanager
+def started_llama_server(argv: list[str], port: int, log_path: Path) -> Iterator[str]:
+    """Run a llama-server command line that listens on ``port``, its output in ``log_path``; yields its base URL."""
     with open(log_path, "wb") as log:
-        process = subprocess.Popen([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                                    "-np", str(slots), *SERVER_ARGS, *extra], stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         if not wait_until_healthy(base, process, 120):

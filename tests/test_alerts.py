@@ -17,6 +17,7 @@ import yaml
 from diff_scenarios import CachePath, ScenarioBook
 from kvtrace import semconv as sc
 from kvtrace.cli import main
+from readme_commands import ROOT, readme_kvtrace_args
 from receivers import Receiver
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -198,6 +199,17 @@ def test_exit_codes(recorded, tmp_path, capsys):
                         "--state", str(tmp_path / "s2.json")])
     assert unreachable == 2
     assert "could not evaluate rule margin-shift-p95" in capsys.readouterr().err
+
+
+def test_the_example_rules_evaluate_as_the_readme_shows_and_stay_quiet_below_their_sample_floors(
+        recorded, tmp_path, capsys, monkeypatch):
+    """Every example rule's query runs on the recorded shifts; they rest on too few samples for any rule's
+    min_samples (200 positions, 20 episodes, 500 decisions), so nothing fires and nothing is delivered."""
+    monkeypatch.chdir(ROOT)  # README's command names the example rules relative to the clone
+    alert = readme_kvtrace_args("kvtrace alert --rules examples/alert-rules.yaml")
+    assert main(["--db", recorded["url"], "--spool-dir", recorded["spool"], "-q", *alert,
+                 "--state", str(tmp_path / "state.json")]) == 0
+    assert "all clear" in capsys.readouterr().out
 
 
 def test_the_example_rules_file_is_valid():

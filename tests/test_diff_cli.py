@@ -10,6 +10,7 @@ import pytest
 from diff_scenarios import CachePath, ScenarioBook
 from kvtrace import semconv as sc
 from kvtrace.cli import main
+from readme_commands import readme_kvtrace_args
 
 A, B = "cli-A", "cli-B"
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -58,7 +59,7 @@ def test_diff_json_lists_the_fork_with_culprit_and_provenance(recorded, capsys):
 
 
 def test_diff_text_reads_as_a_post_mortem(recorded, capsys):
-    assert kvtrace(recorded, "diff", A, B) == 0
+    assert kvtrace(recorded, *readme_kvtrace_args("kvtrace diff RUN_A RUN_B", {"RUN_A": A, "RUN_B": B})) == 0
     out = capsys.readouterr().out
     assert "1 of 2 episode(s) forked" in out
     assert "episode agent-1: forked at turn 1, token 1 [hit_vs_recompute]" in out
@@ -85,6 +86,15 @@ def test_runs_lists_both_runs_with_their_arms(recorded, capsys):
         "reuse", 2, 3, 11)
     assert kvtrace(recorded, "runs", "--format", "csv") == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("run_id,engine,model")
+
+
+def test_runs_table_shows_each_run_with_its_cached_tokens(recorded, capsys):
+    assert kvtrace(recorded, *readme_kvtrace_args("kvtrace runs")) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert header.split()[:3] == ["run_id", "engine", "model"]
+    by_run = {row.split()[0]: row.split() for row in rows if row.split() and row.split()[0] in (A, B)}
+    assert set(by_run) == {A, B}
+    assert "11" in by_run[A] and "reuse" in by_run[A] and "off" in by_run[B]
 
 
 def test_model_vocabulary_turns_ids_into_text(recorded, capsys, tiny_gguf):

@@ -16,6 +16,7 @@ import pytest
 from diff_scenarios import CachePath, ScenarioBook
 from kvtrace import semconv as sc
 from kvtrace.cli import main
+from readme_commands import readme_kvtrace_args
 
 A, B = "html-A", "html-B"
 PROMPT = list(range(1, 25))
@@ -53,7 +54,9 @@ def page(tmp_path_factory) -> Path:
     init_schema(client)
     book.ingest(client)
     out = root / "fork.html"
-    assert main(["--db", url, "--spool-dir", str(root / "spool"), "-q", "diff", A, B, "--html", str(out)]) == 0
+    diff = readme_kvtrace_args("kvtrace diff RUN_A RUN_B --html fork.html",
+                               {"RUN_A": A, "RUN_B": B, "fork.html": str(out)})
+    assert main(["--db", url, "--spool-dir", str(root / "spool"), "-q", *diff]) == 0
     client.close()
     return out
 

@@ -14,17 +14,17 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+
+from readme_commands import readme_command
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("llama_cpp.server.app")
 
-VENV_BIN = Path(sys.executable).parent
 RUN_ID = "harness-run-1"
+SERVE = "kvtrace run -- python -m llama_cpp.server --model MODEL.gguf --cache true"
 
 
 def free_port() -> int:
@@ -46,9 +46,9 @@ def server(tiny_gguf, spool_dir, tmp_path):
     env = dict(os.environ, KVTRACE_SPOOL_DIR=str(spool_dir))
     log_path = tmp_path / "server.log"
     with open(log_path, "wb") as log:
+        # README's command (token ids in the clear from the test's KVTRACE_CAPTURE), sized for the tiny model.
         process = subprocess.Popen(
-            [str(VENV_BIN / "kvtrace"), "run", "--capture", "ids", "--", sys.executable, "-m", "llama_cpp.server",
-             "--model", str(tiny_gguf), "--host", "127.0.0.1", "--port", str(port), "--cache", "true",
+            [*readme_command(SERVE, {"MODEL.gguf": str(tiny_gguf)}), "--host", "127.0.0.1", "--port", str(port),
              "--n_ctx", "512", "--n_batch", "64", "--n_ubatch", "64", "--n_threads", "1", "--n_threads_batch", "1",
              "--verbose", "false"],
             env=env, stdout=log, stderr=subprocess.STDOUT)

