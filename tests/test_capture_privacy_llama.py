@@ -47,7 +47,8 @@ def test_a_real_engine_run_forks_alike_under_both_captures(llama_patched, make_l
     previous = set_recorder(recorder)
     try:
         # The workload of test_diff_llama: greedy multi-turn episodes with reuse, cache off, prompt cache.
-        llm = make_llama(model_path=str(make_model(tmp_path / "tiny-Q4_0.gguf", "Q4_0", "tiny")), n_ctx=1024)
+        llm = make_llama(model_path=str(make_model(tmp_path / "tiny-Q4_0.gguf", "Q4_0", "tiny")), n_ctx=1024,
+                         flash_attn=True)  # as test_diff_llama, whose settings make these episodes fork
         for arm in ("reuse", "off", "ram"):
             llm.reset()
             llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=256 << 20) if arm == "ram" else None)

@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from sink_faults import BlackHole, refused_port, run_host
+from span_lines import dead_writer_name, request, write_lines
 
 KVTRACE = [sys.executable, "-m", "kvtrace.cli", "-q"]
 LIMIT_S = 45
@@ -118,6 +119,7 @@ def test_an_ingest_that_loses_the_embedded_database_to_another_process_says_so_i
     try:
         assert holder.stdout.readline().strip() == "open"
         spool_dir.mkdir(exist_ok=True)
+        write_lines(dead_writer_name(spool_dir), [request(0)])  # something to store: ingest must open the database
         run = run_host([*KVTRACE, "--db", url, "db", "ingest"], {}, limit_s=300)
     finally:
         holder.communicate("", timeout=120)
