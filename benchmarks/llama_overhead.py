@@ -431,7 +431,7 @@ def print_closing_counts() -> None:
     recorder = get_recorder()
     if recorder is not None:
         recorder.pipeline.force_flush()
-        counters = recorder.pipeline.counters
+        counters = recorder.pipeline.counters.snapshot()
         print(f"spans spooled: {counters['spans_spooled']}, stored: {counters['spans_stored']}, "
               f"dropped: {counters['spans_dropped_queue_full']}, "
               f"instrumentation errors: {counters['instrumentation_errors']}")

@@ -39,7 +39,7 @@ class HookFailures:
         try:
             recorder = recorder or get_recorder()
             if recorder is not None:
-                recorder.pipeline.counters["instrumentation_errors"] += 1
+                recorder.pipeline.counters.add("instrumentation_errors")
             level = logging.DEBUG if where in self._warned else logging.WARNING
             self._warned.add(where)
             log.log(level, "kvtrace: %s instrumentation error in %s (counted; engine unaffected)", self.engine,

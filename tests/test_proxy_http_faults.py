@@ -54,7 +54,7 @@ def port_of(url: str) -> int:
 
 
 def counters(recorder) -> dict[str, int]:
-    return recorder.pipeline.counters
+    return recorder.pipeline.counters.snapshot()
 
 
 def spans_after(recorder, count: int, bound_s: float = 10.0) -> int:
@@ -222,7 +222,7 @@ with proxy_in_thread(sys.argv[1], recorder, limits=Limits(idle_timeout_s=60)) as
     resource.setrlimit(resource.RLIMIT_NOFILE, (opened + 3, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     print(proxy, flush=True)
     for line in sys.stdin:
-        print(json.dumps(recorder.pipeline.counters), flush=True)
+        print(json.dumps(recorder.pipeline.counters.snapshot()), flush=True)
 '''
 
 

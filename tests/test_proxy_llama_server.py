@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from kvtrace import semconv as sc
+from kvtrace.recording.counters import SpanCounters
 from llama_server_process import (SIZING, free_port, llama_server_binary, running_llama_server, running_proxy,
                                   sse_payloads, started_llama_server)
 from readme_commands import readme_command
@@ -306,7 +307,7 @@ class BrokenRecorder:
     """kvtrace's own recording failing (not the engine): the request must go through regardless."""
 
     def __init__(self):
-        self.pipeline = type("Pipeline", (), {"counters": {"instrumentation_errors": 0}})()
+        self.pipeline = type("Pipeline", (), {"counters": SpanCounters()})()
 
     def start_request(self, *args, **kwargs):
         raise RuntimeError("the recorder is broken")

@@ -449,7 +449,7 @@ class ProxyApp:
         try:
             recorder = self._recorder()
             if recorder is not None:
-                recorder.pipeline.counters[name] += 1
+                recorder.pipeline.counters.add(name)
         except Exception:
             pass
 

@@ -72,7 +72,7 @@ class OutsideRecorder:
     def close(self) -> dict[str, int]:
         """Flush everything; returns the pipeline's counters (drops, export failures)."""
         self.recorder.pipeline.force_flush()
-        counters = dict(self.recorder.pipeline.counters)
+        counters = self.recorder.pipeline.counters.snapshot()
         self.recorder.shutdown()
         return counters
 

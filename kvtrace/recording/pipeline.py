@@ -2,8 +2,9 @@
 
 The engine thread only appends to a deque (never blocks, never raises); a
 worker thread hands batches to the exporter and counts where each batch
-ended: stored, spooled, or lost (``kvtrace/stats.py`` names the counters and
-the equation they keep). A full queue drops *and counts*.
+ended: stored, spooled, or lost (``kvtrace/recording/stats.py`` names the
+counters and the equation they keep; ``counters.py`` holds them, under a
+lock, for every thread that counts). A full queue drops *and counts*.
 
 Shutdown is bounded by ``shutdown_timeout_s``: the worker first delivers as
 usual (each sink has its own short time-outs); after half the time whatever
@@ -27,12 +28,18 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from kvtrace.recording.exporters.delivery import Delivery, FailureLog, first_line
-from kvtrace.recording.stats import COUNTERS, StatsFile, lost
+from kvtrace.recording.counters import SpanCounters
+from kvtrace.recording.stats import StatsFile, lost
 
 log = logging.getLogger("kvtrace")
 
 STATS_INTERVAL_S = 1.0
 """Counters are republished at most this often while they change (and always at flush and shutdown)."""
+
+# How a span's end is counted: finished, and where it went, in one change (built once, not per span).
+_QUEUED = {"spans_finished": 1, "spans_queued": 1}
+_DROPPED_QUEUE_FULL = {"spans_finished": 1, "spans_dropped_queue_full": 1}
+_DROPPED_CLOSING = {"spans_finished": 1, "spans_dropped_at_shutdown": 1}
 
 
 class SpanPipeline(SpanProcessor):
@@ -51,7 +58,7 @@ class SpanPipeline(SpanProcessor):
         self.schedule_delay = max(0.001, schedule_delay_ms / 1000)
         self.shutdown_timeout_s = max(0.0, shutdown_timeout_s)
         self.stats = stats
-        self.counters = {name: 0 for name in COUNTERS}
+        self.counters = SpanCounters()
         self._queue: collections.deque[ReadableSpan] = collections.deque()
         self._wake = threading.Event()
         self._state = threading.Condition()  # guards _in_flight and _final; notified when a batch settles
@@ -73,22 +80,20 @@ class SpanPipeline(SpanProcessor):
         pass
 
     def on_end(self, span: ReadableSpan) -> None:
-        self.counters["spans_finished"] += 1
         if self._closing:
-            self.counters["spans_dropped_at_shutdown"] += 1
+            self.counters.apply(_DROPPED_CLOSING)
             return
         if len(self._queue) >= self.max_queue_size:
-            self.counters["spans_dropped_queue_full"] += 1
+            self.counters.apply(_DROPPED_QUEUE_FULL)
             return
+        self.counters.apply(_QUEUED)  # before the worker can take it: a snapshot never shows it settled unqueued
         self._queue.append(span)
-        self.counters["spans_queued"] += 1
         if len(self._queue) >= self.max_batch_size:
             self._wake.set()
 
     def count_repairs(self, repaired: int) -> None:
         """Count values a span keeps in a repaired form (the recorder's, and exporters' on their threads)."""
-        with self._state:
-            self.counters["values_repaired"] += repaired
+        self.counters.add("values_repaired", repaired)
 
     # --- worker side -------------------------------------------------------------
 
@@ -134,6 +139,14 @@ class SpanPipeline(SpanProcessor):
 
     def _settle(self, batch: list[ReadableSpan], outcome: Delivery) -> None:
         n = len(batch)
+        if outcome is Delivery.STORED:
+            deltas = {"spans_stored": n}
+        elif outcome is Delivery.LOST:
+            deltas = {"spans_failed_export": n}
+        elif outcome is Delivery.FALLBACK:
+            deltas = {"spans_spooled": n, "spans_spooled_fallback": n}
+        else:
+            deltas = {"spans_spooled": n}
         with self._state:
             late = self._final
             if late:
@@ -141,17 +154,10 @@ class SpanPipeline(SpanProcessor):
                 # all: correct the counters (published below) so the span is not counted twice.
                 if outcome is Delivery.LOST:
                     return
-                self.counters["spans_dropped_at_shutdown"] -= n
+                deltas["spans_dropped_at_shutdown"] = -n
             else:
                 self._in_flight -= n
-            if outcome is Delivery.STORED:
-                self.counters["spans_stored"] += n
-            elif outcome is Delivery.LOST:
-                self.counters["spans_failed_export"] += n
-            else:
-                self.counters["spans_spooled"] += n
-                if outcome is Delivery.FALLBACK:
-                    self.counters["spans_spooled_fallback"] += n
+            self.counters.apply(deltas)
             self._state.notify_all()
         if late:
             self._publish(final=True)
@@ -160,7 +166,7 @@ class SpanPipeline(SpanProcessor):
         with self._publishing:
             if self._final and not final:
                 return  # the final counters are out; an older snapshot must not overwrite them
-            snapshot = dict(self.counters)
+            snapshot = self.counters.snapshot()
             if snapshot == self._published and not final:
                 return
             self._published = snapshot
@@ -206,7 +212,7 @@ class SpanPipeline(SpanProcessor):
             self._final = True
             stranded = len(self._queue) + self._in_flight
             self._queue.clear()
-            self.counters["spans_dropped_at_shutdown"] += stranded
+            self.counters.add("spans_dropped_at_shutdown", stranded)
             worker_idle = self._in_flight == 0
         self._wake.set()
         if stranded:

@@ -137,7 +137,7 @@ class Recorder:
                 record.end_time_unix_nano = time.time_ns()
             self.pipeline.on_end(self._to_span(record))
         except Exception:
-            self.pipeline.counters["instrumentation_errors"] += 1
+            self.pipeline.counters.add("instrumentation_errors")
             log.exception("kvtrace: could not record request span")
 
     # --- record → span ------------------------------------------------------------------

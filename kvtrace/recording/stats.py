@@ -6,7 +6,9 @@ process has shut down::
 
     spans_finished = spans_stored + spans_spooled + (sum of LOST_COUNTERS)
 
-While it runs, the difference is what is still queued or on its way.
+While it runs, the difference is what is still queued or on its way. In
+memory the counters are a ``SpanCounters`` (``counters.py``); what is
+published here is one snapshot of them.
 
 Where: ``<spool>/stats/<host>-<pid>-<start_ns>.stats``, or, when the spool
 directory cannot take the file (read-only, full), under the data home in
