@@ -5,7 +5,8 @@ keeping the prefix cache and once resetting it before every request; then ``kvtr
     python examples/vllm_offline.py [--model HF_DIR] [--dtype float32] [--episodes 3] [--turns 3]
                                     [--max-tokens 8] [--run-prefix vllm-example]
 
-Nothing here patches vLLM: with kvtrace installed, vLLM loads it through its plugin entry point.
+Nothing here patches vLLM: with kvtrace installed, vLLM loads it through its plugin entry point, which
+records because the engine process has ``KVTRACE_ENABLED=1`` (what ``kvtrace run`` sets).
 Each request is tagged with ``kvtrace.correlate(run_id=..., episode_id=..., turn=..., arm=...)``.
 Without ``--model`` a random-weight Hugging Face Llama is generated (once, kept in kvtrace's data
 folder). The engine runs in a child process of this script, so its spans are in the spool (flushed
@@ -37,6 +38,7 @@ ENGINE_ENVIRONMENT = {
     "HF_HUB_OFFLINE": "1",  # a local model directory: nothing to download
     "VLLM_LOGGING_LEVEL": "WARNING",  # not vLLM's line per request
     "KVTRACE_CAPTURE": "ids",  # a generated model: token ids in the clear, so the diff names tokens
+    "KVTRACE_ENABLED": "1",  # kvtrace's vLLM plugin records only a process that asks for it
 }
 
 
