@@ -27,6 +27,7 @@ from kvtrace import semconv
 from kvtrace.credentials import read_secret_file
 from kvtrace.errors import BadEndpoint, BadSetting, UnwritableDirectory
 from kvtrace.recording.records import TURN_MAX, TURN_MIN
+from kvtrace.safe_files import create_private
 
 EXPORTERS = ("spool", "otlp", "clickhouse", "none")
 
@@ -302,7 +303,7 @@ def _create_key_file(path: Path) -> bytes:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         tmp.unlink(missing_ok=True)  # left by a process of this pid that died before its link
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = create_private(tmp)
         try:
             os.write(fd, os.urandom(32))
             os.fsync(fd)
