@@ -103,6 +103,10 @@ EVENT_CACHE_RESTORE = "kvtrace.cache.restore"
 EVENT_CACHE_STORE = "kvtrace.cache.store"
 EVENT_CACHE_EVICT = "kvtrace.cache.evict"
 EVENT_CACHE_RESET = "kvtrace.cache.reset"
+EVENT_CACHE_INTEGRITY_VIOLATION = "kvtrace.cache.integrity_violation"
+"""The state an engine reused or restored is not the request's own prompt prefix: the event names both
+sides (this span; the state's origin in the ``EVENT_SOURCE_*`` attributes), ``EVENT_LAYER`` the cache,
+``EVENT_REASON`` how it was found (``INTEGRITY_*``), ``EVENT_PREFIX_TOKENS`` the tokens that did match."""
 CACHE_EVENTS = (
     EVENT_CACHE_LOOKUP,
     EVENT_CACHE_REUSE,
@@ -110,6 +114,7 @@ CACHE_EVENTS = (
     EVENT_CACHE_STORE,
     EVENT_CACHE_EVICT,
     EVENT_CACHE_RESET,
+    EVENT_CACHE_INTEGRITY_VIOLATION,
 )
 
 # Attributes carried by cache events.
@@ -172,6 +177,23 @@ REASON_REPLAY_LAST_TOKEN = "replay_last_token"
 REASON_PREEMPTED = "preempted"
 """lookup (vLLM): a preempted request admitted again; it recomputes what it had lost."""
 
+CACHE_INTEGRITY = "kvtrace.cache.integrity"
+"""The request's verdict on the state its engine reused or restored: ``INTEGRITY_VERIFIED`` (the state's
+tokens, or its blocks' hash chain, are the prompt's own prefix), ``INTEGRITY_VIOLATED`` (they are not: a
+``kvtrace.cache.integrity_violation`` event says how) or ``INTEGRITY_UNVERIFIABLE`` (nothing to compare)."""
+INTEGRITY_VERIFIED = "verified"
+INTEGRITY_VIOLATED = "violated"
+INTEGRITY_UNVERIFIABLE = "unverifiable"
+# Values of EVENT_REASON on an integrity violation: what disagreed.
+INTEGRITY_TOKENS_DIFFER = "tokens_differ"
+"""The stored state's tokens differ from the prompt's within the length that was reused or restored."""
+INTEGRITY_HASH_CHAIN_DIFFERS = "hash_chain_differs"
+"""vLLM: a hit block's hash is not the prompt's own block hash at that position."""
+INTEGRITY_CACHED_COUNT_DIFFERS = "cached_count_differs"
+"""llama-server: the log's restore disagrees with the cached tokens the answer reported."""
+INTEGRITY_FOREIGN_PROMPT = "foreign_prompt"
+"""llama-server: the restored task's prompt, as the proxy saw it, is not this prompt's prefix."""
+
 # Values of OUTPUT_FINISH_REASON besides the engine's own (stop, length...).
 FINISH_CANCELLED = "cancelled"
 """A stream closed by its consumer before the engine finished."""
@@ -188,6 +210,7 @@ COMPARED_BY_TOKEN_IDS = "token_ids"
 COMPARED_BY_OUTPUT_HASH = "output_hash"
 """compared_by: outputs compared by their hashes only (no fork position)."""
 ATTRIBUTION_PROMPT_MISMATCH = "prompt_mismatch"
+ATTRIBUTION_FOREIGN_STATE = "foreign_state"
 ATTRIBUTION_HIT_VS_RECOMPUTE = "hit_vs_recompute"
 ATTRIBUTION_REUSE_LENGTH = "reuse_length"
 ATTRIBUTION_CACHE_SOURCE = "cache_source"
