@@ -122,6 +122,9 @@ def _variables(database: str, cluster: str | None) -> dict[str, str]:
         variables["replacing_engine"] = (
             "ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', updated)"
         )
+        variables["span_engine"] = (
+            "ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')"
+        )
         # The schema version belongs to the whole cluster: one replica set across all shards.
         variables["versions_engine"] = (
             "ReplicatedMergeTree('/clickhouse/tables/all_shards/{database}/{table}', '{shard}-{replica}')"
@@ -130,6 +133,8 @@ def _variables(database: str, cluster: str | None) -> dict[str, str]:
         variables["on_cluster"] = ""
         variables["engine"] = "MergeTree()"
         variables["replacing_engine"] = "ReplacingMergeTree(updated)"
+        # kvtrace's typed tables: copies of a span's rows (a retried write, two paths) fold into one.
+        variables["span_engine"] = "ReplacingMergeTree()"
         variables["versions_engine"] = "MergeTree()"
     for table in TABLES + (VERSIONS_TABLE, TYPED_REQUESTS_TABLE):
         variables[table] = f"`{table}_local`" if cluster and table in DISTRIBUTED else f"`{table}`"

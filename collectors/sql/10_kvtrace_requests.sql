@@ -1,4 +1,7 @@
 -- kvtrace_requests: one row per generation request (one kvtrace.request span), typed.
+-- One row per span (and position / event) whatever path stored it and how often: the sort key ends with the
+-- span's ids, so the engine folds copies into one; queries read FINAL. Ordered by run first: two runs are read
+-- without the rest of the table.
 CREATE TABLE IF NOT EXISTS ${database}.${kvtrace_requests} ${on_cluster} (
     Timestamp DateTime64(9) CODEC(Delta(8), ZSTD(1)),
     TraceId String,
@@ -50,6 +53,6 @@ CREATE TABLE IF NOT EXISTS ${database}.${kvtrace_requests} ${on_cluster} (
     finish_reason LowCardinality(String),
     status_code LowCardinality(String),
     duration_ns UInt64
-) ENGINE = ${engine}
+) ENGINE = ${span_engine}
 PARTITION BY toDate(Timestamp)
-ORDER BY (run_id, episode_id, turn, Timestamp)
+ORDER BY (run_id, episode_id, turn, Timestamp, TraceId, SpanId)

@@ -1,4 +1,7 @@
 -- kvtrace_tokens: one row per generated token (position 0 = first generated token of the request).
+-- One row per span (and position / event) whatever path stored it and how often: the sort key ends with the
+-- span's ids, so the engine folds copies into one; queries read FINAL. Ordered by run first: two runs are read
+-- without the rest of the table.
 -- token_id / top1_id / runner_up_id are -1 when the capture policy kept no ids.
 CREATE TABLE IF NOT EXISTS ${database}.${kvtrace_tokens} ${on_cluster} (
     Timestamp DateTime64(9) CODEC(Delta(8), ZSTD(1)),
@@ -20,6 +23,6 @@ CREATE TABLE IF NOT EXISTS ${database}.${kvtrace_tokens} ${on_cluster} (
     runner_up_id Int64,
     margin Float64,
     logprob Float64
-) ENGINE = ${engine}
+) ENGINE = ${span_engine}
 PARTITION BY toDate(Timestamp)
-ORDER BY (run_id, episode_id, turn, position)
+ORDER BY (run_id, episode_id, turn, position, TraceId, SpanId)

@@ -1,4 +1,7 @@
 -- kvtrace_cache_events: one row per cache event (lookup, reuse, restore, store, evict, reset).
+-- One row per span (and position / event) whatever path stored it and how often: the sort key ends with the
+-- span's ids, so the engine folds copies into one; queries read FINAL. Ordered by run first: two runs are read
+-- without the rest of the table.
 CREATE TABLE IF NOT EXISTS ${database}.${kvtrace_cache_events} ${on_cluster} (
     Timestamp DateTime64(9) CODEC(Delta(8), ZSTD(1)),
     TraceId String,
@@ -28,6 +31,6 @@ CREATE TABLE IF NOT EXISTS ${database}.${kvtrace_cache_events} ${on_cluster} (
     source_episode_id String,
     source_turn Int32,
     source_time_unix_nano UInt64
-) ENGINE = ${engine}
+) ENGINE = ${span_engine}
 PARTITION BY toDate(Timestamp)
-ORDER BY (run_id, episode_id, turn, Timestamp)
+ORDER BY (run_id, episode_id, turn, Timestamp, TraceId, SpanId, event_index)
