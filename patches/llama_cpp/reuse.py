@@ -62,7 +62,8 @@ def on_generate(state: CallState, llama: Any, args: tuple, kwargs: dict) -> None
     n_live = int(llama.n_tokens)
     state.live_tokens_before = n_live
     reset = params.get("reset", defaults.get("reset", True))
-    state.live_prefix = common_prefix(llama.input_ids[:n_live], prompt) if (reset and n_live > 0) else 0
+    state.live_compared = bool(reset and n_live > 0)
+    state.live_prefix = common_prefix(llama.input_ids[:n_live], prompt) if state.live_compared else 0
 
     record = state.record
     record.prompt_token_ids = prompt
@@ -158,6 +159,22 @@ def on_prompt_eval(state: CallState, kept: int, evaluated: int) -> None:
             reason=sc.REASON_REPLAY_LAST_TOKEN if replayed else None,
             source=record.state_origin if state.restored else None,
         ))
+    if kept > 0:
+        judge_kept_tokens(state, kept, layer)
+
+
+def judge_kept_tokens(state: CallState, kept: int, layer: str) -> None:
+    """Whether the ``kept`` tokens the engine continues from are the prompt's own: the restored state's
+    tokens (as stored) or the live context's, compared with the prompt's first ``kept``."""
+    record = state.record
+    if state.restored:
+        tokens = state.restored_tokens
+        matched = None if tokens is None else common_prefix(tokens[:kept], state.prompt[:kept])
+        record.judge_integrity(layer, kept, matched, sc.INTEGRITY_TOKENS_DIFFER, source=state.restored_origin,
+                               key_hash=record.state_key)
+    else:  # generate compared the live context with the prompt already
+        matched = state.live_prefix if state.live_compared else None
+        record.judge_integrity(layer, kept, matched, sc.INTEGRITY_TOKENS_DIFFER)
 
 
 def common_prefix(live: Sequence[int], prompt: Sequence[int]) -> int:
