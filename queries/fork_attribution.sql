@@ -44,7 +44,7 @@ ${shared_first_fork}
 -- Spans of either run whose engine continued from a state that is not their prompt's prefix.
 violated_spans AS (
     SELECT SpanId
-    FROM kvtrace_cache_events FINAL
+    FROM kvtrace_cache_events
     WHERE run_id IN ({run_a:String}, {run_b:String}) AND event = '${EVENT_CACHE_INTEGRITY_VIOLATION}'
 ),
 -- attribution is computed a subquery below its uses: an alias mentioned again in the same SELECT is

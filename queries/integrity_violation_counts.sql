@@ -12,8 +12,8 @@ WITH
 ${shared_requests_once}
 ${shared_request_scope}
 violated AS (
-    SELECT SpanId, count() AS events
-    FROM kvtrace_cache_events FINAL
+    SELECT SpanId, uniqExact(event_index) AS events  -- each event once, however many copies were stored
+    FROM kvtrace_cache_events
     WHERE event = '${EVENT_CACHE_INTEGRITY_VIOLATION}' AND startsWith(run_id, {run_prefix:String})
     GROUP BY SpanId
 ),

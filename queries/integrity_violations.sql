@@ -16,10 +16,11 @@ SELECT
     SpanId AS span_id, TraceId AS trace_id, engine, layer, reason,
     tokens AS used_tokens, prefix_tokens AS matched_tokens, key_hash, block_hashes,
     source_request_id, source_run_id, source_episode_id, source_turn, source_span_id, source_trace_id
-FROM kvtrace_cache_events FINAL
+FROM kvtrace_cache_events
 WHERE event = '${EVENT_CACHE_INTEGRITY_VIOLATION}'
   AND ({run:String} = '' OR run_id = {run:String})
   AND startsWith(run_id, {run_prefix:String})
   AND Timestamp >= {since:DateTime64(3)} AND Timestamp < {until:DateTime64(3)}
   AND ({engine:String} = '' OR engine = {engine:String})
 ORDER BY Timestamp DESC, SpanId, event_index
+LIMIT 1 BY SpanId, event_index  -- each event once, however many copies of its span were stored

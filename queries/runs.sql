@@ -26,8 +26,9 @@ per_run AS (
     GROUP BY run_id
 ),
 violations AS (
-    SELECT run_id, count() AS integrity_violations
-    FROM kvtrace_cache_events FINAL
+    -- each event once, however many copies of its span were stored
+    SELECT run_id, uniqExact(SpanId, event_index) AS integrity_violations
+    FROM kvtrace_cache_events
     WHERE event = '${EVENT_CACHE_INTEGRITY_VIOLATION}'
     GROUP BY run_id
 )
