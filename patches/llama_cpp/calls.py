@@ -37,7 +37,8 @@ class CallState:
     """The prompt-cache lookup that found a state; a hit once ``load_state`` restores it."""
     restored: bool = False
     restored_tokens: Any = None
-    """The tokens the restored state's KV data holds (``LlamaState.input_ids`` of the state as stored)."""
+    """The tokens the restored state's KV data holds, where they are not the ``input_ids`` it was handed out
+    with (a copy of a stored state: those of the state as stored); ``None``: its own ``input_ids``."""
     restored_origin: Optional[StateOrigin] = None
     """Who stored the restored state's KV data, where kvtrace saw it stored."""
     finished: bool = False

@@ -245,7 +245,8 @@ def load_state_wrapper(wrapped, instance, args, kwargs):
             record.state_origin = lookup.source
             state.restored = True
             stored, stored_by = SAVED.stored(llama_state)
-            state.restored_tokens = stored.input_ids[: int(stored.n_tokens)]
+            if stored is not llama_state:  # a copy carrying another state's KV data: compare what that holds
+                state.restored_tokens = stored.input_ids[: int(stored.n_tokens)]
             state.restored_origin = stored_by or lookup.source
             record.events.append(CacheEvent(sc.EVENT_CACHE_RESTORE, sc.LAYER_PROMPT_CACHE,
                                             key_hash=lookup.key_hash, tokens=int(llama_state.n_tokens),

@@ -167,14 +167,13 @@ def judge_kept_tokens(state: CallState, kept: int, layer: str) -> None:
     """Whether the ``kept`` tokens the engine continues from are the prompt's own: the restored state's
     tokens (as stored) or the live context's, compared with the prompt's first ``kept``."""
     record = state.record
-    if state.restored:
-        tokens = state.restored_tokens
-        matched = None if tokens is None else common_prefix(tokens[:kept], state.prompt[:kept])
-        record.judge_integrity(layer, kept, matched, sc.INTEGRITY_TOKENS_DIFFER, source=state.restored_origin,
-                               key_hash=record.state_key)
-    else:  # generate compared the live context with the prompt already
-        matched = state.live_prefix if state.live_compared else None
-        record.judge_integrity(layer, kept, matched, sc.INTEGRITY_TOKENS_DIFFER)
+    # generate compared the live context (after a restore: the state's input_ids) with the prompt already
+    matched = state.live_prefix if state.live_compared else None
+    if state.restored and state.restored_tokens is not None:
+        matched = common_prefix(state.restored_tokens[:kept], state.prompt[:kept])
+    record.judge_integrity(layer, kept, matched, sc.INTEGRITY_TOKENS_DIFFER,
+                           source=state.restored_origin if state.restored else None,
+                           key_hash=record.state_key if state.restored else None)
 
 
 def common_prefix(live: Sequence[int], prompt: Sequence[int]) -> int:
