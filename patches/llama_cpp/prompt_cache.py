@@ -5,7 +5,8 @@
 ``Llama.load_state`` when it beats the live context, and after generation stores
 ``cache[prompt + completion] = save_state()``.  ``LlamaRAMCache`` evicts inside ``__setitem__``;
 ``LlamaDiskCache.__getitem__`` pops the entry it returns.  Which request stored each entry is
-kept per cache object, so a restore or an eviction names the request whose state it was.
+kept per cache object, so a restore or an eviction names the request whose state it was; the
+tokens a restored state holds are checked against the prompt at its first eval (:mod:`.reuse`).
 
 Dunder methods are looked up on the type, so they are wrapped on the class that defines them:
 the built-in caches through the package's hook table, a user's subclass (which may override
@@ -244,14 +245,15 @@ def load_state_wrapper(wrapped, instance, args, kwargs):
             record.state_key = lookup.key_hash
             record.state_origin = lookup.source
             state.restored = True
-            stored, stored_by = SAVED.stored(llama_state)
-            if stored is not llama_state:  # a copy carrying another state's KV data: compare what that holds
-                state.restored_tokens = stored.input_ids[: int(stored.n_tokens)]
-            state.restored_origin = stored_by or lookup.source
+            state.restored_origin = lookup.source
             record.events.append(CacheEvent(sc.EVENT_CACHE_RESTORE, sc.LAYER_PROMPT_CACHE,
                                             key_hash=lookup.key_hash, tokens=int(llama_state.n_tokens),
                                             size_bytes=getattr(llama_state, "llama_state_size", None),
                                             source=lookup.source))
+            stored, stored_by = SAVED.stored(llama_state)
+            if stored is not llama_state:  # a copy carrying another state's KV data: compare what that holds
+                state.restored_tokens = stored.input_ids[: int(stored.n_tokens)]
+                state.restored_origin = stored_by or lookup.source
         except Exception:
             FAILURES.count("load_state", state.recorder)
     return wrapped(*args, **kwargs)

@@ -5,7 +5,8 @@ prompt in the KV cache and evaluates the rest; when the whole prompt matches, ll
 evaluates its last token again to refresh the logits (cached, but recomputed: one *replayed*
 token).  ``generate`` is wrapped to see the prompt, the live context and the sampling parameters
 before its body runs; the first ``eval`` of the request tells what llama.cpp actually did:
-``n_tokens`` tokens kept, ``len(tokens)`` recomputed.
+``n_tokens`` tokens kept, ``len(tokens)`` recomputed, and whether the kept tokens are the prompt's own
+(the cache integrity verdict).
 
 ``eval`` runs once per generated token, so it is not wrapped: ``generate``'s wrapper shadows it on
 that ``Llama`` instance with a watcher that removes itself at the first call (or when the request

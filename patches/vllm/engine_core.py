@@ -83,7 +83,10 @@ def _on_admission(result: Any, manager: Any, args: tuple, kwargs: dict) -> None:
     record.state_key = hit_hashes[-1] if hit_hashes else None
     record.state_origin = source
     if num_hits:
-        judge_hit(record, blocks, own, num_hits, hit_blocks, block_size)
+        try:
+            judge_hit(record, blocks, own, num_hits, hit_blocks, block_size)
+        except Exception:  # the record goes on without a verdict
+            FAILURES.count("integrity")
     early = LIVE.admit(internal_id, LiveRequest(recorder=recorder, record=record), lookup)
     PROVENANCE.remember(record, early)
 
