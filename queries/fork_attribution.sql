@@ -12,9 +12,11 @@
 --     cache_source      same length, different source state (layer, state key, hit blocks, or the
 --                       episode/turn of the request that stored the state differ);
 --     same_cache_path   identical cache paths: the fork is not explained by caching.
---   The culprit is the side that continued from foreign state (foreign_state; side A when both did), the side that reused (hit_vs_recompute), reused more (reuse_length), or restored
---   state stored by another episode (cache_source; side A when both or neither did); its event is the
---   span's integrity violation, else restore, else reuse, else lookup hit (request-level cache fields when it has no events).
+--   The culprit is the side that continued from foreign state (foreign_state; side A when both did),
+--   reused (hit_vs_recompute), reused more (reuse_length), or restored state stored by another
+--   episode (cache_source; side A when both or neither did); its event is the span's integrity
+--   violation, else restore, else reuse, else lookup hit (request-level cache fields when it has no
+--   events).
 --   near_tie: 1 when the smaller of the two margins at the fork is below near_tie raw logits. The
 --   default 0.05 sits above the margins of the cache-path forks measured on quantized llama.cpp
 --   models (0.003-0.03 raw logits) and well below typical margins (median ~0.6), so it flags the
@@ -80,9 +82,10 @@ attributed AS (
         WHERE found = 1
     )
 ),
--- The event that served the culprit's prefix: an integrity violation (naming the foreign state) beats a restore beats a reuse beats a lookup hit. Picked for
--- every span of both runs and matched to the culprit by the join: restricting it to the culprits'
--- spans (IN attributed) would plan and run the whole fork search a second time.
+-- The event that served the culprit's prefix: an integrity violation (naming the foreign state's
+-- origin) beats a restore beats a reuse beats a lookup hit. Picked for every span of both runs and
+-- matched to the culprit by the join: restricting it to the culprits' spans (IN attributed) would
+-- plan and run the whole fork search a second time.
 serving_events AS (
     SELECT SpanId, event, event_index, layer, key_hash, block_hashes,
            source_span_id, source_request_id, source_run_id, source_episode_id, source_turn

@@ -78,7 +78,7 @@ class SavedStates:
 
     def remember(self, llama_state: Any, origin: StateOrigin) -> None:
         kv = getattr(llama_state, "llama_state", None)
-        if kv is None:
+        if not kv:  # no KV data (an empty bytes object is shared by every empty one): nothing to know it by
             return
         key = id(kv)
         with self._lock:
