@@ -500,3 +500,20 @@ def test_instrument_opts_the_processes_it_starts_in():
     env = {k: v for k, v in os.environ.items() if k != "KVTRACE_ENABLED"}
     done = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, env=env, timeout=120)
     assert done.stdout.split() == ["None", "1"], done.stderr
+
+
+def test_a_hit_whose_blocks_were_not_seen_is_unverifiable_and_a_violation_stays(monkeypatch):
+    from kvtrace.recording.records import Correlation, RequestRecord
+
+    monkeypatch.setattr(engine_core, "bare_hashes", lambda hashes: list(map(get_block_hash, hashes)))
+    own = Request("own-0000000a", list(range(1, 9))).block_hashes
+    record = RequestRecord(Correlation("run"), "vllm", 0, "0" * 16, "0" * 32)
+    engine_core.judge_hit(record, None, own, 2 * BLOCK, 2, BLOCK)  # no lookup seen: nothing to compare
+    assert record.cache_integrity == sc.INTEGRITY_UNVERIFIABLE and record.events == []
+    other = SimpleNamespace(blocks=([KVCacheBlock(0, with_group_id(b"x" * 32)), KVCacheBlock(1, with_group_id(own[1]))],))
+    engine_core.judge_hit(record, other, own, 2 * BLOCK, 2, BLOCK)
+    honest = SimpleNamespace(blocks=([KVCacheBlock(0, with_group_id(own[0])), KVCacheBlock(1, with_group_id(own[1]))],))
+    engine_core.judge_hit(record, honest, own, 2 * BLOCK, 2, BLOCK)  # a later lookup (after a preemption)
+    assert record.cache_integrity == sc.INTEGRITY_VIOLATED
+    (violation,) = record.events
+    assert (violation.prefix_tokens, violation.tokens) == (0, 2 * BLOCK)
