@@ -4,14 +4,19 @@
 --   differing token position; -1 for a prompt mismatch). Labels, most specific first:
 --     prompt_mismatch   the prompts already differ at this turn: the fork happened upstream (in what
 --                       was sent, e.g. an earlier turn's output fed back), not in this request;
+--     foreign_state     a forking request continued from a state that failed its integrity check (a
+--                       kvtrace.cache.integrity_violation event: not its own prompt's prefix), whatever
+--                       the other side did;
 --     hit_vs_recompute  one side reused cached state (reused_tokens > 0), the other recomputed;
 --     reuse_length      both reused, different numbers of tokens;
 --     cache_source      same length, different source state (layer, state key, hit blocks, or the
 --                       episode/turn of the request that stored the state differ);
 --     same_cache_path   identical cache paths: the fork is not explained by caching.
---   The culprit is the side that reused (hit_vs_recompute), reused more (reuse_length), or restored
---   state stored by another episode (cache_source; side A when both or neither did); its event is the
---   span's restore, else reuse, else lookup hit (request-level cache fields when it has no events).
+--   The culprit is the side that continued from foreign state (foreign_state; side A when both did),
+--   reused (hit_vs_recompute), reused more (reuse_length), or restored state stored by another
+--   episode (cache_source; side A when both or neither did); its event is the span's integrity
+--   violation, else restore, else reuse, else lookup hit (request-level cache fields when it has no
+--   events).
 --   near_tie: 1 when the smaller of the two margins at the fork is below near_tie raw logits. The
 --   default 0.05 sits above the margins of the cache-path forks measured on quantized llama.cpp
 --   models (0.003-0.03 raw logits) and well below typical margins (median ~0.6), so it flags the
@@ -38,12 +43,19 @@ ${shared_requests_once}
 ${shared_output_divergence}
 ${shared_diff_sides}
 ${shared_first_fork}
+-- Spans of either run whose engine continued from a state that is not their prompt's prefix.
+violated_spans AS (
+    SELECT SpanId
+    FROM kvtrace_cache_events
+    WHERE run_id IN ({run_a:String}, {run_b:String}) AND event = '${EVENT_CACHE_INTEGRITY_VIOLATION}'
+),
 -- attribution is computed a subquery below its uses: an alias mentioned again in the same SELECT is
 -- planned again at every mention.
 attributed AS (
     SELECT
         *,
         multiIf(
+            attribution = '${ATTRIBUTION_FOREIGN_STATE}', if(foreign_state_a, 'a', 'b'),
             attribution = '${ATTRIBUTION_HIT_VS_RECOMPUTE}', if(reused_tokens_a > 0, 'a', 'b'),
             attribution = '${ATTRIBUTION_REUSE_LENGTH}', if(reused_tokens_a > reused_tokens_b, 'a', 'b'),
             attribution = '${ATTRIBUTION_CACHE_SOURCE}', if(foreign_source_b AND NOT foreign_source_a, 'b', 'a'),
@@ -54,6 +66,7 @@ attributed AS (
             *,
             multiIf(
                 prompt_differs, '${ATTRIBUTION_PROMPT_MISMATCH}',
+                foreign_state_a OR foreign_state_b, '${ATTRIBUTION_FOREIGN_STATE}',
                 (reused_tokens_a > 0) != (reused_tokens_b > 0), '${ATTRIBUTION_HIT_VS_RECOMPUTE}',
                 reused_tokens_a > 0 AND reused_tokens_a != reused_tokens_b, '${ATTRIBUTION_REUSE_LENGTH}',
                 reused_tokens_a > 0 AND (layer_a != layer_b OR state_key_a != state_key_b
@@ -62,24 +75,28 @@ attributed AS (
                     '${ATTRIBUTION_CACHE_SOURCE}',
                 '${ATTRIBUTION_SAME_CACHE_PATH}') AS attribution,
             (source_episode_id_a != '' AND source_episode_id_a != episode_id) AS foreign_source_a,
-            (source_episode_id_b != '' AND source_episode_id_b != episode_id) AS foreign_source_b
+            (source_episode_id_b != '' AND source_episode_id_b != episode_id) AS foreign_source_b,
+            span_id_a IN violated_spans AS foreign_state_a,
+            span_id_b IN violated_spans AS foreign_state_b
         FROM episode_forks
         WHERE found = 1
     )
 ),
--- The event that served the culprit's prefix: a restore beats a reuse beats a lookup hit. Picked for
--- every span of both runs and matched to the culprit by the join: restricting it to the culprits'
--- spans (IN attributed) would plan and run the whole fork search a second time.
+-- The event that served the culprit's prefix: an integrity violation (naming the foreign state's
+-- origin) beats a restore beats a reuse beats a lookup hit. Picked for every span of both runs and
+-- matched to the culprit by the join: restricting it to the culprits' spans (IN attributed) would
+-- plan and run the whole fork search a second time.
 serving_events AS (
     SELECT SpanId, event, event_index, layer, key_hash, block_hashes,
            source_span_id, source_request_id, source_run_id, source_episode_id, source_turn
     FROM kvtrace_cache_events
     WHERE run_id IN ({run_a:String}, {run_b:String})
       AND ({episode:String} = '' OR episode_id = {episode:String})
-      AND (event IN ('${EVENT_CACHE_RESTORE}', '${EVENT_CACHE_REUSE}')
+      AND (event IN ('${EVENT_CACHE_INTEGRITY_VIOLATION}', '${EVENT_CACHE_RESTORE}', '${EVENT_CACHE_REUSE}')
            OR (event = '${EVENT_CACHE_LOOKUP}' AND outcome = '${OUTCOME_HIT}'))
     ORDER BY SpanId,
-             multiIf(event = '${EVENT_CACHE_RESTORE}', 0, event = '${EVENT_CACHE_REUSE}', 1, 2),
+             multiIf(event = '${EVENT_CACHE_INTEGRITY_VIOLATION}', 0, event = '${EVENT_CACHE_RESTORE}', 1,
+                     event = '${EVENT_CACHE_REUSE}', 2, 3),
              event_index
     LIMIT 1 BY SpanId
 ),
@@ -114,7 +131,8 @@ SELECT
         concat('side ', upper(f.culprit_side), ' ',
                if(f.culprit_side = 'a', f.layer_a, f.layer_b), ' served ',
                toString(if(f.culprit_side = 'a', f.reused_tokens_a, f.reused_tokens_b)), ' of ',
-               toString(if(f.culprit_side = 'a', f.prompt_tokens_a, f.prompt_tokens_b)), ' prompt tokens')
+               toString(if(f.culprit_side = 'a', f.prompt_tokens_a, f.prompt_tokens_b)), ' prompt tokens',
+               if(f.attribution = '${ATTRIBUTION_FOREIGN_STATE}', ' from a state that is not its prompt''s prefix', ''))
     ) AS note,
     {run_a:String} AS run_a,
     {run_b:String} AS run_b,

@@ -1,10 +1,11 @@
 -- answers: Which runs the database holds, with their configuration and counts.
 --   One row per run id: engine, model, weight formats and arms seen, how many episodes (requests
 --   with no episode id are not one), requests (each once: a probed request the engine also
---   recorded counts once), generated tokens and cache-served prompt tokens, first and last request time.
+--   recorded counts once), generated tokens and cache-served prompt tokens, first and last request time,
+--   and how many cache integrity violations its requests met (states not their prompt's own prefix).
 -- params: none
 -- columns: run_id, engine, model, weight_formats, arms, episodes, requests, output_tokens,
---   cached_prompt_tokens, prompt_tokens, first_seen, last_seen
+--   cached_prompt_tokens, prompt_tokens, first_seen, last_seen, integrity_violations
 WITH
 ${shared_requests_once}
 per_run AS (
@@ -23,6 +24,16 @@ per_run AS (
         max(Timestamp) AS last_seen
     FROM requests_once
     GROUP BY run_id
+),
+violations AS (
+    -- each event once, however many copies of its span were stored
+    SELECT run_id, uniqExact(SpanId, event_index) AS integrity_violations
+    FROM kvtrace_cache_events
+    WHERE event = '${EVENT_CACHE_INTEGRITY_VIOLATION}'
+    GROUP BY run_id
 )
-SELECT * FROM per_run
+SELECT per_run.*, v.integrity_violations AS integrity_violations
+FROM per_run
+LEFT JOIN violations AS v ON v.run_id = per_run.run_id
 ORDER BY first_seen
+SETTINGS join_use_nulls = 0

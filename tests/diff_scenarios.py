@@ -69,11 +69,11 @@ class ScenarioBook:
              margins: Optional[Sequence[float]] = None, runner_up: Optional[Sequence[int]] = None,
              cache: CachePath = RECOMPUTE, arm: str = "reuse", weight_format: str = "F16",
              engine: str = "llama.cpp", at: Optional[float] = None, parent: Optional[RequestRecord] = None,
-             config: Optional[dict] = None) -> RequestRecord:
+             config: Optional[dict] = None, events: Sequence[CacheEvent] = ()) -> RequestRecord:
         """Record one request: ``tokens`` chosen with ``margins`` (default 1.0 each; ``[]``: token ids only,
         as from an engine path that ships no per-token statistics), at time ``at`` (epoch seconds; default now),
         as a child of ``parent``'s span (a server's span of a request a client recorded too), with ``config``
-        added to the request's attributes."""
+        added to the request's attributes and ``events`` after the cache path's."""
         margins = [float(m) for m in margins] if margins is not None else [1.0] * len(tokens)
         runner_up = list(runner_up) if runner_up is not None else [t + 1 for t in tokens]
         caller = contextlib.nullcontext()
@@ -99,6 +99,7 @@ class ScenarioBook:
             record.events.append(CacheEvent(
                 name=cache.event, layer=cache.layer, outcome="hit", key_hash=cache.state_key,
                 tokens=cache.reused, block_hashes=cache.block_hashes or None, source=cache.origin))
+        record.events.extend(events)
         for chosen, margin, second in zip(tokens, margins, runner_up):
             record.add_token(chosen, chosen, second, margin, -0.1)
         if not margins:

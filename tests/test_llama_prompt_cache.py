@@ -64,9 +64,12 @@ def test_interleaved_episodes_restore_names_the_storing_request(llama_patched, m
     assert restore[sc.EVENT_SOURCE_SPAN_ID] == a1[sc.CACHE_SOURCE_SPAN_ID]
     assert restore[sc.EVENT_TOKENS] == len(context_a0)
     assert a1[sc.PROMPT_BLOCK_LAYERS][0] == sc.LAYER_PROMPT_CACHE
+    assert a1[sc.CACHE_INTEGRITY] == sc.INTEGRITY_VERIFIED  # the restored state's tokens are A's prompt prefix
+    assert not events_named(ev_a1, sc.EVENT_CACHE_INTEGRITY_VIOLATION)
     # The same for B, whose state was stored by B's turn 0.
     assert b1[sc.CACHE_LAYER] == sc.LAYER_PROMPT_CACHE
     assert (b1[sc.CACHE_SOURCE_EPISODE_ID], b1[sc.CACHE_SOURCE_TURN]) == ("B", 0)
+    assert b1[sc.CACHE_INTEGRITY] == sc.INTEGRITY_VERIFIED
     assert b1[sc.CACHE_SOURCE_SPAN_ID] == "%016x" % span_b0.context.span_id
     assert memory_recorder.pipeline.counters["instrumentation_errors"] == 0
 
@@ -132,6 +135,7 @@ def test_disk_cache_hands_out_entries_and_loses_them_on_skipped_lookups(
     assert a1[sc.CACHE_LAYER] == sc.LAYER_PROMPT_CACHE
     assert a1[sc.CACHE_REUSED_TOKENS] == len(context_a)
     assert (a1[sc.CACHE_SOURCE_EPISODE_ID], a1[sc.CACHE_SOURCE_TURN]) == ("A", 0)
+    assert a1[sc.CACHE_INTEGRITY] == sc.INTEGRITY_VERIFIED  # an unpickled state: its own input_ids compared
     (taken,) = events_named(a1_events, sc.EVENT_CACHE_EVICT)
     assert taken[sc.EVENT_REASON] == sc.REASON_TAKEN_ON_LOOKUP
     assert taken[sc.EVENT_KEY_HASH] == a1[sc.CACHE_STATE_KEY] == store_a0[sc.EVENT_KEY_HASH]

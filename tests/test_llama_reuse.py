@@ -69,6 +69,9 @@ def test_multi_turn_reuse_matches_llama_cpp_bookkeeping(llama_patched, memory_re
         generated = len(attrs[sc.OUTPUT_MARGINS])
         assert n_after == reused + len(prompt) - reused + generated - 1
         assert attrs[sc.CACHE_LAYER] == (sc.LAYER_KV_REUSE if reused else sc.LAYER_NONE)
+        # The kept live context is the prompt's own prefix: verified, and no violation recorded.
+        assert attrs.get(sc.CACHE_INTEGRITY) == (sc.INTEGRITY_VERIFIED if reused else None)
+        assert not [name for name, _ in events if name == sc.EVENT_CACHE_INTEGRITY_VIOLATION]
         block = attrs[sc.PROMPT_BLOCK_SIZE]
         assert attrs[sc.PROMPT_BLOCK_LAYERS] == [
             sc.LAYER_KV_REUSE if (i + 1) * block <= reused else sc.LAYER_NONE for i in range(len(prompt) // block)]

@@ -9,11 +9,37 @@ import math
 
 import pytest
 
-from diff_scenarios import PROMPT, ScenarioBook, python_fork, record_fork_scenarios
+from diff_scenarios import FIRST, NEXT_PROMPT, PROMPT, CachePath, ScenarioBook, python_fork, record_fork_scenarios
 from kvtrace import queries
 from kvtrace import semconv as sc
 
 A, B = "attr-A", "attr-B"
+FA, FB = "integrity-A", "integrity-B"
+
+
+def record_foreign_state_scenarios(book: ScenarioBook) -> None:
+    """Forks after a state that failed its integrity check: labelled foreign_state before any cache label."""
+    from kvtrace.recording.records import CacheEvent
+
+    for run in (FA, FB):
+        book.turn(run, "other", 0, [90, 91, 92, 93], [94])
+        book.turn(run, "fs", 0, PROMPT, FIRST)
+        book.turn(run, "both", 0, PROMPT, FIRST)
+    foreign = book.records[(FB, "other", 0)].origin()
+
+    def violation(tokens: int) -> CacheEvent:
+        return CacheEvent(sc.EVENT_CACHE_INTEGRITY_VIOLATION, sc.LAYER_PROMPT_CACHE, key_hash="key-own", tokens=tokens,
+                          prefix_tokens=1, reason=sc.INTEGRITY_TOKENS_DIFFER, source=foreign)
+
+    # fs: A recomputes; B restores what the cache called its own state, another episode's: a near tie flips.
+    restore = CachePath(sc.LAYER_PROMPT_CACHE, 11, "key-own", book.records[(FB, "fs", 0)].origin(),
+                        sc.EVENT_CACHE_RESTORE)
+    book.turn(FA, "fs", 1, NEXT_PROMPT, [60, 61, 62], [1.0, 0.01, 1.0])
+    book.turn(FB, "fs", 1, NEXT_PROMPT, [60, 63, 62], [1.0, 0.02, 1.0], cache=restore, events=[violation(11)])
+    # both: the same cache path on both sides, but A's reused state was not its prompt's.
+    reuse = CachePath(sc.LAYER_KV_REUSE, 11)
+    book.turn(FA, "both", 1, NEXT_PROMPT, [70, 71], [0.5, 1.0], cache=reuse, events=[violation(11)])
+    book.turn(FB, "both", 1, NEXT_PROMPT, [72, 71], [0.5, 1.0], cache=reuse)
 
 
 def _rows(client, name, **params):
@@ -30,6 +56,7 @@ def recorded(tmp_path_factory):
     book = ScenarioBook(root / "spool")
 
     record_fork_scenarios(book, A, B)
+    record_foreign_state_scenarios(book)
 
     # Runs recorded without token ids: outputs can only be compared by hash.
     hashed = ScenarioBook(root / "spool-none", capture="none")
@@ -80,6 +107,20 @@ def test_each_fork_gets_the_most_specific_label(recorded):
         "upstream": "prompt_mismatch",
         "prefix": "same_cache_path",
     }
+
+
+def test_a_fork_after_foreign_state_is_labelled_so_before_any_cache_label(recorded):
+    client, book = recorded
+    rows = _rows(client, "fork_attribution", run_a=FA, run_b=FB)
+    assert {e: r["attribution"] for e, r in rows.items()} == {"fs": "foreign_state", "both": "foreign_state"}
+    fs = rows["fs"]
+    stored_by = book.records[(FB, "other", 0)]
+    assert (fs["culprit_side"], fs["culprit_span_id"]) == ("b", book.records[(FB, "fs", 1)].span_id)
+    assert (fs["culprit_event"], fs["culprit_layer"], fs["culprit_key_hash"]) == (
+        sc.EVENT_CACHE_INTEGRITY_VIOLATION, sc.LAYER_PROMPT_CACHE, "key-own")
+    assert (fs["culprit_source_episode_id"], fs["culprit_source_span_id"]) == ("other", stored_by.span_id)
+    assert fs["near_tie"] == 1 and "not its prompt's prefix" in fs["note"]
+    assert (rows["both"]["culprit_side"], rows["both"]["culprit_run"]) == ("a", FA)
 
 
 def test_hit_versus_recompute_blames_the_reuse_event_with_margins_and_near_tie(recorded):

@@ -79,6 +79,9 @@ def test_a_shared_prefix_hits_blocks_named_by_vllms_own_hashes(llm, memory_recor
     assert list(a[sc.PROMPT_BLOCK_HASHES]) == vllm_block_hashes(llm, list(first.prompt_token_ids))
     # The hit names the request that stored the state, through run/episode/turn baggage.
     assert b[sc.CACHE_SOURCE_REQUEST_ID] == a[sc.REQUEST_ID] and b[sc.CACHE_SOURCE_TURN] == 0
+    # The hit blocks hold the prompt's own hash chain: verified (and no verdict where nothing was reused).
+    assert b[sc.CACHE_INTEGRITY] == sc.INTEGRITY_VERIFIED and sc.CACHE_INTEGRITY not in a
+    assert not [e for e in b["_events"] if e.name == sc.EVENT_CACHE_INTEGRITY_VIOLATION]
     lookup = next(e for e in b["_events"] if e.name == sc.EVENT_CACHE_LOOKUP)
     assert lookup.attributes[sc.EVENT_OUTCOME] == sc.OUTCOME_HIT
     assert len(lookup.attributes[sc.EVENT_BLOCK_IDS]) == len(hits)
@@ -154,6 +157,45 @@ def test_a_prefix_cache_reset_shows_on_the_next_request(llm, memory_recorder):
     before, after = spans_of(memory_recorder)
     assert sc.EVENT_CACHE_RESET in [e.name for e in after["_events"]]
     assert sc.EVENT_CACHE_RESET not in [e.name for e in before["_events"]]
+
+
+def test_a_request_handed_another_prompts_blocks_is_violated_naming_their_storer(llm, memory_recorder):
+    """The prefix-cache lookup of one request is answered with the blocks another prompt cached (its
+    hash chain looked up instead of the request's own): the engine continues from that prompt's KV."""
+    coordinator = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.coordinator
+    theirs_text, mine_text = SHARED + "alpha", "a different agent writes a report about the weather " * 3
+    llm.reset_prefix_cache()
+    honest = list(generate(llm, mine_text, turn=0).outputs[0].token_ids)  # cold: nothing to hit
+    llm.reset_prefix_cache()
+    chains = []
+    lookup = coordinator.find_longest_cache_hit
+
+    def mixed_up(block_hashes, max_cache_hit_length):
+        chains.append(list(block_hashes))
+        if len(chains) == 2:  # the second request gets the first one's chain looked up
+            block_hashes = chains[0][: len(block_hashes)]
+        return lookup(block_hashes, max_cache_hit_length)
+
+    coordinator.find_longest_cache_hit = mixed_up
+    try:
+        theirs = generate(llm, theirs_text, turn=1)
+        mine = generate(llm, mine_text, turn=2)
+    finally:
+        del coordinator.find_longest_cache_hit
+    assert mine.num_cached_tokens >= BLOCK
+    assert list(mine.outputs[0].token_ids) != honest  # the engine continued from the other prompt's KV
+
+    stored, spoiled = spans_of(memory_recorder)[-2:]
+    assert stored[sc.TURN] == 1 and spoiled[sc.TURN] == 2
+    assert spoiled[sc.CACHE_INTEGRITY] == sc.INTEGRITY_VIOLATED
+    (violation,) = [e.attributes for e in spoiled["_events"] if e.name == sc.EVENT_CACHE_INTEGRITY_VIOLATION]
+    assert violation[sc.EVENT_REASON] == sc.INTEGRITY_HASH_CHAIN_DIFFERS
+    assert violation[sc.EVENT_LAYER] == sc.LAYER_PREFIX_BLOCKS
+    assert (violation[sc.EVENT_TOKENS], violation[sc.EVENT_PREFIX_TOKENS]) == (mine.num_cached_tokens, 0)
+    theirs_chain = vllm_block_hashes(llm, list(theirs.prompt_token_ids))
+    assert list(violation[sc.EVENT_BLOCK_HASHES]) == theirs_chain[: mine.num_cached_tokens // BLOCK]
+    assert violation[sc.EVENT_SOURCE_REQUEST_ID] == stored[sc.REQUEST_ID]
+    assert violation[sc.EVENT_SOURCE_TURN] == 1
 
 
 def test_outputs_are_identical_with_tracing_off(llm, vllm_patch, memory_recorder):

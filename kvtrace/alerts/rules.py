@@ -73,6 +73,10 @@ METRICS: dict[str, Metric] = {
     "near_tie_share": Metric(
         "near_tie_share", "near_tie_share", "positions", ("engine", "model", "weight_format"),
         "share of near-tie decisions on cache-hit paths", row_filters=("engine", "model", "weight_format")),
+    "integrity_violations": Metric(
+        "integrity_violation_counts", "violations", "requests", ("engine", "model", "weight_format"),
+        "cache integrity violations: requests that continued from a state not their prompt's own prefix",
+        row_filters=("engine", "model", "weight_format")),
 }
 
 FILTER_KEYS = ("engine", "model", "weight_format")

@@ -88,7 +88,8 @@ class Culprit:
                f"{self.reused_tokens} tokens" + (f", key {literal(self.key_hash)})" if self.key_hash else ")")
         stored = None
         if self.source:
-            stored = f"{text('restored state <- ' + self.source.describe())} (span {literal(self.source.span_id)})"
+            state = "foreign state" if self.event == sc.EVENT_CACHE_INTEGRITY_VIOLATION else "restored state"
+            stored = f"{text(state + ' <- ' + self.source.describe())} (span {literal(self.source.span_id)})"
         return used, stored
 
 

@@ -186,6 +186,8 @@ class Recorder:
             a[sc.CACHE_STATE_KEY] = r.state_key
         if r.state_origin is not None:
             a.update(_origin_attributes(r.state_origin))
+        if r.cache_integrity:
+            a[sc.CACHE_INTEGRITY] = r.cache_integrity
         if r.hit_block_hashes:
             a[sc.CACHE_HIT_BLOCK_HASHES] = r.hit_block_hashes
         if r.block_layers:

@@ -105,6 +105,8 @@ class RequestRecord:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: Optional[str] = None
     events: list[CacheEvent] = field(default_factory=list)
+    cache_integrity: Optional[str] = None
+    """The verdict on the state the engine reused or restored (``semconv.INTEGRITY_*``); ``None``: nothing reused."""
     error: Optional[str] = None
     """What went wrong, in kvtrace's own words (an exception type, "upstream HTTP 400"): stored as it is."""
     error_detail: Optional[str] = None
@@ -120,6 +122,28 @@ class RequestRecord:
         self.runner_up_ids.append(runner_up)
         self.margins.append(margin)
         self.logprobs.append(logprob)
+
+    def judge_integrity(self, layer: str, used: int, matched: Optional[int], reason: str,
+                        source: Optional[StateOrigin] = None, key_hash: Optional[str] = None,
+                        block_hashes: Optional[list[str]] = None) -> None:
+        """The verdict on a state the engine continued from: its first ``used`` tokens came from the state,
+        and the state's first ``matched`` are the prompt's own (``None``: nothing to compare them with).
+
+        A violation is an ``EVENT_CACHE_INTEGRITY_VIOLATION`` naming the state's origin; once violated, a
+        request stays violated (vLLM notes a preempted request's later lookups on the same record).
+        """
+        if matched is not None and matched >= used:
+            verdict = semconv.INTEGRITY_VERIFIED
+        elif matched is None:
+            verdict = semconv.INTEGRITY_UNVERIFIABLE
+        else:
+            verdict = semconv.INTEGRITY_VIOLATED
+            self.events.append(CacheEvent(
+                name=semconv.EVENT_CACHE_INTEGRITY_VIOLATION, layer=layer,
+                key_hash=key_hash, tokens=used, prefix_tokens=matched, reason=reason,
+                block_hashes=block_hashes, source=source))
+        if self.cache_integrity != semconv.INTEGRITY_VIOLATED:
+            self.cache_integrity = verdict
 
     def origin(self) -> StateOrigin:
         """The provenance others should cite when they reuse state this request stores."""

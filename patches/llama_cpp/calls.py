@@ -12,7 +12,7 @@ import contextvars
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from kvtrace.recording.records import CacheEvent, RequestRecord
+from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
 from kvtrace.recording.recorder import Recorder
 
 
@@ -28,11 +28,19 @@ class CallState:
     """``n_tokens`` when ``generate`` was called: the live context llama.cpp could reuse."""
     live_prefix: int = 0
     """Longest common prefix of the live context and the prompt."""
+    live_compared: bool = False
+    """Whether ``live_prefix`` was compared (``generate`` with ``reset`` and a live context): what an
+    in-context reuse is verified against."""
     unwatch_eval: Optional[Callable[[], None]] = None
     """Removes the watcher that shadows ``llama.eval`` until the request's first eval (:mod:`.reuse`)."""
     pending_lookup: Optional[CacheEvent] = None
     """The prompt-cache lookup that found a state; a hit once ``load_state`` restores it."""
     restored: bool = False
+    restored_tokens: Any = None
+    """The tokens the restored state's KV data holds, where they are not the ``input_ids`` it was handed out
+    with (a copy of a stored state: those of the state as stored); ``None``: its own ``input_ids``."""
+    restored_origin: Optional[StateOrigin] = None
+    """Who stored the restored state's KV data, where kvtrace saw it stored."""
     finished: bool = False
 
 

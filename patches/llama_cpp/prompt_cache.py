@@ -5,7 +5,8 @@
 ``Llama.load_state`` when it beats the live context, and after generation stores
 ``cache[prompt + completion] = save_state()``.  ``LlamaRAMCache`` evicts inside ``__setitem__``;
 ``LlamaDiskCache.__getitem__`` pops the entry it returns.  Which request stored each entry is
-kept per cache object, so a restore or an eviction names the request whose state it was.
+kept per cache object, so a restore or an eviction names the request whose state it was; the
+tokens a restored state holds are checked against the prompt at its first eval (:mod:`.reuse`).
 
 Dunder methods are looked up on the type, so they are wrapped on the class that defines them:
 the built-in caches through the package's hook table, a user's subclass (which may override
@@ -62,7 +63,48 @@ class _CacheThread(threading.local):
         """The key ``_find_longest_prefix_key`` chose in the current lookup."""
 
 
+class SavedStates:
+    """Stored ``LlamaState`` objects by their KV data: the tokens that data holds and who stored it.
+
+    Keyed by the KV bytes, not by the state object: a cache that hands out a copy of another prompt's
+    state under this prompt's ``input_ids`` still carries the other prompt's KV data, and is known by it.
+    An entry lives as long as the stored object (its weak reference's callback removes it), so an id
+    never names another object's bytes.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # the callback may run during a collection inside the lock
+        self._by_kv: dict[int, tuple[weakref.ref, StateOrigin]] = {}
+
+    def remember(self, llama_state: Any, origin: StateOrigin) -> None:
+        kv = getattr(llama_state, "llama_state", None)
+        if not kv:  # no KV data (an empty bytes object is shared by every empty one): nothing to know it by
+            return
+        key = id(kv)
+        with self._lock:
+            self._by_kv[key] = (weakref.ref(llama_state, lambda ref, key=key: self._drop(key, ref)), origin)
+
+    def _drop(self, key: int, ref: weakref.ref) -> None:
+        with self._lock:
+            entry = self._by_kv.get(key)
+            if entry is not None and entry[0] is ref:
+                del self._by_kv[key]
+
+    def stored(self, llama_state: Any) -> tuple[Any, Optional[StateOrigin]]:
+        """The stored object whose KV data ``llama_state`` carries and its origin; ``(llama_state, None)``
+        where kvtrace did not see it stored (a disk cache's unpickled copy, a cache filled before patching)."""
+        kv = getattr(llama_state, "llama_state", None)
+        with self._lock:
+            entry = self._by_kv.get(id(kv))
+        if entry is not None:
+            stored = entry[0]()
+            if stored is not None and getattr(stored, "llama_state", None) is kv:
+                return stored, entry[1]
+        return llama_state, None
+
+
 ORIGINS = StoredOrigins()
+SAVED = SavedStates()
 _THREAD = _CacheThread()
 
 
@@ -170,7 +212,9 @@ def record_store(state: CallState, cache: Any, args: tuple, before: Optional[Ent
         after = entries(cache) if before is not None else None
         stored = after is None or key in after
         if stored:
-            origins[key_hash] = record.origin()
+            origin = record.origin()
+            origins[key_hash] = origin
+            SAVED.remember(value, origin)
         record.events.append(CacheEvent(sc.EVENT_CACHE_STORE, sc.LAYER_PROMPT_CACHE, time_unix_nano=now,
                                         outcome=sc.OUTCOME_STORED if stored else sc.OUTCOME_EVICTED_IMMEDIATELY,
                                         key_hash=key_hash, tokens=len(key),
@@ -201,10 +245,15 @@ def load_state_wrapper(wrapped, instance, args, kwargs):
             record.state_key = lookup.key_hash
             record.state_origin = lookup.source
             state.restored = True
+            state.restored_origin = lookup.source
             record.events.append(CacheEvent(sc.EVENT_CACHE_RESTORE, sc.LAYER_PROMPT_CACHE,
                                             key_hash=lookup.key_hash, tokens=int(llama_state.n_tokens),
                                             size_bytes=getattr(llama_state, "llama_state_size", None),
                                             source=lookup.source))
+            stored, stored_by = SAVED.stored(llama_state)
+            if stored is not llama_state:  # a copy carrying another state's KV data: compare what that holds
+                state.restored_tokens = stored.input_ids[: int(stored.n_tokens)]
+                state.restored_origin = stored_by or lookup.source
         except Exception:
             FAILURES.count("load_state", state.recorder)
     return wrapped(*args, **kwargs)

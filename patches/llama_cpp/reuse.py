@@ -5,7 +5,8 @@ prompt in the KV cache and evaluates the rest; when the whole prompt matches, ll
 evaluates its last token again to refresh the logits (cached, but recomputed: one *replayed*
 token).  ``generate`` is wrapped to see the prompt, the live context and the sampling parameters
 before its body runs; the first ``eval`` of the request tells what llama.cpp actually did:
-``n_tokens`` tokens kept, ``len(tokens)`` recomputed.
+``n_tokens`` tokens kept, ``len(tokens)`` recomputed, and whether the kept tokens are the prompt's own
+(the cache integrity verdict).
 
 ``eval`` runs once per generated token, so it is not wrapped: ``generate``'s wrapper shadows it on
 that ``Llama`` instance with a watcher that removes itself at the first call (or when the request
@@ -62,7 +63,8 @@ def on_generate(state: CallState, llama: Any, args: tuple, kwargs: dict) -> None
     n_live = int(llama.n_tokens)
     state.live_tokens_before = n_live
     reset = params.get("reset", defaults.get("reset", True))
-    state.live_prefix = common_prefix(llama.input_ids[:n_live], prompt) if (reset and n_live > 0) else 0
+    state.live_compared = bool(reset and n_live > 0)
+    state.live_prefix = common_prefix(llama.input_ids[:n_live], prompt) if state.live_compared else 0
 
     record = state.record
     record.prompt_token_ids = prompt
@@ -158,6 +160,21 @@ def on_prompt_eval(state: CallState, kept: int, evaluated: int) -> None:
             reason=sc.REASON_REPLAY_LAST_TOKEN if replayed else None,
             source=record.state_origin if state.restored else None,
         ))
+    if kept > 0:
+        judge_kept_tokens(state, kept, layer)
+
+
+def judge_kept_tokens(state: CallState, kept: int, layer: str) -> None:
+    """Whether the ``kept`` tokens the engine continues from are the prompt's own: the restored state's
+    tokens (as stored) or the live context's, compared with the prompt's first ``kept``."""
+    record = state.record
+    # generate compared the live context (after a restore: the state's input_ids) with the prompt already
+    matched = state.live_prefix if state.live_compared else None
+    if state.restored and state.restored_tokens is not None:
+        matched = common_prefix(state.restored_tokens[:kept], state.prompt[:kept])
+    record.judge_integrity(layer, kept, matched, sc.INTEGRITY_TOKENS_DIFFER,
+                           source=state.restored_origin if state.restored else None,
+                           key_hash=record.state_key if state.restored else None)
 
 
 def common_prefix(live: Sequence[int], prompt: Sequence[int]) -> int:

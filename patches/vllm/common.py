@@ -50,3 +50,12 @@ def bare(block_hash_with_group: Any) -> Any:
         return get_block_hash(block_hash_with_group)
     except Exception:
         return block_hash_with_group
+
+
+def bare_hashes(block_hashes_with_group: list) -> list:
+    """:func:`bare` of every hash of a list, vLLM's function looked up once."""
+    try:
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+    except Exception:
+        return list(block_hashes_with_group)
+    return list(map(get_block_hash, block_hashes_with_group))

@@ -4,7 +4,8 @@
   waiting request; the last one before admission counts);
 * ``KVCacheManager.record_prefix_cache_stats`` — once per admission: the record starts here, with
   hit tokens, hit block ids and vLLM's block hashes, inside the trace context and baggage the API
-  process put in the request's ``trace_headers``.  A request admitted again after a preemption
+  process put in the request's ``trace_headers``; the hit blocks' own hashes are checked against the
+  prompt's block-hash chain (the cache integrity verdict).  A request admitted again after a preemption
   keeps its record; the new lookup is noted on it;
 * ``Scheduler._free_request`` — the request finished: its sampled rows become the output tokens'
   margins and the record becomes the ``kvtrace.request`` span.
@@ -20,7 +21,7 @@ from kvtrace import semconv as sc
 from kvtrace.patches.hooks import observing
 from kvtrace.patches.vllm.api_process import PROPAGATOR, REQUEST_ID_HEADER
 from kvtrace.patches.vllm.block_pool import PROVENANCE
-from kvtrace.patches.vllm.common import ENGINE, FAILURES, arg, hash_hex
+from kvtrace.patches.vllm.common import ENGINE, FAILURES, arg, bare_hashes, hash_hex
 from kvtrace.patches.vllm.config import SETTINGS, sampling_attributes
 from kvtrace.patches.vllm.live_requests import LIVE, LiveRequest
 from kvtrace.patches.vllm.sampler import PENDING
@@ -47,7 +48,8 @@ def _on_admission(result: Any, manager: Any, args: tuple, kwargs: dict) -> None:
     block_size = SETTINGS.block_size or int(getattr(manager, "block_size", 0) or 0) or 1
     prompt = list(getattr(request, "prompt_token_ids", None) or [])
     prompt_blocks = len(prompt) // block_size
-    vendor = [hash_hex(h) for h in list(getattr(request, "block_hashes", []))[:prompt_blocks]]
+    own = list(getattr(request, "block_hashes", []))[:prompt_blocks]
+    vendor = [hash_hex(h) for h in own]
     hit_blocks = min(num_hits // block_size, len(vendor))
     hit_hashes = vendor[:hit_blocks]
     source = PROVENANCE.source_of(hit_hashes[-1]) if hit_hashes else None
@@ -80,6 +82,11 @@ def _on_admission(result: Any, manager: Any, args: tuple, kwargs: dict) -> None:
                            for i in range(prompt_blocks)]
     record.state_key = hit_hashes[-1] if hit_hashes else None
     record.state_origin = source
+    if num_hits:
+        try:
+            judge_hit(record, blocks, own, num_hits, hit_blocks, block_size)
+        except Exception:  # the record goes on without a verdict
+            FAILURES.count("integrity")
     early = LIVE.admit(internal_id, LiveRequest(recorder=recorder, record=record), lookup)
     PROVENANCE.remember(record, early)
 
@@ -104,6 +111,26 @@ def _external_id(internal_id: str) -> str:
     """vLLM's internal ids are ``<external>-<8 random chars>``."""
     head, sep, tail = internal_id.rpartition("-")
     return head if sep and len(tail) == 8 else internal_id
+
+
+def judge_hit(record: RequestRecord, blocks: Any, own: list, num_hits: int, hit_blocks: int,
+              block_size: int) -> None:
+    """The hit blocks' own hashes against the prompt's chain at the same positions: vLLM looked the
+    blocks up by that chain, so a block holding another hash holds another prompt's KV.  One list
+    comparison of the bare hashes; positions are walked only when they differ."""
+    groups = getattr(blocks, "blocks", None)
+    held = [b.block_hash for b in groups[0][:hit_blocks]] if groups else []
+    if not hit_blocks or len(held) < hit_blocks or None in held:
+        record.judge_integrity(sc.LAYER_PREFIX_BLOCKS, num_hits, None, sc.INTEGRITY_HASH_CHAIN_DIFFERS)
+        return
+    held = bare_hashes(held)
+    if held == own[:hit_blocks]:
+        record.judge_integrity(sc.LAYER_PREFIX_BLOCKS, num_hits, num_hits, sc.INTEGRITY_HASH_CHAIN_DIFFERS)
+        return
+    matched = next(i for i, (mine, theirs) in enumerate(zip(own, held)) if mine != theirs)
+    foreign = [hash_hex(h) for h in held[matched:]]
+    record.judge_integrity(sc.LAYER_PREFIX_BLOCKS, num_hits, matched * block_size, sc.INTEGRITY_HASH_CHAIN_DIFFERS,
+                           source=PROVENANCE.source_of(foreign[0]), key_hash=foreign[-1], block_hashes=foreign)
 
 
 def _hit_block_ids(blocks: Any) -> list[int]:

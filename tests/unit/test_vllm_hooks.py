@@ -21,7 +21,7 @@ import pytest
 from kvtrace import semconv as sc
 from kvtrace.patches import vllm as vllm_patch
 from kvtrace.patches.hooks import Hook, HookTable
-from kvtrace.patches.vllm import block_pool, worker
+from kvtrace.patches.vllm import block_pool, engine_core, worker
 
 BLOCK = 4  # tokens per KV-cache block
 VLLM_CONFIG = SimpleNamespace(
@@ -198,6 +198,7 @@ class GPUModelRunner:
 def engine(memory_recorder, monkeypatch):
     """A fake engine core with vLLM's hooks on, recording to ``memory_recorder``."""
     monkeypatch.setattr(block_pool, "bare", get_block_hash)  # what the hooks ask vLLM itself
+    monkeypatch.setattr(engine_core, "bare_hashes", lambda hashes: list(map(get_block_hash, hashes)))
     fakes = {"Scheduler", "KVCacheManager", "BlockPool", "GPUModelRunner"}
     hooks = [Hook(__name__, hook.target, hook.wrapper) for hook in vllm_patch.HOOKS.hooks
              if hook.target.split(".")[0] in fakes]
@@ -242,6 +243,34 @@ def test_a_hit_names_the_request_that_stored_its_blocks(engine, lookup_tail, mon
     (lookup,) = events_named(events, sc.EVENT_CACHE_LOOKUP)
     assert list(lookup[sc.EVENT_BLOCK_IDS]) == stored_ids
     assert list(attributes[sc.CACHE_HIT_BLOCK_HASHES]) == [h.hex() for h in first.block_hashes]
+    assert attributes[sc.CACHE_INTEGRITY] == sc.INTEGRITY_VERIFIED  # the hit blocks hold the prompt's own chain
+    assert not events_named(events, sc.EVENT_CACHE_INTEGRITY_VIOLATION)
+    assert sc.CACHE_INTEGRITY not in recorded["first"][0]  # nothing reused: no verdict
+
+
+def test_a_hit_on_a_block_holding_another_prompts_hash_is_a_violation_naming_its_storer(
+        engine, memory_recorder, finished_requests):
+    engine.kv_cache_manager = KVCacheManager(BlockPool(12))
+    mine = Request("mine-0000000a", list(range(1, 11)))
+    theirs = Request("theirs-0000000b", list(range(50, 60)))
+    for request in (mine, theirs):
+        engine.admit(request)
+        engine.finish(request, [7])
+    # The index now sends my second block's hash to the block that holds theirs.
+    cached = engine.kv_cache_manager.block_pool.cached
+    cached[with_group_id(mine.block_hashes[1])] = cached[with_group_id(theirs.block_hashes[1])]
+    again = Request("again-0000000c", list(range(1, 9)) + [42, 43, 44, 45])
+    engine.admit(again)
+    engine.finish(again, [8])
+
+    attributes, events = spans(memory_recorder, finished_requests)["again"]
+    assert attributes[sc.CACHE_REUSED_TOKENS] == 2 * BLOCK
+    assert attributes[sc.CACHE_INTEGRITY] == sc.INTEGRITY_VIOLATED
+    (violation,) = events_named(events, sc.EVENT_CACHE_INTEGRITY_VIOLATION)
+    assert violation[sc.EVENT_REASON] == sc.INTEGRITY_HASH_CHAIN_DIFFERS
+    assert (violation[sc.EVENT_TOKENS], violation[sc.EVENT_PREFIX_TOKENS]) == (2 * BLOCK, BLOCK)
+    assert list(violation[sc.EVENT_BLOCK_HASHES]) == [theirs.block_hashes[1].hex()]
+    assert violation[sc.EVENT_SOURCE_REQUEST_ID] == "theirs"
 
 
 def test_a_preempted_request_is_admitted_twice_and_recorded_once(engine, memory_recorder, finished_requests):
@@ -471,3 +500,20 @@ def test_instrument_opts_the_processes_it_starts_in():
     env = {k: v for k, v in os.environ.items() if k != "KVTRACE_ENABLED"}
     done = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, env=env, timeout=120)
     assert done.stdout.split() == ["None", "1"], done.stderr
+
+
+def test_a_hit_whose_blocks_were_not_seen_is_unverifiable_and_a_violation_stays(monkeypatch):
+    from kvtrace.recording.records import Correlation, RequestRecord
+
+    monkeypatch.setattr(engine_core, "bare_hashes", lambda hashes: list(map(get_block_hash, hashes)))
+    own = Request("own-0000000a", list(range(1, 9))).block_hashes
+    record = RequestRecord(Correlation("run"), "vllm", 0, "0" * 16, "0" * 32)
+    engine_core.judge_hit(record, None, own, 2 * BLOCK, 2, BLOCK)  # no lookup seen: nothing to compare
+    assert record.cache_integrity == sc.INTEGRITY_UNVERIFIABLE and record.events == []
+    other = SimpleNamespace(blocks=([KVCacheBlock(0, with_group_id(b"x" * 32)), KVCacheBlock(1, with_group_id(own[1]))],))
+    engine_core.judge_hit(record, other, own, 2 * BLOCK, 2, BLOCK)
+    honest = SimpleNamespace(blocks=([KVCacheBlock(0, with_group_id(own[0])), KVCacheBlock(1, with_group_id(own[1]))],))
+    engine_core.judge_hit(record, honest, own, 2 * BLOCK, 2, BLOCK)  # a later lookup (after a preemption)
+    assert record.cache_integrity == sc.INTEGRITY_VIOLATED
+    (violation,) = record.events
+    assert (violation.prefix_tokens, violation.tokens) == (0, 2 * BLOCK)
