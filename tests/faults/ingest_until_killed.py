@@ -43,6 +43,14 @@ def main() -> None:
         return result
 
     client.insert = insert
+    real_insert_arrow = client.insert_arrow
+
+    def insert_arrow(table, *args, **kwargs):
+        result = real_insert_arrow(table, *args, **kwargs)
+        step(f"after INSERT into {table}")
+        return result
+
+    client.insert_arrow = insert_arrow
     real_add = ingest._Quarantine.add
 
     def add(self, *args, **kwargs):

@@ -1,0 +1,173 @@
+"""Rows of spans (``otlp_rows``, read typed) → kvtrace's tables and ``otel_traces``, as Arrow columns.
+
+The one write path of ingest and of the ClickHouse exporter.  ``kvtrace_requests`` gets one row per
+request span, its per-token arrays as Array columns (numpy concatenations and offsets, no Python
+work per number; a negative zero stored as 0, as the Collector's text "-0" reads back);
+``kvtrace_tokens`` follows from ``13_kvtrace_tokens_mv.sql``.  ``kvtrace_cache_events`` gets one row
+per ``kvtrace.cache.*`` event.  Columns are computed from the attributes as
+``11_kvtrace_requests_mv.sql`` and ``15_kvtrace_cache_events_mv.sql`` compute them from a Collector's
+rows (``tests/test_typed_ingest.py`` holds the two to the same rows).  Every table is built before the
+first insert, so a value Arrow cannot carry stops the batch before anything of it is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Callable, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+
+from kvtrace import semconv as sc
+from kvtrace.collectors.otlp_rows import COLUMNS, SpanRow
+
+_SIGNED, _UNSIGNED = re.compile(r"[+-]?\d+"), re.compile(r"\+?\d+")
+
+
+class Conversion(NamedTuple):
+    """An attribute's text → a typed column, as ClickHouse's function of the same name converts it."""
+
+    convert: Callable[[str], object]
+    type: pa.DataType
+
+
+def _integer(pattern: re.Pattern, low: int, high: int, default: int) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        value = int(text) if (text.isascii() and text.isdigit()) or pattern.fullmatch(text) else default
+        return value if low <= value <= high else default
+    return convert
+
+
+def _json_array(element: type, default) -> Callable[[str], list]:
+    def convert(text: str) -> list:
+        try:
+            values = json.loads(text) if text else []
+        except ValueError:
+            return []
+        return [v if type(v) is element else default for v in values] if isinstance(values, list) else []
+    return convert
+
+
+TEXT = Conversion(str, pa.string())
+INT32_OR_MINUS_1 = Conversion(_integer(_SIGNED, -2**31, 2**31 - 1, -1), pa.int32())  # toInt32OrDefault(…, -1)
+UINT32_OR_ZERO = Conversion(_integer(_UNSIGNED, 0, 2**32 - 1, 0), pa.uint32())
+UINT64_OR_ZERO = Conversion(_integer(_UNSIGNED, 0, 2**64 - 1, 0), pa.uint64())
+STRINGS = Conversion(_json_array(str, ""), pa.list_(pa.string()))  # JSONExtract(…, 'Array(String)')
+INT64S = Conversion(_json_array(int, 0), pa.list_(pa.int64()))
+LAYER = Conversion(lambda text: text or sc.LAYER_NONE, pa.string())
+_TIME = pa.timestamp("ns")
+
+REQUEST_ATTRIBUTES = [
+    ("run_id", sc.RUN_ID, TEXT), ("episode_id", sc.EPISODE_ID, TEXT), ("turn", sc.TURN, INT32_OR_MINUS_1),
+    ("request_id", sc.REQUEST_ID, TEXT), ("operation", sc.GEN_AI_OPERATION, TEXT),
+    ("engine", sc.ENGINE_NAME, TEXT), ("engine_version", sc.ENGINE_VERSION, TEXT),
+    ("model", sc.GEN_AI_REQUEST_MODEL, TEXT), ("model_fingerprint", sc.MODEL_FINGERPRINT, TEXT),
+    ("weight_format", sc.MODEL_WEIGHT_FORMAT, TEXT), ("kv_cache_type", sc.KV_CACHE_TYPE, TEXT),
+    ("arm", sc.ARM, TEXT), ("capture_mode", sc.CAPTURE_MODE, TEXT), ("cache_settings", sc.CACHE_SETTINGS, TEXT),
+    ("numerics_settings", sc.NUMERICS_SETTINGS, TEXT), ("sampling_settings", sc.SAMPLING_SETTINGS, TEXT),
+    ("prompt_tokens", sc.GEN_AI_USAGE_INPUT_TOKENS, UINT32_OR_ZERO), ("prompt_hash", sc.PROMPT_HASH, TEXT),
+    ("prompt_hash_source", sc.PROMPT_HASH_SOURCE, TEXT), ("prompt_block_hashes", sc.PROMPT_BLOCK_HASHES, STRINGS),
+    ("block_layers", sc.PROMPT_BLOCK_LAYERS, STRINGS), ("cache_layer", sc.CACHE_LAYER, LAYER),
+    ("reused_tokens", sc.CACHE_REUSED_TOKENS, UINT32_OR_ZERO),
+    ("recomputed_tokens", sc.CACHE_RECOMPUTED_TOKENS, UINT32_OR_ZERO),
+    ("replayed_tokens", sc.CACHE_REPLAYED_TOKENS, UINT32_OR_ZERO),
+    ("reused_tokens_source", sc.CACHE_REUSED_TOKENS_SOURCE, TEXT), ("state_key", sc.CACHE_STATE_KEY, TEXT),
+    ("source_span_id", sc.CACHE_SOURCE_SPAN_ID, TEXT), ("source_trace_id", sc.CACHE_SOURCE_TRACE_ID, TEXT),
+    ("source_request_id", sc.CACHE_SOURCE_REQUEST_ID, TEXT), ("source_run_id", sc.CACHE_SOURCE_RUN_ID, TEXT),
+    ("source_episode_id", sc.CACHE_SOURCE_EPISODE_ID, TEXT),
+    ("source_turn", sc.CACHE_SOURCE_TURN, INT32_OR_MINUS_1),
+    ("hit_block_hashes", sc.CACHE_HIT_BLOCK_HASHES, STRINGS),
+    ("output_tokens", sc.GEN_AI_USAGE_OUTPUT_TOKENS, UINT32_OR_ZERO), ("output_hash", sc.OUTPUT_HASH, TEXT),
+    ("token_id_source", sc.OUTPUT_TOKEN_ID_SOURCE, TEXT), ("finish_reason", sc.OUTPUT_FINISH_REASON, TEXT),
+]
+"""``kvtrace_requests``' columns read from a request span's attributes: (column, attribute, conversion)."""
+
+EVENT_SPAN_ATTRIBUTES = [("run_id", sc.RUN_ID, TEXT), ("episode_id", sc.EPISODE_ID, TEXT),
+                         ("turn", sc.TURN, INT32_OR_MINUS_1), ("request_id", sc.REQUEST_ID, TEXT),
+                         ("engine", sc.ENGINE_NAME, TEXT)]
+EVENT_ATTRIBUTES = [
+    ("layer", sc.EVENT_LAYER, TEXT), ("outcome", sc.EVENT_OUTCOME, TEXT), ("key_hash", sc.EVENT_KEY_HASH, TEXT),
+    ("tokens", sc.EVENT_TOKENS, UINT32_OR_ZERO), ("prefix_tokens", sc.EVENT_PREFIX_TOKENS, UINT32_OR_ZERO),
+    ("entries_scanned", sc.EVENT_ENTRIES_SCANNED, UINT32_OR_ZERO), ("size_bytes", sc.EVENT_SIZE_BYTES, UINT64_OR_ZERO),
+    ("reason", sc.EVENT_REASON, TEXT), ("block_hashes", sc.EVENT_BLOCK_HASHES, STRINGS),
+    ("block_ids", sc.EVENT_BLOCK_IDS, INT64S), ("parent_hash", sc.EVENT_PARENT_HASH, TEXT),
+    ("source_span_id", sc.EVENT_SOURCE_SPAN_ID, TEXT), ("source_trace_id", sc.EVENT_SOURCE_TRACE_ID, TEXT),
+    ("source_request_id", sc.EVENT_SOURCE_REQUEST_ID, TEXT), ("source_run_id", sc.EVENT_SOURCE_RUN_ID, TEXT),
+    ("source_episode_id", sc.EVENT_SOURCE_EPISODE_ID, TEXT),
+    ("source_turn", sc.EVENT_SOURCE_TURN, INT32_OR_MINUS_1), ("source_time_unix_nano", sc.EVENT_SOURCE_TIME, UINT64_OR_ZERO),
+]
+"""``kvtrace_cache_events``' columns read from the span (``EVENT_SPAN_ATTRIBUTES``) and from the event."""
+
+_ARRAY_TYPES = {"token_ids": np.int64, "top1_ids": np.int64, "runner_up_ids": np.int64,
+                "margins": np.float64, "logprobs": np.float64}
+_MAP = pa.map_(pa.string(), pa.string())
+OTEL_TYPES = [_TIME, *[pa.string()] * 7, _MAP, pa.string(), pa.string(), _MAP, pa.uint64(), pa.string(), pa.string(),
+              pa.list_(_TIME), pa.list_(pa.string()), pa.list_(_MAP), *[pa.list_(pa.string())] * 3, pa.list_(_MAP)]
+"""Arrow types of ``COLUMNS``."""
+
+
+def _list_column(arrays: list[np.ndarray], dtype) -> pa.Array:
+    """One Array column from per-row numpy arrays: their concatenation and offsets, no per-number work."""
+    offsets = np.zeros(len(arrays) + 1, np.int32)
+    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    values = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+    if values.dtype.kind == "f":
+        values = values + 0.0  # -0.0 + 0.0 is 0.0: a negative zero is stored as 0
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
+def _columns(spec, attributes: list[dict]) -> dict[str, pa.Array]:
+    return {column: pa.array([a.get(key, "") for a in attributes] if how is TEXT else
+                             [how.convert(a.get(key, "")) for a in attributes], how.type) for column, key, how in spec}
+
+
+def request_table(requests: list[SpanRow]) -> pa.Table:
+    """``kvtrace_requests`` rows of request spans read typed."""
+    attributes = [row[11] for row in requests]
+    columns = {name: pa.array([row[COLUMNS.index(name)] for row in requests], _TIME if name == "Timestamp" else None)
+               for name in ("Timestamp", "TraceId", "SpanId", "ParentSpanId", "ServiceName")}
+    columns.update(_columns(REQUEST_ATTRIBUTES, attributes))
+    columns["status_code"] = pa.array([row[13] for row in requests], pa.string())
+    columns["duration_ns"] = pa.array([row[12] for row in requests], pa.uint64())
+    empty = {dtype: np.zeros(0, dtype) for dtype in (np.int64, np.float64)}
+    for column, dtype in _ARRAY_TYPES.items():
+        columns[column] = _list_column([row.arrays.get(column, empty[dtype]) for row in requests], dtype)
+    return pa.table(columns)
+
+
+def cache_event_table(rows: list[SpanRow]) -> pa.Table:
+    """``kvtrace_cache_events`` rows: one per ``kvtrace.cache.*`` event of ``rows``."""
+    found = [(row, index) for row in rows for index, name in enumerate(row[16])
+             if name.startswith(sc.CACHE_EVENT_PREFIX)]
+    columns = {"Timestamp": pa.array([row[15][i] for row, i in found], _TIME),
+               "TraceId": pa.array([row[1] for row, _ in found], pa.string()),
+               "SpanId": pa.array([row[2] for row, _ in found], pa.string())}
+    columns.update(_columns(EVENT_SPAN_ATTRIBUTES, [row[11] for row, _ in found]))
+    columns["event"] = pa.array([row[16][i] for row, i in found], pa.string())
+    columns["event_index"] = pa.array([i for _, i in found], pa.uint32())
+    columns.update(_columns(EVENT_ATTRIBUTES, [row[17][i] for row, i in found]))
+    return pa.table(columns)
+
+
+def otel_table(rows: list[SpanRow]) -> pa.Table:
+    return pa.table({name: pa.array([row[i] for row in rows], kind) for i, (name, kind) in enumerate(zip(COLUMNS, OTEL_TYPES))})
+
+
+def store_rows(client, rows: list[SpanRow], token: str) -> None:
+    """Write ``rows`` (read typed): typed tables first, then ``otel_traces`` deduplicated by ``token`` (a hash
+    of what the rows came from), so a batch written again after a stop stores its spans once."""
+    if not rows:
+        return
+    tables = {"kvtrace_requests": request_table([row for row in rows if row.arrays is not None]),
+              "kvtrace_cache_events": cache_event_table(rows),
+              "otel_traces": otel_table(rows)}
+    for name, table in tables.items():
+        if table.num_rows:
+            settings = {"insert_deduplication_token": f"{name}:{token}"} if name == "otel_traces" else None
+            client.insert_arrow(name, table, settings=settings)
+
+
+def batch_token(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
