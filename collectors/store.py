@@ -27,10 +27,10 @@ _SIGNED, _UNSIGNED = re.compile(r"[+-]?\d+"), re.compile(r"\+?\d+")
 
 
 class Conversion(NamedTuple):
-    """An attribute's text → a typed column, as ClickHouse's function of the same name converts it."""
+    """An attribute's text → a typed column (``arrow``'s kind), as ClickHouse's function of the same name does."""
 
     convert: Callable[[str], object]
-    type: pa.DataType
+    kind: object
 
 
 def _integer(pattern: re.Pattern, low: int, high: int, default: int) -> Callable[[str], int]:
@@ -50,14 +50,13 @@ def _json_array(element: type, default) -> Callable[[str], list]:
     return convert
 
 
-TEXT = Conversion(str, pa.string())
-INT32_OR_MINUS_1 = Conversion(_integer(_SIGNED, -2**31, 2**31 - 1, -1), pa.int32())  # toInt32OrDefault(…, -1)
-UINT32_OR_ZERO = Conversion(_integer(_UNSIGNED, 0, 2**32 - 1, 0), pa.uint32())
-UINT64_OR_ZERO = Conversion(_integer(_UNSIGNED, 0, 2**64 - 1, 0), pa.uint64())
-STRINGS = Conversion(_json_array(str, ""), pa.list_(pa.string()))  # JSONExtract(…, 'Array(String)')
-INT64S = Conversion(_json_array(int, 0), pa.list_(pa.int64()))
-LAYER = Conversion(lambda text: text or sc.LAYER_NONE, pa.string())
-_TIME = pa.timestamp("ns")
+TEXT = Conversion(str, "s")
+INT32_OR_MINUS_1 = Conversion(_integer(_SIGNED, -2**31, 2**31 - 1, -1), "i32")  # toInt32OrDefault(…, -1)
+UINT32_OR_ZERO = Conversion(_integer(_UNSIGNED, 0, 2**32 - 1, 0), "u32")
+UINT64_OR_ZERO = Conversion(_integer(_UNSIGNED, 0, 2**64 - 1, 0), "u64")
+STRINGS = Conversion(_json_array(str, ""), ("list", "s"))  # JSONExtract(…, 'Array(String)')
+INT64S = Conversion(_json_array(int, 0), ("list", "i64"))
+LAYER = Conversion(lambda text: text or sc.LAYER_NONE, "s")
 
 REQUEST_ATTRIBUTES = [
     ("run_id", sc.RUN_ID, TEXT), ("episode_id", sc.EPISODE_ID, TEXT), ("turn", sc.TURN, INT32_OR_MINUS_1),
@@ -100,59 +99,85 @@ EVENT_ATTRIBUTES = [
 ]
 """``kvtrace_cache_events``' columns read from the span (``EVENT_SPAN_ATTRIBUTES``) and from the event."""
 
-_ARRAY_TYPES = {"token_ids": np.int64, "top1_ids": np.int64, "runner_up_ids": np.int64,
-                "margins": np.float64, "logprobs": np.float64}
-_MAP = pa.map_(pa.string(), pa.string())
-OTEL_TYPES = [_TIME, *[pa.string()] * 7, _MAP, pa.string(), pa.string(), _MAP, pa.uint64(), pa.string(), pa.string(),
-              pa.list_(_TIME), pa.list_(pa.string()), pa.list_(_MAP), *[pa.list_(pa.string())] * 3, pa.list_(_MAP)]
-"""Arrow types of ``COLUMNS``."""
+_ARRAY_TYPES = {"token_ids": "i64", "top1_ids": "i64", "runner_up_ids": "i64", "margins": "f64", "logprobs": "f64"}
+OTEL_KINDS = ["t", *["s"] * 7, "map", "s", "s", "map", "u64", "s", "s", ("list", "t"), ("list", "s"), ("list", "map"),
+              *[("list", "s")] * 3, ("list", "map")]
+"""Kinds of ``COLUMNS``."""
+_NUMERIC = {"t": (np.int64, pa.timestamp("ns")), "i32": (np.int32, pa.int32()), "u32": (np.uint32, pa.uint32()),
+            "u64": (np.uint64, pa.uint64()), "i64": (np.int64, pa.int64()), "f64": (np.float64, pa.float64())}
 
 
-def _list_column(arrays: list[np.ndarray], dtype) -> pa.Array:
+def arrow(values: list, kind) -> pa.Array:
+    """``values`` as an Arrow array of ``kind`` ("s", a ``_NUMERIC`` key, "map" of text, ``("list", kind)``),
+    built from buffers: ``pa.array`` would import pandas (half a CPU-second) on its first call."""
+    if kind == "s":
+        builder = pa.lib.StringBuilder()
+        builder.append_values(values)
+        return builder.finish()
+    if kind == "map":
+        return pa.MapArray.from_arrays(_offsets([len(m) for m in values]), arrow([k for m in values for k in m], "s"),
+                                       arrow([v for m in values for v in m.values()], "s"))
+    if isinstance(kind, tuple):
+        return pa.ListArray.from_arrays(_offsets([len(v) for v in values]), arrow([x for v in values for x in v], kind[1]))
+    return _buffer(np.asarray(values, _NUMERIC[kind][0]), kind)
+
+
+def _buffer(data: np.ndarray, kind: str) -> pa.Array:
+    return pa.Array.from_buffers(_NUMERIC[kind][1], len(data), [None, pa.py_buffer(data)])
+
+
+def _offsets(lengths) -> pa.Array:
+    offsets = np.zeros(len(lengths) + 1, np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return _buffer(offsets, "i32")
+
+
+def _list_column(arrays: list[np.ndarray], kind: str) -> pa.Array:
     """One Array column from per-row numpy arrays: their concatenation and offsets, no per-number work."""
-    offsets = np.zeros(len(arrays) + 1, np.int32)
-    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    dtype = _NUMERIC[kind][0]
     values = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
-    if values.dtype.kind == "f":
+    if kind == "f64":
         values = values + 0.0  # -0.0 + 0.0 is 0.0: a negative zero is stored as 0
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+    return pa.ListArray.from_arrays(_offsets([len(a) for a in arrays]), _buffer(values, kind))
 
 
 def _columns(spec, attributes: list[dict]) -> dict[str, pa.Array]:
-    return {column: pa.array([a.get(key, "") for a in attributes] if how is TEXT else
-                             [how.convert(a.get(key, "")) for a in attributes], how.type) for column, key, how in spec}
+    return {column: arrow([a.get(key, "") for a in attributes] if how is TEXT else
+                          [how.convert(a.get(key, "")) for a in attributes], how.kind) for column, key, how in spec}
+
+
+def _table(columns: dict[str, pa.Array]) -> pa.Table:
+    return pa.Table.from_arrays(list(columns.values()), names=list(columns))
 
 
 def request_table(requests: list[SpanRow]) -> pa.Table:
     """``kvtrace_requests`` rows of request spans read typed."""
-    attributes = [row[11] for row in requests]
-    columns = {name: pa.array([row[COLUMNS.index(name)] for row in requests], _TIME if name == "Timestamp" else None)
+    columns = {name: arrow([row[COLUMNS.index(name)] for row in requests], "t" if name == "Timestamp" else "s")
                for name in ("Timestamp", "TraceId", "SpanId", "ParentSpanId", "ServiceName")}
-    columns.update(_columns(REQUEST_ATTRIBUTES, attributes))
-    columns["status_code"] = pa.array([row[13] for row in requests], pa.string())
-    columns["duration_ns"] = pa.array([row[12] for row in requests], pa.uint64())
-    empty = {dtype: np.zeros(0, dtype) for dtype in (np.int64, np.float64)}
-    for column, dtype in _ARRAY_TYPES.items():
-        columns[column] = _list_column([row.arrays.get(column, empty[dtype]) for row in requests], dtype)
-    return pa.table(columns)
+    columns.update(_columns(REQUEST_ATTRIBUTES, [row[11] for row in requests]))
+    columns["status_code"] = arrow([row[13] for row in requests], "s")
+    columns["duration_ns"] = arrow([row[12] for row in requests], "u64")
+    empty = np.zeros(0, np.int64)
+    for column, kind in _ARRAY_TYPES.items():
+        columns[column] = _list_column([row.arrays.get(column, empty) for row in requests], kind)
+    return _table(columns)
 
 
 def cache_event_table(rows: list[SpanRow]) -> pa.Table:
     """``kvtrace_cache_events`` rows: one per ``kvtrace.cache.*`` event of ``rows``."""
     found = [(row, index) for row in rows for index, name in enumerate(row[16])
              if name.startswith(sc.CACHE_EVENT_PREFIX)]
-    columns = {"Timestamp": pa.array([row[15][i] for row, i in found], _TIME),
-               "TraceId": pa.array([row[1] for row, _ in found], pa.string()),
-               "SpanId": pa.array([row[2] for row, _ in found], pa.string())}
+    columns = {"Timestamp": arrow([row[15][i] for row, i in found], "t"),
+               "TraceId": arrow([row[1] for row, _ in found], "s"), "SpanId": arrow([row[2] for row, _ in found], "s")}
     columns.update(_columns(EVENT_SPAN_ATTRIBUTES, [row[11] for row, _ in found]))
-    columns["event"] = pa.array([row[16][i] for row, i in found], pa.string())
-    columns["event_index"] = pa.array([i for _, i in found], pa.uint32())
+    columns["event"] = arrow([row[16][i] for row, i in found], "s")
+    columns["event_index"] = arrow([i for _, i in found], "u32")
     columns.update(_columns(EVENT_ATTRIBUTES, [row[17][i] for row, i in found]))
-    return pa.table(columns)
+    return _table(columns)
 
 
 def otel_table(rows: list[SpanRow]) -> pa.Table:
-    return pa.table({name: pa.array([row[i] for row in rows], kind) for i, (name, kind) in enumerate(zip(COLUMNS, OTEL_TYPES))})
+    return _table({name: arrow([row[i] for row in rows], kind) for i, (name, kind) in enumerate(zip(COLUMNS, OTEL_KINDS))})
 
 
 def store_rows(client, rows: list[SpanRow], token: str) -> None:
