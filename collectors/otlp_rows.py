@@ -14,6 +14,8 @@ import base64
 import binascii
 import json
 import math
+import sys
+from functools import partial
 from typing import Any, Optional
 
 import numpy as np
@@ -34,6 +36,9 @@ SPAN_KINDS = ("SPAN_KIND_UNSPECIFIED", "SPAN_KIND_INTERNAL", "SPAN_KIND_SERVER",
 STATUS_CODES = ("STATUS_CODE_UNSET", "STATUS_CODE_OK", "STATUS_CODE_ERROR")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _DTYPES = {INT64: np.dtype("<i8"), "d": np.dtype("<f8")}
+_B64 = (partial(binascii.a2b_base64, strict_mode=True) if sys.version_info >= (3, 11)  # one C call that checks
+        else partial(base64.b64decode, validate=True))
+_KINDS = {dict: "an object", list: "a list", str: "text", bool: "a boolean", int: "a number", float: "a number"}
 
 
 class MalformedSpan(ValueError):
@@ -56,39 +61,19 @@ class SpanRow(list):
         self.arrays = arrays
 
 
-def _kind(value: Any) -> str:
-    return "null" if value is None else {dict: "an object", list: "a list", str: "text", bool: "a boolean",
-                                         int: "a number", float: "a number"}.get(type(value), type(value).__name__)
-
-
-def _object(value: Any, what: str) -> dict:
+def _expect(value: Any, kind: type, what: str):
+    """``value`` when it is of ``kind`` (absent: its empty value), else ``MalformedSpan`` naming ``what``."""
     if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise MalformedSpan(f"{what} must be an object, got {_kind(value)}")
-    return value
-
-
-def _list(value: Any, what: str) -> list:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise MalformedSpan(f"{what} must be a list, got {_kind(value)}")
-    return value
-
-
-def _text(value: Any, what: str) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise MalformedSpan(f"{what} must be text, got {_kind(value)}")
+        return kind()
+    if not isinstance(value, kind):
+        raise MalformedSpan(f"{what} must be {_KINDS[kind]}, got {_KINDS.get(type(value), type(value).__name__)}")
     return value
 
 
 def _int64(value: Any) -> int:
     """An ``intValue``: a JSON integer or, as proto3 JSON writes int64, a decimal string."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise MalformedSpan(f"intValue must be an integer, got {_kind(value)}")
+        raise MalformedSpan(f"intValue must be an integer, got {_KINDS.get(type(value), 'null')}")
     try:
         number = int(value)
     except ValueError:
@@ -101,7 +86,7 @@ def _int64(value: Any) -> int:
 def _double(value: Any) -> float:
     """A ``doubleValue``: a JSON number, or a string proto3 JSON allows ("NaN", "Infinity", "1.5")."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise MalformedSpan(f"doubleValue must be a number, got {_kind(value)}")
+        raise MalformedSpan(f"doubleValue must be a number, got {_KINDS.get(type(value), 'null')}")
     try:
         return float(value)
     except ValueError:
@@ -109,26 +94,17 @@ def _double(value: Any) -> float:
 
 
 def _double_text(value: float) -> str:
-    if math.isfinite(value):
-        return repr(value)
-    return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
-
-
-def _b64(data: Any) -> bytes:
-    data = _text(data, "bytesValue")
-    try:
-        return binascii.a2b_base64(data, strict_mode=True)
-    except (binascii.Error, ValueError):
-        raise MalformedSpan(f"packed array {data[:40]!r} is not base64 of whole 8-byte numbers") from None
+    return repr(value) if math.isfinite(value) else "NaN" if math.isnan(value) else "+Inf" if value > 0 else "-Inf"
 
 
 def _raw(value: Any) -> Any:
     """An AnyValue as a plain JSON-able Python value (for arrays and maps)."""
-    value = _object(value, "attribute value")
+    value = _expect(value, dict, "attribute value")
     if not value:
         return None
-    if "stringValue" in value:
-        return _text(value["stringValue"], "stringValue")
+    if "stringValue" in value or "bytesValue" in value:
+        return _expect(value.get("stringValue", value.get("bytesValue")), str,
+                       "stringValue" if "stringValue" in value else "bytesValue")
     if "intValue" in value:
         return _int64(value["intValue"])
     if "doubleValue" in value:  # proto3 JSON's text for NaN and the infinities stays text, which JSON can carry
@@ -139,31 +115,29 @@ def _raw(value: Any) -> Any:
     if "arrayValue" in value:
         return [_raw(v) for v in _array_values(value)]
     if "kvlistValue" in value:
-        pairs = _list(_object(value["kvlistValue"], "kvlistValue").get("values"), "kvlistValue.values")
+        pairs = _expect(_expect(value["kvlistValue"], dict, "kvlistValue").get("values"), list, "kvlistValue.values")
         return {_key(kv): _raw(kv.get("value")) for kv in pairs}
-    if "bytesValue" in value:
-        return _text(value["bytesValue"], "bytesValue")
     raise MalformedSpan(f"unknown attribute value type {sorted(value)}")
 
 
 def _array_values(value: dict) -> list:
-    return _list(_object(value["arrayValue"], "arrayValue").get("values"), "arrayValue.values")
+    return _expect(_expect(value["arrayValue"], dict, "arrayValue").get("values"), list, "arrayValue.values")
 
 
 def _key(kv: Any) -> str:
-    key = _object(kv, "attribute").get("key")
+    key = _expect(kv, dict, "attribute").get("key")
     if not isinstance(key, str):
-        raise MalformedSpan(f"attribute key must be text, got {_kind(key)}")
+        raise MalformedSpan(f"attribute key must be text, got {_KINDS.get(type(key), 'null')}")
     return key
 
 
 def value_as_string(value: Any) -> str:
-    """An attribute value as the Collector's text; an array kvtrace packs is written as its numbers."""
-    value = _object(value, "attribute value")
+    """An attribute value as the Collector's text."""
+    value = _expect(value, dict, "attribute value")
     if not value:
         return ""
     if "stringValue" in value:
-        return _text(value["stringValue"], "stringValue")
+        return _expect(value["stringValue"], str, "stringValue")
     if "intValue" in value:
         return str(_int64(value["intValue"]))
     if "doubleValue" in value:
@@ -181,39 +155,35 @@ def value_as_string(value: Any) -> str:
 def numbers(value: Any, typecode: str) -> np.ndarray:
     """A per-token array attribute as int64 / float64: packed bytes viewed in place, a standard array
     read number by number (``OutOfRange`` when its elements are not numbers of the type)."""
-    value = _object(value, "attribute value")
+    value = _expect(value, dict, "attribute value")
     if "bytesValue" in value:
         return _packed(value["bytesValue"], typecode)
     if "arrayValue" not in value:
         raise OutOfRange(f"a per-token array must be an array, got {sorted(value)}")
+    read, field = (_int64, "intValue") if typecode == INT64 else (_double, "doubleValue")
     try:
-        if typecode == INT64:
-            return np.array([_int64(_object(v, "array element").get("intValue")) for v in _array_values(value)],
-                            np.int64)
-        return np.array([_double(_object(v, "array element").get("doubleValue")) for v in _array_values(value)],
-                        np.float64)
+        return np.array([read(_expect(v, dict, "array element").get(field)) for v in _array_values(value)],
+                        _DTYPES[typecode])
     except MalformedSpan as exc:
         raise OutOfRange(f"a per-token array holds a value that is not {_DTYPES[typecode]}: {exc}") from None
 
 
 def _packed(text: Any, typecode: str) -> np.ndarray:
-    data = _b64(text)
+    text = _expect(text, str, "bytesValue")
+    try:
+        data = _B64(text)
+    except (binascii.Error, ValueError):
+        data = b"?"
     if len(data) % 8:
-        raise MalformedSpan(f"packed array of {len(data)} bytes is not base64 of whole 8-byte numbers")
+        raise MalformedSpan(f"packed array {text[:40]!r} is not base64 of whole 8-byte numbers")
     return np.frombuffer(data, _DTYPES[typecode])
-
-
-def _numbers_text(array: np.ndarray) -> str:
-    if array.dtype.kind == "i":
-        return "[" + ",".join(map(str, array.tolist())) + "]"
-    return "[" + ",".join(map(_double_text, array.tolist())) + "]"
 
 
 def span_attributes(attributes: Any, arrays: Optional[dict] = None, dropped: Optional[list[str]] = None) -> dict:
     """A span's attributes as text by key; with ``arrays`` (a request span read typed), its per-token arrays
     go there by column instead.  ``dropped``: see ``rows_from_request``."""
     out: dict[str, str] = {}
-    for kv in _list(attributes, "attributes"):
+    for kv in _expect(attributes, list, "attributes"):
         if type(kv) is dict:  # the common shapes without the general path's calls (per span they add up)
             key, value = kv.get("key"), kv.get("value")
             if type(key) is str and type(value) is dict:
@@ -223,27 +193,23 @@ def span_attributes(attributes: Any, arrays: Optional[dict] = None, dropped: Opt
                 if type(text := value.get("intValue")) is str and text.isascii() and text.isdigit() and len(text) < 19:
                     out[key] = str(int(text))  # below 10**18: inside int64
                     continue
-                if arrays is not None and type(text := value.get("bytesValue")) is str and key in TOKEN_ARRAYS:
-                    out.pop(key, None)
-                    arrays[TOKEN_ARRAYS[key]] = _packed(text, PACKED_ARRAYS[key])
-                    continue
         key = _key(kv)
         typecode = PACKED_ARRAYS.get(key)
+        out.pop(key, None)  # a repeated key: the last value counts
         try:
             if typecode is None:
                 out[key] = value_as_string(kv.get("value"))
             elif arrays is not None and key in TOKEN_ARRAYS:
-                out.pop(key, None)  # a repeated key: the last value counts
                 arrays[TOKEN_ARRAYS[key]] = numbers(kv.get("value"), typecode)
-            elif "bytesValue" in _object(kv.get("value"), "attribute value"):
-                out[key] = _numbers_text(numbers(kv.get("value"), typecode))
+            elif "bytesValue" in _expect(kv.get("value"), dict, "attribute value"):  # e.g. packed prompt ids
+                out[key] = "[" + ",".join(map(str if typecode == INT64 else _double_text,
+                                              numbers(kv.get("value"), typecode).tolist())) + "]"
             else:
                 out[key] = value_as_string(kv.get("value"))
         except OutOfRange:
             if dropped is None:
                 raise
             dropped.append(key)
-            out.pop(key, None)
             if arrays is not None:
                 arrays.pop(TOKEN_ARRAYS.get(key, ""), None)
     return out
@@ -251,7 +217,7 @@ def span_attributes(attributes: Any, arrays: Optional[dict] = None, dropped: Opt
 
 def _hex_id(value: Any, nbytes: int, what: str) -> str:
     """OTLP/JSON ids are hex; protobuf's generic JSON mapping writes base64.  Accept both."""
-    value = _text(value, what)
+    value = _expect(value, str, what)
     if not value:
         return ""
     if len(value) == nbytes * 2:
@@ -272,9 +238,7 @@ def _hex_id(value: Any, nbytes: int, what: str) -> str:
 def _enum(value: Any, names: tuple[str, ...]) -> str:
     if isinstance(value, str):
         return value if value in names else names[0]
-    if isinstance(value, int) and 0 <= value < len(names):
-        return names[value]
-    return names[0]
+    return names[value] if isinstance(value, int) and 0 <= value < len(names) else names[0]
 
 
 def _nanos(value: Any, what: str) -> int:
@@ -296,18 +260,18 @@ def rows_from_request(request: Any, typed: bool = False, dropped: Optional[list[
         raise MalformedSpan("not an OTLP trace export request (no resourceSpans)")
     rows = []
     try:
-        for resource_spans in _list(request["resourceSpans"], "resourceSpans"):
-            resource_spans = _object(resource_spans, "resourceSpans[]")
-            resource = _object(resource_spans.get("resource"), "resource")
+        for resource_spans in _expect(request["resourceSpans"], list, "resourceSpans"):
+            resource_spans = _expect(resource_spans, dict, "resourceSpans[]")
+            resource = _expect(resource_spans.get("resource"), dict, "resource")
             resource_attrs = span_attributes(resource.get("attributes"), dropped=dropped)
             scopes = resource_spans.get("scopeSpans") or resource_spans.get("instrumentationLibrarySpans")
-            for scope_spans in _list(scopes, "scopeSpans"):
-                scope_spans = _object(scope_spans, "scopeSpans[]")
-                scope = _object(scope_spans.get("scope") or scope_spans.get("instrumentationLibrary"), "scope")
-                head = (resource_attrs.get("service.name", ""), resource_attrs, _text(scope.get("name"), "scope.name"),
-                        _text(scope.get("version"), "scope.version"))
-                for span in _list(scope_spans.get("spans"), "spans"):
-                    rows.append(_span_row(_object(span, "span"), head, typed, dropped))
+            for scope_spans in _expect(scopes, list, "scopeSpans"):
+                scope_spans = _expect(scope_spans, dict, "scopeSpans[]")
+                scope = _expect(scope_spans.get("scope") or scope_spans.get("instrumentationLibrary"), dict, "scope")
+                head = (resource_attrs.get("service.name", ""), resource_attrs,
+                        _expect(scope.get("name"), str, "scope.name"), _expect(scope.get("version"), str, "scope.version"))
+                for span in _expect(scope_spans.get("spans"), list, "spans"):
+                    rows.append(_span_row(_expect(span, dict, "span"), head, typed, dropped))
     except MalformedSpan:
         raise
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
@@ -320,36 +284,24 @@ def _span_row(span: dict, head: tuple, typed: bool, dropped: Optional[list[str]]
     service, resource_attrs, scope_name, scope_version = head
     start = _nanos(span.get("startTimeUnixNano"), "startTimeUnixNano")
     end = _nanos(span.get("endTimeUnixNano"), "endTimeUnixNano") or start
-    events = [_object(e, "events[]") for e in _list(span.get("events"), "events")]
-    links = [_object(link, "links[]") for link in _list(span.get("links"), "links")]
-    status = _object(span.get("status"), "status")
-    name = _text(span.get("name"), "name")
+    events = [_expect(e, dict, "events[]") for e in _expect(span.get("events"), list, "events")]
+    links = [_expect(link, dict, "links[]") for link in _expect(span.get("links"), list, "links")]
+    status = _expect(span.get("status"), dict, "status")
+    name = _expect(span.get("name"), str, "name")
     arrays = {} if typed and name == sc.SPAN_REQUEST else None
     attributes = span_attributes(span.get("attributes"), arrays, dropped)
-    event_names = [_text(e.get("name"), "events[].name") for e in events]
+    event_names = [_expect(e.get("name"), str, "events[].name") for e in events]
     if arrays is not None or (typed and any(n.startswith(sc.CACHE_EVENT_PREFIX) for n in event_names)):
         attributes[sc.TYPED_ROWS_STORED] = "true"
     return SpanRow([
-        start,
-        _hex_id(span.get("traceId"), 16, "traceId"),
-        _hex_id(span.get("spanId"), 8, "spanId"),
-        _hex_id(span.get("parentSpanId"), 8, "parentSpanId"),
-        _text(span.get("traceState"), "traceState"),
-        name,
-        _enum(span.get("kind"), SPAN_KINDS),
-        service,
-        resource_attrs,
-        scope_name,
-        scope_version,
-        attributes,
-        max(0, end - start),
-        _enum(status.get("code"), STATUS_CODES),
-        _text(status.get("message"), "status.message"),
-        [_nanos(e.get("timeUnixNano"), "events[].timeUnixNano") for e in events],
-        event_names,
+        start, _hex_id(span.get("traceId"), 16, "traceId"), _hex_id(span.get("spanId"), 8, "spanId"),
+        _hex_id(span.get("parentSpanId"), 8, "parentSpanId"), _expect(span.get("traceState"), str, "traceState"),
+        name, _enum(span.get("kind"), SPAN_KINDS), service, resource_attrs, scope_name, scope_version, attributes,
+        max(0, end - start), _enum(status.get("code"), STATUS_CODES), _expect(status.get("message"), str, "status.message"),
+        [_nanos(e.get("timeUnixNano"), "events[].timeUnixNano") for e in events], event_names,
         [span_attributes(e.get("attributes"), dropped=dropped) for e in events],
         [_hex_id(link.get("traceId"), 16, "links[].traceId") for link in links],
         [_hex_id(link.get("spanId"), 8, "links[].spanId") for link in links],
-        [_text(link.get("traceState"), "links[].traceState") for link in links],
+        [_expect(link.get("traceState"), str, "links[].traceState") for link in links],
         [span_attributes(link.get("attributes"), dropped=dropped) for link in links],
     ], arrays)
