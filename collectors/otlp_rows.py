@@ -193,6 +193,10 @@ def span_attributes(attributes: Any, arrays: Optional[dict] = None, dropped: Opt
                 if type(text := value.get("intValue")) is str and text.isascii() and text.isdigit() and len(text) < 19:
                     out[key] = str(int(text))  # below 10**18: inside int64
                     continue
+                if arrays is not None and "bytesValue" in value and key in TOKEN_ARRAYS:
+                    out.pop(key, None)
+                    arrays[TOKEN_ARRAYS[key]] = _packed(value["bytesValue"], PACKED_ARRAYS[key])
+                    continue
         key = _key(kv)
         typecode = PACKED_ARRAYS.get(key)
         out.pop(key, None)  # a repeated key: the last value counts

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from itertools import chain
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -115,10 +116,10 @@ def arrow(values: list, kind) -> pa.Array:
         builder.append_values(values)
         return builder.finish()
     if kind == "map":
-        return pa.MapArray.from_arrays(_offsets([len(m) for m in values]), arrow([k for m in values for k in m], "s"),
-                                       arrow([v for m in values for v in m.values()], "s"))
+        return pa.MapArray.from_arrays(_offsets(list(map(len, values))), arrow(list(chain.from_iterable(values)), "s"),
+                                       arrow(list(chain.from_iterable(m.values() for m in values)), "s"))
     if isinstance(kind, tuple):
-        return pa.ListArray.from_arrays(_offsets([len(v) for v in values]), arrow([x for v in values for x in v], kind[1]))
+        return pa.ListArray.from_arrays(_offsets(list(map(len, values))), arrow(list(chain.from_iterable(values)), kind[1]))
     return _buffer(np.asarray(values, _NUMERIC[kind][0]), kind)
 
 
