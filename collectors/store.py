@@ -59,45 +59,43 @@ STRINGS = Conversion(_json_array(str, ""), ("list", "s"))  # JSONExtract(…, 'A
 INT64S = Conversion(_json_array(int, 0), ("list", "i64"))
 LAYER = Conversion(lambda text: text or sc.LAYER_NONE, "s")
 
-REQUEST_ATTRIBUTES = [
-    ("run_id", sc.RUN_ID, TEXT), ("episode_id", sc.EPISODE_ID, TEXT), ("turn", sc.TURN, INT32_OR_MINUS_1),
-    ("request_id", sc.REQUEST_ID, TEXT), ("operation", sc.GEN_AI_OPERATION, TEXT),
-    ("engine", sc.ENGINE_NAME, TEXT), ("engine_version", sc.ENGINE_VERSION, TEXT),
-    ("model", sc.GEN_AI_REQUEST_MODEL, TEXT), ("model_fingerprint", sc.MODEL_FINGERPRINT, TEXT),
-    ("weight_format", sc.MODEL_WEIGHT_FORMAT, TEXT), ("kv_cache_type", sc.KV_CACHE_TYPE, TEXT),
-    ("arm", sc.ARM, TEXT), ("capture_mode", sc.CAPTURE_MODE, TEXT), ("cache_settings", sc.CACHE_SETTINGS, TEXT),
-    ("numerics_settings", sc.NUMERICS_SETTINGS, TEXT), ("sampling_settings", sc.SAMPLING_SETTINGS, TEXT),
-    ("prompt_tokens", sc.GEN_AI_USAGE_INPUT_TOKENS, UINT32_OR_ZERO), ("prompt_hash", sc.PROMPT_HASH, TEXT),
-    ("prompt_hash_source", sc.PROMPT_HASH_SOURCE, TEXT), ("prompt_block_hashes", sc.PROMPT_BLOCK_HASHES, STRINGS),
-    ("block_layers", sc.PROMPT_BLOCK_LAYERS, STRINGS), ("cache_layer", sc.CACHE_LAYER, LAYER),
-    ("reused_tokens", sc.CACHE_REUSED_TOKENS, UINT32_OR_ZERO),
+
+def _text(columns: dict[str, str]) -> list[tuple[str, str, Conversion]]:
+    return [(column, key, TEXT) for column, key in columns.items()]
+
+
+REQUEST_ATTRIBUTES = [*_text({
+    "run_id": sc.RUN_ID, "episode_id": sc.EPISODE_ID, "request_id": sc.REQUEST_ID, "operation": sc.GEN_AI_OPERATION,
+    "engine": sc.ENGINE_NAME, "engine_version": sc.ENGINE_VERSION, "model": sc.GEN_AI_REQUEST_MODEL,
+    "model_fingerprint": sc.MODEL_FINGERPRINT, "weight_format": sc.MODEL_WEIGHT_FORMAT, "kv_cache_type": sc.KV_CACHE_TYPE,
+    "arm": sc.ARM, "capture_mode": sc.CAPTURE_MODE, "cache_settings": sc.CACHE_SETTINGS,
+    "numerics_settings": sc.NUMERICS_SETTINGS, "sampling_settings": sc.SAMPLING_SETTINGS, "prompt_hash": sc.PROMPT_HASH,
+    "prompt_hash_source": sc.PROMPT_HASH_SOURCE, "reused_tokens_source": sc.CACHE_REUSED_TOKENS_SOURCE,
+    "state_key": sc.CACHE_STATE_KEY, "source_span_id": sc.CACHE_SOURCE_SPAN_ID, "source_trace_id": sc.CACHE_SOURCE_TRACE_ID,
+    "source_request_id": sc.CACHE_SOURCE_REQUEST_ID, "source_run_id": sc.CACHE_SOURCE_RUN_ID,
+    "source_episode_id": sc.CACHE_SOURCE_EPISODE_ID, "output_hash": sc.OUTPUT_HASH,
+    "token_id_source": sc.OUTPUT_TOKEN_ID_SOURCE, "finish_reason": sc.OUTPUT_FINISH_REASON}),
+    ("turn", sc.TURN, INT32_OR_MINUS_1), ("source_turn", sc.CACHE_SOURCE_TURN, INT32_OR_MINUS_1),
+    ("prompt_tokens", sc.GEN_AI_USAGE_INPUT_TOKENS, UINT32_OR_ZERO), ("reused_tokens", sc.CACHE_REUSED_TOKENS, UINT32_OR_ZERO),
     ("recomputed_tokens", sc.CACHE_RECOMPUTED_TOKENS, UINT32_OR_ZERO),
     ("replayed_tokens", sc.CACHE_REPLAYED_TOKENS, UINT32_OR_ZERO),
-    ("reused_tokens_source", sc.CACHE_REUSED_TOKENS_SOURCE, TEXT), ("state_key", sc.CACHE_STATE_KEY, TEXT),
-    ("source_span_id", sc.CACHE_SOURCE_SPAN_ID, TEXT), ("source_trace_id", sc.CACHE_SOURCE_TRACE_ID, TEXT),
-    ("source_request_id", sc.CACHE_SOURCE_REQUEST_ID, TEXT), ("source_run_id", sc.CACHE_SOURCE_RUN_ID, TEXT),
-    ("source_episode_id", sc.CACHE_SOURCE_EPISODE_ID, TEXT),
-    ("source_turn", sc.CACHE_SOURCE_TURN, INT32_OR_MINUS_1),
-    ("hit_block_hashes", sc.CACHE_HIT_BLOCK_HASHES, STRINGS),
-    ("output_tokens", sc.GEN_AI_USAGE_OUTPUT_TOKENS, UINT32_OR_ZERO), ("output_hash", sc.OUTPUT_HASH, TEXT),
-    ("token_id_source", sc.OUTPUT_TOKEN_ID_SOURCE, TEXT), ("finish_reason", sc.OUTPUT_FINISH_REASON, TEXT),
-]
+    ("output_tokens", sc.GEN_AI_USAGE_OUTPUT_TOKENS, UINT32_OR_ZERO), ("cache_layer", sc.CACHE_LAYER, LAYER),
+    ("prompt_block_hashes", sc.PROMPT_BLOCK_HASHES, STRINGS), ("block_layers", sc.PROMPT_BLOCK_LAYERS, STRINGS),
+    ("hit_block_hashes", sc.CACHE_HIT_BLOCK_HASHES, STRINGS)]
 """``kvtrace_requests``' columns read from a request span's attributes: (column, attribute, conversion)."""
 
-EVENT_SPAN_ATTRIBUTES = [("run_id", sc.RUN_ID, TEXT), ("episode_id", sc.EPISODE_ID, TEXT),
-                         ("turn", sc.TURN, INT32_OR_MINUS_1), ("request_id", sc.REQUEST_ID, TEXT),
-                         ("engine", sc.ENGINE_NAME, TEXT)]
-EVENT_ATTRIBUTES = [
-    ("layer", sc.EVENT_LAYER, TEXT), ("outcome", sc.EVENT_OUTCOME, TEXT), ("key_hash", sc.EVENT_KEY_HASH, TEXT),
+EVENT_SPAN_ATTRIBUTES = [*_text({"run_id": sc.RUN_ID, "episode_id": sc.EPISODE_ID, "request_id": sc.REQUEST_ID,
+                                 "engine": sc.ENGINE_NAME}), ("turn", sc.TURN, INT32_OR_MINUS_1)]
+EVENT_ATTRIBUTES = [*_text({
+    "layer": sc.EVENT_LAYER, "outcome": sc.EVENT_OUTCOME, "key_hash": sc.EVENT_KEY_HASH, "reason": sc.EVENT_REASON,
+    "parent_hash": sc.EVENT_PARENT_HASH, "source_span_id": sc.EVENT_SOURCE_SPAN_ID,
+    "source_trace_id": sc.EVENT_SOURCE_TRACE_ID, "source_request_id": sc.EVENT_SOURCE_REQUEST_ID,
+    "source_run_id": sc.EVENT_SOURCE_RUN_ID, "source_episode_id": sc.EVENT_SOURCE_EPISODE_ID}),
     ("tokens", sc.EVENT_TOKENS, UINT32_OR_ZERO), ("prefix_tokens", sc.EVENT_PREFIX_TOKENS, UINT32_OR_ZERO),
     ("entries_scanned", sc.EVENT_ENTRIES_SCANNED, UINT32_OR_ZERO), ("size_bytes", sc.EVENT_SIZE_BYTES, UINT64_OR_ZERO),
-    ("reason", sc.EVENT_REASON, TEXT), ("block_hashes", sc.EVENT_BLOCK_HASHES, STRINGS),
-    ("block_ids", sc.EVENT_BLOCK_IDS, INT64S), ("parent_hash", sc.EVENT_PARENT_HASH, TEXT),
-    ("source_span_id", sc.EVENT_SOURCE_SPAN_ID, TEXT), ("source_trace_id", sc.EVENT_SOURCE_TRACE_ID, TEXT),
-    ("source_request_id", sc.EVENT_SOURCE_REQUEST_ID, TEXT), ("source_run_id", sc.EVENT_SOURCE_RUN_ID, TEXT),
-    ("source_episode_id", sc.EVENT_SOURCE_EPISODE_ID, TEXT),
-    ("source_turn", sc.EVENT_SOURCE_TURN, INT32_OR_MINUS_1), ("source_time_unix_nano", sc.EVENT_SOURCE_TIME, UINT64_OR_ZERO),
-]
+    ("block_hashes", sc.EVENT_BLOCK_HASHES, STRINGS), ("block_ids", sc.EVENT_BLOCK_IDS, INT64S),
+    ("source_turn", sc.EVENT_SOURCE_TURN, INT32_OR_MINUS_1),
+    ("source_time_unix_nano", sc.EVENT_SOURCE_TIME, UINT64_OR_ZERO)]
 """``kvtrace_cache_events``' columns read from the span (``EVENT_SPAN_ATTRIBUTES``) and from the event."""
 
 _ARRAY_TYPES = {"token_ids": "i64", "top1_ids": "i64", "runner_up_ids": "i64", "margins": "f64", "logprobs": "f64"}
