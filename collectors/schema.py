@@ -44,17 +44,9 @@ from kvtrace import semconv
 from kvtrace.errors import SchemaUpgradeFailed
 
 TABLES = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens",
-          "kvtrace_cache_events", "kvtrace_ingest_files")
+          "kvtrace_cache_events", "kvtrace_ingest_files", "kvtrace_ingest_lines")
 VERSIONS_TABLE = "kvtrace_schema_migrations"
-TYPED_REQUESTS_TABLE = "kvtrace_request_spans"
-"""Null table to which ingest hands request spans with packed per-token arrays (never holds rows)."""
-TYPED_REQUESTS_VIEWS = ("kvtrace_request_spans_otel_traces_mv", "kvtrace_request_spans_mv")
-"""Its views: into ``otel_traces`` (the arrays' text) and into ``kvtrace_requests`` (the arrays as numbers)."""
-VIEWS = ("otel_traces_trace_id_ts_mv", "kvtrace_requests_mv", "kvtrace_tokens_mv", "kvtrace_cache_events_mv",
-         *TYPED_REQUESTS_VIEWS)
-TYPED_INGEST_COMMENT = "kvtrace typed ingest"
-"""``log_comment`` of ingest's inserts into ``TYPED_REQUESTS_TABLE``: the JSON view passes over the rows they
-write into ``otel_traces``."""
+VIEWS = ("otel_traces_trace_id_ts_mv", "kvtrace_requests_mv", "kvtrace_tokens_mv", "kvtrace_cache_events_mv")
 # Tables that get a Distributed table in front of them in cluster mode.
 DISTRIBUTED = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
 # The table whose presence says a database has a kvtrace schema at all.
@@ -136,13 +128,10 @@ def _variables(database: str, cluster: str | None) -> dict[str, str]:
         # kvtrace's typed tables: copies of a span's rows (a retried write, two paths) fold into one.
         variables["span_engine"] = "ReplacingMergeTree()"
         variables["versions_engine"] = "MergeTree()"
-    for table in TABLES + (VERSIONS_TABLE, TYPED_REQUESTS_TABLE):
+    for table in TABLES + (VERSIONS_TABLE,):
         variables[table] = f"`{table}_local`" if cluster and table in DISTRIBUTED else f"`{table}`"
     for view in VIEWS:
         variables[view] = f"`{view}`"
-    variables["typed_ingest_comment"] = TYPED_INGEST_COMMENT
-    shared = (resources.files("kvtrace.collectors") / "sql" / "request_columns.sql").read_text()
-    variables["kvtrace_request_columns"] = "\n".join(split_statements(Template(shared).substitute(variables)))
     return variables
 
 

@@ -14,6 +14,9 @@ from __future__ import annotations
 INSTRUMENTATION_SCOPE = "kvtrace"
 SPAN_REQUEST = "kvtrace.request"
 """One span per generation call (one prompt in, one completion out)."""
+TYPED_ROWS_STORED = "kvtrace.storage.typed_rows"
+"""``true`` on the ``otel_traces`` row of a span ``kvtrace db ingest`` stored: its typed rows (request, cache events)
+and its per-token arrays are in kvtrace's tables, written there by ingest, so the views on ``otel_traces`` pass it over."""
 
 # --- correlation (also the W3C baggage keys) --------------------------------
 

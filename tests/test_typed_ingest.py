@@ -1,23 +1,25 @@
-"""A spool ingested with typed arrays and the same spans stored by an OpenTelemetry Collector answer alike.
+"""The same spans through the Collector's path and through the spool end as the same rows and answers.
 
-The spool packs the per-token arrays and `kvtrace db ingest` hands them to kvtrace_requests as numbers;
-a Collector's ClickHouse exporter writes the same spans into otel_traces with every array as JSON text,
-and the views parse it.  Both must end with the same rows, span for span, in every table the queries
-read — and in otel_traces itself.
+A Collector's ClickHouse exporter writes spans into otel_traces, every array as JSON text, and
+kvtrace's views derive the typed tables; `kvtrace db ingest` writes the typed tables itself, the
+per-token arrays as numbers straight from the spool's packed bytes, and otel_traces' span rows
+without them.  Both must end with the same rows in every typed table (read FINAL, as the queries
+read) and the same answer from every saved query; and a span stored both ways is there once.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
+import random
 import struct
 
 import pytest
 
 from kvtrace import correlate
 from kvtrace import semconv as sc
-from kvtrace.collectors.ingest import ingest_paths, typed_requests_available
+from kvtrace import queries
+from kvtrace.collectors.ingest import ingest_paths
 from kvtrace.collectors.otlp_rows import COLUMNS, rows_from_request
 from kvtrace.collectors.schema import init_schema
 from kvtrace.config import Settings
@@ -36,8 +38,11 @@ TABLES = {
     "kvtrace_requests": "SpanId",
     "kvtrace_tokens": "SpanId, position",
     "kvtrace_cache_events": "SpanId, event_index",
-    "otel_traces": "SpanId",
 }
+TOKEN_ARRAYS = (sc.OUTPUT_TOKEN_IDS, sc.OUTPUT_TOP1_IDS, sc.OUTPUT_RUNNER_UP_IDS, sc.OUTPUT_MARGINS, sc.OUTPUT_LOGPROBS)
+# The answers compared: every saved query, over two runs, one episode and one run where it asks for them.
+QUERY_VALUES = {"run_a": f"run-{sc.CAPTURE_IDS}", "run_b": f"run-{sc.CAPTURE_HASHED}", "run": f"run-{sc.CAPTURE_IDS}",
+                "episode": "ep0"}
 
 
 def recorded_spans(monkeypatch, tmp_path) -> list:
@@ -88,12 +93,22 @@ def recorded_spans(monkeypatch, tmp_path) -> list:
 
 
 def table_rows(client) -> dict[str, list[dict[str, str]]]:
-    """Every row of each table, column name → repr (NaN equals NaN, -0.0 differs from 0.0: bit-exact)."""
+    """Every row of each typed table as the queries see it (FINAL), column name → repr (NaN equals NaN,
+    -0.0 differs from 0.0: bit-exact)."""
     out = {}
     for table, order in TABLES.items():
-        result = client.query(f"SELECT * FROM {table} ORDER BY {order}")
+        result = client.query(f"SELECT * FROM {table} FINAL ORDER BY {order}")
         out[table] = [{name: repr(value) for name, value in zip(result.column_names, row)}
                       for row in result.result_rows]
+    return out
+
+
+def answers(client) -> dict[str, str]:
+    """Every saved query's answer, by name."""
+    out = {}
+    for name in queries.names():
+        needed = {p.name for p in queries.load(name).params if p.default is None}
+        out[name] = repr(queries.run(client, name, {k: v for k, v in QUERY_VALUES.items() if k in needed}))
     return out
 
 
@@ -110,7 +125,12 @@ def database(path):
     return client
 
 
-def test_a_spool_and_a_collector_store_the_same_rows_span_for_span(monkeypatch, tmp_path):
+def as_a_collector_stores_them(client, spans) -> None:
+    """Straight into otel_traces, every array as JSON text for the views to parse."""
+    client.insert("otel_traces", rows_from_request(json.loads(encode_request(spans))), column_names=COLUMNS)
+
+
+def test_a_spool_and_a_collector_store_the_same_rows_and_every_query_answers_alike(monkeypatch, tmp_path):
     spans = recorded_spans(monkeypatch, tmp_path)
     spool = tmp_path / "spool"
     SpoolExporter(spool).export(spans)
@@ -119,52 +139,82 @@ def test_a_spool_and_a_collector_store_the_same_rows_span_for_span(monkeypatch, 
               for span in ss["spans"] for a in span["attributes"] if a["key"] == sc.OUTPUT_MARGINS]
     assert packed and all("bytesValue" in a["value"] for a in packed)  # no value object per token
 
-    # This version's spool, ingested with typed arrays.
-    client = database(tmp_path / "from-spool")
-    assert typed_requests_available(client)
-    report = ingest_paths(client, [spool], quarantine_dir=tmp_path / "q")
-    assert (report.spans, report.quarantined) == (len(spans), 0)
-    from_spool = table_rows(client)
-    client.close()
-
-    # The same spans as standard OTLP, stored the way a Collector's ClickHouse exporter stores them:
-    # straight into otel_traces, every array as JSON text for the views to parse.
-    client = database(tmp_path / "from-collector")
-    client.insert("otel_traces", rows_from_request(json.loads(encode_request(spans))), column_names=COLUMNS)
-    from_collector = table_rows(client)
-    client.close()
-
+    stored = {}
+    for name, store in (("spool", lambda client: ingest_paths(client, [spool], quarantine_dir=tmp_path / "q")),
+                        ("collector", lambda client: as_a_collector_stores_them(client, spans))):
+        client = database(tmp_path / name)
+        report = store(client)
+        if name == "spool":
+            assert (report.spans, report.quarantined) == (len(spans), 0)
+        stored[name] = (table_rows(client), answers(client),
+                        client.query("SELECT SpanId, SpanAttributes FROM otel_traces ORDER BY SpanId").result_rows)
+        client.close()
     # A spool of an earlier version (standard arrays), ingested now.
     old_spool = tmp_path / "old-spool"
     old_spool.mkdir()
     (old_spool / "old.jsonl").write_text(encode_request(spans) + "\n")
-    client = database(tmp_path / "from-old-spool")
+    client = database(tmp_path / "old-spool-db")
     assert ingest_paths(client, [old_spool], quarantine_dir=tmp_path / "q").spans == len(spans)
-    from_old_spool = table_rows(client)
+    stored["old spool"] = (table_rows(client), answers(client), None)
     client.close()
 
-    assert len(from_collector["kvtrace_requests"]) == len(spans) == 15
-    assert len(from_collector["kvtrace_tokens"]) == 3 * (len(AWKWARD) + 300 + 3 + 2)
-    for table in TABLES:
-        assert differences(from_spool[table], from_collector[table]) == [], table
-        assert differences(from_old_spool[table], from_collector[table]) == [], table
+    collector, collector_answers, collector_spans = stored["collector"]
+    assert len(collector["kvtrace_requests"]) == len(spans) == 15
+    assert len(collector["kvtrace_tokens"]) == 3 * (len(AWKWARD) + 300 + 3 + 2)
+    assert len(collector["kvtrace_cache_events"]) == 3
+    assert sum("[]" not in answer for answer in collector_answers.values()) >= 5  # most queries find rows
+    for name in ("spool", "old spool"):
+        rows, answered, _ = stored[name]
+        for table in TABLES:
+            assert differences(rows[table], collector[table]) == [], (name, table)
+        assert answered == collector_answers, name
+
+    # otel_traces holds every span for trace viewers: ingest's request spans without the per-token arrays
+    # (they are in kvtrace's tables), marked so the views pass them over; every other attribute as the Collector's.
+    ingested_spans = stored["spool"][2]
+    assert [span_id for span_id, _ in ingested_spans] == [span_id for span_id, _ in collector_spans]
+    for (_, ingested), (_, by_collector) in zip(ingested_spans, collector_spans):
+        assert ingested.pop(sc.TYPED_ROWS_STORED) == "true"
+        assert ingested == {k: v for k, v in by_collector.items() if k not in TOKEN_ARRAYS}
 
 
-def test_the_margins_come_back_bit_exact_through_the_typed_path(spool_recorder, spool_dir, db):
+def test_a_span_stored_by_a_collector_and_by_ingest_is_seen_once(monkeypatch, tmp_path):
+    spans = recorded_spans(monkeypatch, tmp_path)
+    spool = tmp_path / "spool"
+    SpoolExporter(spool).export(spans)
+    client = database(tmp_path / "both")
+    as_a_collector_stores_them(client, spans)
+    alone = table_rows(client)
+    assert ingest_paths(client, [spool], quarantine_dir=tmp_path / "q").spans == len(spans)
+    assert table_rows(client) == alone
+    client.close()
+
+
+# Where text and numbers part ways: both notations' switches, the extremes of the type, zeros of both signs.
+BOUNDARIES = [1e21, -1e21, math.nextafter(1e21, 0), 1e22, 1.5e300, 1.7976931348623157e308, 1e20, 1e-6,
+              math.nextafter(1e-6, 0), 1e-7, 0.000015, 4.35e-7, 5e-324, 2.2250738585072014e-308, -0.0, 0.0,
+              2.0**53, 2.0**63, 0.1 + 0.2, 1.0, -1.5, *AWKWARD]
+
+
+def test_the_margins_come_back_bit_exact_a_negative_zero_as_0(spool_recorder, spool_dir, db):
     # (A negative zero reads back as 0, as it does through a Collector: its JSON text is "-0".)
-    exact = [m for m in AWKWARD if struct.pack("<d", m) != struct.pack("<d", -0.0)]
+    rng = random.Random(21)
+    margins = BOUNDARIES + [struct.unpack("<d", struct.pack("<Q", rng.getrandbits(64)))[0] for _ in range(2000)]
+    margins = [m for m in margins if math.isfinite(m)]
+    ids = [rng.getrandbits(63) * rng.choice([1, -1]) for _ in margins]
     with correlate(run_id="exact", episode_id="e", turn=0):
         rec = spool_recorder.start_request("test_engine")
-    for i, margin in enumerate(exact):
-        rec.add_token(i, i, i + 1, margin, -margin)
+    for token, margin in zip(ids, margins):
+        rec.add_token(token, token, 2**63 - 1, margin, -margin)
     spool_recorder.finish(rec)
     spool_recorder.pipeline.force_flush()
 
     assert ingest_paths(db, [spool_dir]).spans == 1
-    ((margins, logprobs),) = db.query("SELECT margins, logprobs FROM kvtrace_requests").result_rows
-    bits = [struct.pack("<d", m) for m in exact]
-    assert [struct.pack("<d", m) for m in margins] == bits
-    assert [struct.pack("<d", -m) for m in logprobs] == bits
+    ((token_ids, stored, logprobs),) = db.query(
+        "SELECT token_ids, margins, logprobs FROM kvtrace_requests FINAL").result_rows
+    assert token_ids == ids
+    assert [struct.pack("<d", m) for m in stored] == [struct.pack("<d", m + 0.0) for m in margins]
+    assert [struct.pack("<d", m) for m in logprobs] == [struct.pack("<d", -m + 0.0) for m in margins]
 
 
 @pytest.mark.parametrize("spoil, reason", [
@@ -190,27 +240,34 @@ def test_a_packed_array_that_does_not_unpack_is_quarantined_with_its_line(spool_
     assert any(f"{path}:1:" in m and reason in m for m in report.messages)
 
 
-def test_a_database_made_before_typed_ingest_uses_the_json_view_until_its_upgrade_points_it_further(
-        spool_recorder, spool_dir, db, tmp_path):
-    # As schema version 2 made it: the JSON view does not know to pass typed spans over.
-    view = db.query("SELECT as_select FROM system.tables WHERE name = 'kvtrace_requests_mv'").result_rows[0][0]
-    earlier = re.sub(r"\s*AND\s*\(?getSetting\('log_comment'\)\s*!=\s*'[^']*'\)?", "", view)
-    assert earlier != view
-    db.command(f"ALTER TABLE kvtrace_requests_mv MODIFY QUERY {earlier}")
-    db.command("ALTER TABLE kvtrace_schema_migrations DELETE WHERE version = 3", settings={"mutations_sync": 1})
-    for turn in range(2):
-        with correlate(run_id="before", episode_id="e", turn=turn):
-            rec = spool_recorder.start_request("test_engine")
-        rec.add_token(1, 1, 2, 0.5, -0.5)
-        spool_recorder.finish(rec)
-        spool_recorder.pipeline.force_flush()
-        if turn == 0:
-            # Ingest sees the view as it is and stores through it alone: one request row, not two.
-            assert not typed_requests_available(db)
-            assert ingest_paths(db, [spool_dir], quarantine_dir=tmp_path / "q").spans == 1
-            assert init_schema(db).applied == ("0003_typed_request_arrays",)
-            assert typed_requests_available(db)
-    assert ingest_paths(db, [spool_dir], quarantine_dir=tmp_path / "q").spans == 1
-    assert db.query("SELECT turn, count() FROM kvtrace_requests GROUP BY turn ORDER BY turn").result_rows == [
-        (0, 1), (1, 1)]
-    assert db.query("SELECT count() FROM kvtrace_tokens").result_rows == [(2,)]
+def _request_line(attributes: list[dict], i: int) -> dict:
+    start = 1_700_000_000_000_000_000 + i
+    return {"resourceSpans": [{"resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "s"}}]},
+                               "scopeSpans": [{"scope": {"name": "kvtrace"}, "spans": [{
+                                   "traceId": "%032x" % (i + 1), "spanId": "%016x" % (i + 1), "name": sc.SPAN_REQUEST,
+                                   "startTimeUnixNano": str(start), "endTimeUnixNano": str(start + 10),
+                                   "attributes": [{"key": sc.RUN_ID, "value": {"stringValue": "placed"}},
+                                                  {"key": sc.TURN, "value": {"intValue": str(i)}}, *attributes]}]}]}]}
+
+
+def test_standard_arrays_in_any_order_or_place_end_the_same_both_ways(tmp_path):
+    ids = {"key": sc.OUTPUT_TOKEN_IDS, "value": {"arrayValue": {"values": [{"intValue": "7"}, {"intValue": "8"}]}}}
+    margins = {"key": sc.OUTPUT_MARGINS, "value": {"arrayValue": {"values": [{"doubleValue": 0.5},
+                                                                             {"doubleValue": 1e21}]}}}
+    between = {"key": sc.OUTPUT_FINISH_REASON, "value": {"stringValue": "length"}}
+    lines = [_request_line([ids, margins], 0), _request_line([margins, ids], 1), _request_line([ids, between, margins], 2),
+             _request_line([], 3)]
+    path = tmp_path / "spans.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    rows = []
+    for name, store in (("ingested", lambda client: ingest_paths(client, [path], quarantine_dir=tmp_path / "q")),
+                        ("collector", lambda client: [client.insert("otel_traces", rows_from_request(line),
+                                                                    column_names=COLUMNS) for line in lines])):
+        client = database(tmp_path / name)
+        store(client)
+        rows.append(table_rows(client))
+        client.close()
+    ingested, collector = rows
+    assert ingested == collector
+    assert [len(ingested[table]) for table in ("kvtrace_requests", "kvtrace_tokens")] == [4, 6]

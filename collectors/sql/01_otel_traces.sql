@@ -1,6 +1,8 @@
 -- otel_traces: spans, exactly as the OpenTelemetry Collector's clickhouseexporter creates the table,
 -- so spans that arrive through a Collector and spans ingested by kvtrace share it.
--- Every attribute value is a string (arrays and maps JSON-encoded).
+-- Every attribute value is a string (arrays and maps JSON-encoded). Inserts name a deduplication token (ingest:
+-- a hash of the spool bytes they come from), so one written again after a stop is stored once: the window
+-- is kvtrace's addition to the exporter's table.
 CREATE TABLE IF NOT EXISTS ${database}.${otel_traces} ${on_cluster} (
     Timestamp DateTime64(9) CODEC(Delta(8), ZSTD(1)),
     TraceId String CODEC(ZSTD(1)),
@@ -41,4 +43,4 @@ CREATE TABLE IF NOT EXISTS ${database}.${otel_traces} ${on_cluster} (
 PARTITION BY toDate(Timestamp)
 PRIMARY KEY (ServiceName, SpanName, toDateTime(Timestamp))
 ORDER BY (ServiceName, SpanName, toDateTime(Timestamp), Timestamp)
-SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1
+SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1, non_replicated_deduplication_window = 10000

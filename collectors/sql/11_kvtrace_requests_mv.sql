@@ -1,16 +1,60 @@
--- Explodes kvtrace.request spans of otel_traces into kvtrace_requests (attributes arrive as strings).
--- `kvtrace db ingest` hands its request spans with packed arrays to kvtrace_request_spans, naming the insert
--- in log_comment: the rows that table's view writes into otel_traces are passed over here, as those spans
--- reach kvtrace_requests through 18_kvtrace_request_spans_mv.sql.
+-- Explodes kvtrace.request spans of otel_traces into kvtrace_requests (attributes arrive as strings): the
+-- Collector's path. Spans `kvtrace db ingest` stored carry ${TYPED_ROWS_STORED}: ingest wrote their rows itself
+-- (collectors/store.py, the same columns computed alike), so they are passed over.
 CREATE MATERIALIZED VIEW IF NOT EXISTS ${database}.${kvtrace_requests_mv} ${on_cluster}
 TO ${database}.${kvtrace_requests}
 AS SELECT
-    ${kvtrace_request_columns},
+    Timestamp,
+    TraceId,
+    SpanId,
+    ParentSpanId,
+    ServiceName,
+    SpanAttributes['${RUN_ID}'] AS run_id,
+    SpanAttributes['${EPISODE_ID}'] AS episode_id,
+    toInt32OrDefault(SpanAttributes['${TURN}'], toInt32(-1)) AS turn,
+    SpanAttributes['${REQUEST_ID}'] AS request_id,
+    SpanAttributes['${GEN_AI_OPERATION}'] AS operation,
+    SpanAttributes['${ENGINE_NAME}'] AS engine,
+    SpanAttributes['${ENGINE_VERSION}'] AS engine_version,
+    SpanAttributes['${GEN_AI_REQUEST_MODEL}'] AS model,
+    SpanAttributes['${MODEL_FINGERPRINT}'] AS model_fingerprint,
+    SpanAttributes['${MODEL_WEIGHT_FORMAT}'] AS weight_format,
+    SpanAttributes['${KV_CACHE_TYPE}'] AS kv_cache_type,
+    SpanAttributes['${ARM}'] AS arm,
+    SpanAttributes['${CAPTURE_MODE}'] AS capture_mode,
+    SpanAttributes['${CACHE_SETTINGS}'] AS cache_settings,
+    SpanAttributes['${NUMERICS_SETTINGS}'] AS numerics_settings,
+    SpanAttributes['${SAMPLING_SETTINGS}'] AS sampling_settings,
+    toUInt32OrZero(SpanAttributes['${GEN_AI_USAGE_INPUT_TOKENS}']) AS prompt_tokens,
+    SpanAttributes['${PROMPT_HASH}'] AS prompt_hash,
+    SpanAttributes['${PROMPT_HASH_SOURCE}'] AS prompt_hash_source,
+    JSONExtract(SpanAttributes['${PROMPT_BLOCK_HASHES}'], 'Array(String)') AS prompt_block_hashes,
+    JSONExtract(SpanAttributes['${PROMPT_BLOCK_LAYERS}'], 'Array(String)') AS block_layers,
+    if(SpanAttributes['${CACHE_LAYER}'] = '', '${LAYER_NONE}', SpanAttributes['${CACHE_LAYER}']) AS cache_layer,
+    toUInt32OrZero(SpanAttributes['${CACHE_REUSED_TOKENS}']) AS reused_tokens,
+    toUInt32OrZero(SpanAttributes['${CACHE_RECOMPUTED_TOKENS}']) AS recomputed_tokens,
+    toUInt32OrZero(SpanAttributes['${CACHE_REPLAYED_TOKENS}']) AS replayed_tokens,
+    SpanAttributes['${CACHE_REUSED_TOKENS_SOURCE}'] AS reused_tokens_source,
+    SpanAttributes['${CACHE_STATE_KEY}'] AS state_key,
+    SpanAttributes['${CACHE_SOURCE_SPAN_ID}'] AS source_span_id,
+    SpanAttributes['${CACHE_SOURCE_TRACE_ID}'] AS source_trace_id,
+    SpanAttributes['${CACHE_SOURCE_REQUEST_ID}'] AS source_request_id,
+    SpanAttributes['${CACHE_SOURCE_RUN_ID}'] AS source_run_id,
+    SpanAttributes['${CACHE_SOURCE_EPISODE_ID}'] AS source_episode_id,
+    toInt32OrDefault(SpanAttributes['${CACHE_SOURCE_TURN}'], toInt32(-1)) AS source_turn,
+    JSONExtract(SpanAttributes['${CACHE_HIT_BLOCK_HASHES}'], 'Array(String)') AS hit_block_hashes,
+    toUInt32OrZero(SpanAttributes['${GEN_AI_USAGE_OUTPUT_TOKENS}']) AS output_tokens,
+    SpanAttributes['${OUTPUT_HASH}'] AS output_hash,
+    SpanAttributes['${OUTPUT_TOKEN_ID_SOURCE}'] AS token_id_source,
+    SpanAttributes['${OUTPUT_FINISH_REASON}'] AS finish_reason,
+    StatusCode AS status_code,
+    Duration AS duration_ns,
     JSONExtract(SpanAttributes['${OUTPUT_TOKEN_IDS}'], 'Array(Int64)') AS token_ids,
     JSONExtract(SpanAttributes['${OUTPUT_TOP1_IDS}'], 'Array(Int64)') AS top1_ids,
     JSONExtract(SpanAttributes['${OUTPUT_RUNNER_UP_IDS}'], 'Array(Int64)') AS runner_up_ids,
-    JSONExtract(SpanAttributes['${OUTPUT_MARGINS}'], 'Array(Float64)') AS margins,
-    JSONExtract(SpanAttributes['${OUTPUT_LOGPROBS}'], 'Array(Float64)') AS logprobs
+    -- A negative zero is stored as 0 whichever text a writer gave it ("-0", "-0.0"), as ingest stores it.
+    arrayMap(x -> x + 0., JSONExtract(SpanAttributes['${OUTPUT_MARGINS}'], 'Array(Float64)')) AS margins,
+    arrayMap(x -> x + 0., JSONExtract(SpanAttributes['${OUTPUT_LOGPROBS}'], 'Array(Float64)')) AS logprobs
 FROM ${database}.${otel_traces}
 WHERE SpanName = '${SPAN_REQUEST}'
-    AND getSetting('log_comment') != '${typed_ingest_comment}'
+    AND NOT mapContains(SpanAttributes, '${TYPED_ROWS_STORED}')

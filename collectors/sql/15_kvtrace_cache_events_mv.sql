@@ -1,4 +1,5 @@
--- Explodes kvtrace.cache.* span events of otel_traces into kvtrace_cache_events.
+-- Explodes kvtrace.cache.* span events of otel_traces into kvtrace_cache_events: the Collector's path (spans
+-- `kvtrace db ingest` stored carry ${TYPED_ROWS_STORED}: their events are written by ingest itself).
 CREATE MATERIALIZED VIEW IF NOT EXISTS ${database}.${kvtrace_cache_events_mv} ${on_cluster}
 TO ${database}.${kvtrace_cache_events}
 AS SELECT
@@ -36,4 +37,4 @@ ARRAY JOIN
     Events.Name AS event,
     Events.Attributes AS ea,
     arrayEnumerate(Events.Name) AS event_index
-WHERE startsWith(event, '${CACHE_EVENT_PREFIX}')
+WHERE startsWith(event, '${CACHE_EVENT_PREFIX}') AND NOT mapContains(SpanAttributes, '${TYPED_ROWS_STORED}')

@@ -8,11 +8,9 @@ OTLP/JSON writes bytes.  That is 8 bytes per element before base64, packed in on
 unpacked in one, and bit-exact for every double (NaN payloads included).
 
 The line stays a valid OTLP ``ExportTraceServiceRequest``; only the meaning of these attributes'
-bytes is kvtrace's: ``kvtrace db ingest`` checks them and hands them to the database still packed
-(``kvtrace_request_spans``), which writes for ``otel_traces`` the JSON text the OpenTelemetry
-Collector's ClickHouse exporter writes for the same array, and for ``kvtrace_requests`` the numbers
-as typed columns.  Spans sent to a Collector over OTLP keep standard arrays (see
-``otlp_json.encode_request``).
+bytes is kvtrace's: ``kvtrace db ingest`` checks them and views them as numpy arrays, which go to
+``kvtrace_requests`` as typed Array columns without a Python step per number.  Spans sent to a
+Collector over OTLP keep standard arrays (see ``otlp_json.encode_request``).
 """
 
 from __future__ import annotations

@@ -35,14 +35,13 @@ def main() -> None:
 
     client = connect(f"chdb://{db_path}")
     init_schema(client)
-    real_insert = client.insert
+    for method in ("insert", "insert_arrow"):  # rows (progress records, line hashes) and Arrow columns (spans)
+        def insert(table, *args, _real=getattr(client, method), **kwargs):
+            result = _real(table, *args, **kwargs)
+            step(f"after INSERT into {table}")
+            return result
 
-    def insert(table, *args, **kwargs):
-        result = real_insert(table, *args, **kwargs)
-        step(f"after INSERT into {table}")
-        return result
-
-    client.insert = insert
+        setattr(client, method, insert)
     real_add = ingest._Quarantine.add
 
     def add(self, *args, **kwargs):

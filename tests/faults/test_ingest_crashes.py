@@ -1,9 +1,10 @@
 """Exactly-once ingest: a crash at any point, and files that are copies or concatenations.
 
-An ingest process is killed with SIGKILL right after each write it makes (every INSERT of spans,
-every progress record, every quarantine copy), and once more at a spread of moments chosen by the
-clock, mid-insert included.  The next ingest must finish the job with every span stored exactly
-once: spans stored + lines quarantined == lines written, no span twice, and the typed views agree.
+An ingest process is killed with SIGKILL right after each write it makes (every INSERT into a typed
+table, into otel_traces, of line hashes, every progress record, every quarantine copy), and once more
+at a spread of moments chosen by the clock, mid-insert included.  The next ingest must finish the job
+with every span stored exactly once: spans stored + lines quarantined == lines written, no span twice
+in otel_traces, and one row per span in the typed tables as the queries read them (FINAL).
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ from pathlib import Path
 
 from span_lines import dead_writer_name, request, spoiled, write_lines
 
-from kvtrace.collectors.ingest import TYPED_COLUMNS, Ingestor, ingest_paths, request_span_row
-from kvtrace.collectors.otlp_rows import COLUMNS, rows_from_request
-from kvtrace.collectors.schema import TYPED_INGEST_COMMENT, TYPED_REQUESTS_TABLE
+from kvtrace.collectors import ingest
+from kvtrace.collectors.ingest import ingest_paths
 from kvtrace.db import connect
 
 HERE = Path(__file__).parent
@@ -34,7 +34,7 @@ def _books(db_path: Path, quarantine: Path) -> dict:
     try:
         stored, distinct = client.query(
             "SELECT count(), uniqExact(TraceId, SpanId) FROM otel_traces").result_rows[0]
-        requests = client.query("SELECT count() FROM kvtrace_requests").result_rows[0][0]
+        requests = client.query("SELECT count() FROM kvtrace_requests FINAL").result_rows[0][0]
     finally:
         client.close()
     records = [json.loads(text) for f in sorted(quarantine.glob("*.jsonl")) for text in f.read_text().splitlines()]
@@ -64,7 +64,8 @@ def _ingest_child(db_path: Path, quarantine: Path, spool: Path, kill_at: int, ti
         capture_output=True, text=True, timeout=timeout)
 
 
-def test_a_crash_right_after_any_write_of_ingest_stores_nothing_twice(tmp_path):
+def test_a_crash_right_after_any_write_of_ingest_stores_nothing_twice(tmp_path, monkeypatch):
+    monkeypatch.setattr(ingest, "CHUNK_BYTES", CHUNK_BYTES)  # the next pass reads as the killed one did
     spool = tmp_path / "spool"
     files, written, bad_lines = _spool_with_a_bad_line_and_a_torn_tail(spool)
     good_spans = written - len(bad_lines)
@@ -72,8 +73,8 @@ def test_a_crash_right_after_any_write_of_ingest_stores_nothing_twice(tmp_path):
     dry = _ingest_child(tmp_path / "dry-db", tmp_path / "dry-q", spool, kill_at=0)
     assert dry.returncode == 0, dry.stderr
     steps = re.findall(r"^step (\d+): (.*)$", dry.stdout, re.M)
-    span_inserts = sum(table in what for _, what in steps for table in ("otel_traces", TYPED_REQUESTS_TABLE))
-    assert len(steps) >= 12 and span_inserts >= 5
+    span_inserts = sum(table in what for _, what in steps for table in ("otel_traces", "kvtrace_requests"))
+    assert len(steps) >= 12 and span_inserts >= 10
     assert _books(tmp_path / "dry-db", tmp_path / "dry-q") == {
         "stored": good_spans, "distinct": good_spans, "requests": good_spans, "quarantined": bad_lines}
 
@@ -97,7 +98,8 @@ def test_a_crash_right_after_any_write_of_ingest_stores_nothing_twice(tmp_path):
         shutil.rmtree(db_path)
 
 
-def test_ingest_killed_from_outside_at_any_moment_stores_nothing_twice(tmp_path):
+def test_ingest_killed_from_outside_at_any_moment_stores_nothing_twice(tmp_path, monkeypatch):
+    monkeypatch.setattr(ingest, "CHUNK_BYTES", 65536)  # the next pass reads as the killed ones did
     spool = tmp_path / "spool"
     spool.mkdir()
     path = dead_writer_name(spool)
@@ -126,79 +128,6 @@ def test_ingest_killed_from_outside_at_any_moment_stores_nothing_twice(tmp_path)
     books = _books(db_path, quarantine)
     assert kills >= 3  # most kills landed while ingest was still working
     assert books == {"stored": written, "distinct": written, "requests": written, "quarantined": []}
-
-
-def test_spans_a_kill_left_in_otel_traces_but_not_in_the_views_get_their_view_rows(db, tmp_path):
-    # The state a SIGKILL between the two parts of one INSERT leaves (the test above hits it by
-    # chance): the spans are in otel_traces, the materialized views never saw them, and the
-    # progress record was not written.
-    path = write_lines(tmp_path / "spans.jsonl", [request(i) for i in range(6)])
-    rows = [row for text in path.read_text().splitlines() for row in rows_from_request(json.loads(text))]
-    views = ("kvtrace_requests_mv", "kvtrace_cache_events_mv")
-    for view in views:
-        db.command(f"DETACH TABLE {view}")
-    db.insert("otel_traces", rows[:4], column_names=COLUMNS)
-    for view in views:
-        db.command(f"ATTACH TABLE {view}")
-
-    report = ingest_paths(db, [path])
-
-    assert (report.spans, report.duplicates) == (2, 4)
-    counts = [db.query(f"SELECT count(), uniqExact(SpanId) FROM {table}").result_rows[0]
-              for table in ("otel_traces", "kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")]
-    assert counts == [(6, 6), (6, 6), (12, 6), (6, 6)]  # 2 tokens and 1 cache event per span, once each
-    assert any("got their view rows" in m for m in report.messages)
-    assert ingest_paths(db, [path]).spans == 0
-
-
-def _table_counts(db) -> list:
-    return [db.query(f"SELECT count(), uniqExact(SpanId) FROM {table}").result_rows[0]
-            for table in ("otel_traces", "kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")]
-
-
-def _attributes_as_a_collector_stores_them(path: Path) -> list:
-    rows = [row for text in path.read_text().splitlines() for row in rows_from_request(json.loads(text))]
-    return [row[COLUMNS.index("SpanAttributes")] for row in sorted(rows, key=lambda row: row[COLUMNS.index("SpanId")])]
-
-
-def test_request_spans_a_kill_left_in_kvtrace_requests_alone_get_their_otel_traces_rows(db, tmp_path):
-    # The two views of kvtrace_request_spans run in no set order: a SIGKILL between them can leave
-    # requests (and their tokens) in kvtrace_requests with nothing in otel_traces.
-    path = write_lines(tmp_path / "spans.jsonl", [request(i) for i in range(6)])
-    rows = [row for text in path.read_text().splitlines() for row in rows_from_request(json.loads(text), packed=True)]
-    assert all(row.arrays is not None for row in rows)
-    db.command("DETACH TABLE kvtrace_request_spans_otel_traces_mv")
-    db.insert(TYPED_REQUESTS_TABLE, [request_span_row(row) for row in rows[:4]], column_names=TYPED_COLUMNS,
-              settings={"log_comment": TYPED_INGEST_COMMENT})
-    db.command("ATTACH TABLE kvtrace_request_spans_otel_traces_mv")
-    assert _table_counts(db) == [(0, 0), (4, 4), (8, 4), (0, 0)]
-
-    report = ingest_paths(db, [path])
-
-    assert (report.spans, report.duplicates) == (2, 4)
-    assert _table_counts(db) == [(6, 6), (6, 6), (12, 6), (6, 6)]  # 2 tokens and 1 cache event per span, once each
-    assert [row[0] for row in db.query("SELECT SpanAttributes FROM otel_traces ORDER BY SpanId").result_rows] == (
-        _attributes_as_a_collector_stores_them(path))
-    assert any("kvtrace_requests alone got their otel_traces rows" in m for m in report.messages)
-    assert ingest_paths(db, [path]).spans == 0
-
-
-def test_request_spans_the_database_would_not_take_with_packed_arrays_go_through_the_json_view(db, tmp_path):
-    path = write_lines(tmp_path / "spans.jsonl", [request(i) for i in range(6)])
-    ingestor = Ingestor(db, tmp_path / "q")
-    assert ingestor.typed_requests
-    # The insert with packed arrays fails (here its view into kvtrace_requests cannot take the rows).
-    db.command("ALTER TABLE kvtrace_request_spans_mv MODIFY QUERY "
-               "SELECT *, throwIf(SpanName != '', 'refused') AS refusal FROM kvtrace_request_spans")
-
-    result = ingestor.ingest_file(path)
-
-    assert (result.spans, result.quarantined) == (6, 0)
-    assert _table_counts(db) == [(6, 6), (6, 6), (12, 6), (6, 6)]
-    assert [row[0] for row in db.query("SELECT SpanAttributes FROM otel_traces ORDER BY SpanId").result_rows] == (
-        _attributes_as_a_collector_stores_them(path))
-    assert db.query("SELECT margins FROM kvtrace_requests WHERE turn = 0").result_rows == [([0.5, 1.5],)]
-    assert any("got their rows through the JSON view" in m for m in result.messages)
 
 
 def test_a_concatenation_of_a_stored_file_and_new_spans_stores_the_new_ones(db, tmp_path):

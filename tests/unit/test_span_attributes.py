@@ -28,7 +28,7 @@ SHAPES = {
 
 def test_every_attribute_shape_reads_as_the_general_conversion_writes_it():
     attributes = [{"key": key, "value": value} for key, value in SHAPES.items()]
-    text, _ = span_attributes(attributes)
+    text = span_attributes(attributes)
     assert text == {key: value_as_string(value) for key, value in SHAPES.items()}
     assert text["hashes"] == '["1a35b63f","x\\"\\\\y é"]'
     assert text["big"] == "9223372036854775807" and text["leading zeros"] == "7"

@@ -1,7 +1,7 @@
 """Every exporter kvtrace can send spans through, and the choice among them.
 
 * :mod:`.spool` — OTLP/JSON lines on local disk (the default; one file per process);
-* :mod:`.clickhouse` — direct inserts into a ClickHouse server;
+* ClickHouse — direct writes into a server (``kvtrace.collectors.sink``, by its ``kvtrace.exporters`` entry point);
 * OTLP to an OpenTelemetry Collector (the SDK's own exporter);
 * :mod:`.delivery` — a remote sink behind time-outs, spooling what it does not take;
 * :mod:`.otlp_json` — the OTLP/JSON encoding the spool and the ClickHouse exporter share.
@@ -40,10 +40,12 @@ def build_exporter(settings: Settings):
         sink = OTLPSpanExporter(timeout=settings.export_timeout_s)  # seconds: the SDK's unit
         return SinkWithSpool(sink, spool, f"sending spans to the OpenTelemetry Collector at {endpoint}")
     if settings.exporter == "clickhouse":
-        # Imported only when chosen: clickhouse-connect is heavy and engine processes rarely need it.
-        from kvtrace.recording.exporters.clickhouse import ClickHouseSpanExporter
+        # Loaded only when chosen (clickhouse-connect is heavy), by entry point: the sink is collectors', and
+        # recording imports nothing of collectors.
+        from importlib.metadata import entry_points
 
-        sink = ClickHouseSpanExporter(settings.clickhouse_url, connect_timeout_s=settings.connect_timeout_s,
-                                      timeout_s=settings.export_timeout_s)
+        (found,) = entry_points(group="kvtrace.exporters", name="clickhouse")
+        sink = found.load()(settings.clickhouse_url, connect_timeout_s=settings.connect_timeout_s,
+                            timeout_s=settings.export_timeout_s)
         return SinkWithSpool(sink, spool, f"inserting spans into ClickHouse at {describe(settings.clickhouse_url)}")
     return DiscardExporter()

@@ -1,0 +1,197 @@
+"""Rows of spans (``otlp_rows``, read typed) → kvtrace's tables and ``otel_traces``, as Arrow columns.
+
+The one write path of ingest and of the ClickHouse exporter.  ``kvtrace_requests`` gets one row per
+request span, its per-token arrays as Array columns (numpy concatenations and offsets, no Python
+work per number; a negative zero stored as 0, as the Collector's text "-0" reads back);
+``kvtrace_tokens`` follows from ``13_kvtrace_tokens_mv.sql``.  ``kvtrace_cache_events`` gets one row
+per ``kvtrace.cache.*`` event.  Columns are computed from the attributes as
+``11_kvtrace_requests_mv.sql`` and ``15_kvtrace_cache_events_mv.sql`` compute them from a Collector's
+rows (``tests/test_typed_ingest.py`` holds the two to the same rows).  Every table is built before the
+first insert, so a value Arrow cannot carry stops the batch before anything of it is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from itertools import chain
+from typing import Callable, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+
+from kvtrace import semconv as sc
+from kvtrace.collectors.otlp_rows import COLUMNS, SpanRow
+
+_SIGNED, _UNSIGNED = re.compile(r"[+-]?\d+"), re.compile(r"\+?\d+")
+
+
+class Conversion(NamedTuple):
+    """An attribute's text → a typed column (``arrow``'s kind), as ClickHouse's function of the same name does."""
+
+    convert: Callable[[str], object]
+    kind: object
+
+
+def _integer(pattern: re.Pattern, low: int, high: int, default: int) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        value = int(text) if (text.isascii() and text.isdigit()) or pattern.fullmatch(text) else default
+        return value if low <= value <= high else default
+    return convert
+
+
+def _json_array(element: type, default) -> Callable[[str], list]:
+    def convert(text: str) -> list:
+        try:
+            values = json.loads(text) if text else []
+        except ValueError:
+            return []
+        return [v if type(v) is element else default for v in values] if isinstance(values, list) else []
+    return convert
+
+
+TEXT = Conversion(str, "s")
+INT32_OR_MINUS_1 = Conversion(_integer(_SIGNED, -2**31, 2**31 - 1, -1), "i32")  # toInt32OrDefault(…, -1)
+UINT32_OR_ZERO = Conversion(_integer(_UNSIGNED, 0, 2**32 - 1, 0), "u32")
+UINT64_OR_ZERO = Conversion(_integer(_UNSIGNED, 0, 2**64 - 1, 0), "u64")
+STRINGS = Conversion(_json_array(str, ""), ("list", "s"))  # JSONExtract(…, 'Array(String)')
+INT64S = Conversion(_json_array(int, 0), ("list", "i64"))
+LAYER = Conversion(lambda text: text or sc.LAYER_NONE, "s")
+
+
+def _text(columns: dict[str, str]) -> list[tuple[str, str, Conversion]]:
+    return [(column, key, TEXT) for column, key in columns.items()]
+
+
+REQUEST_ATTRIBUTES = [*_text({
+    "run_id": sc.RUN_ID, "episode_id": sc.EPISODE_ID, "request_id": sc.REQUEST_ID, "operation": sc.GEN_AI_OPERATION,
+    "engine": sc.ENGINE_NAME, "engine_version": sc.ENGINE_VERSION, "model": sc.GEN_AI_REQUEST_MODEL,
+    "model_fingerprint": sc.MODEL_FINGERPRINT, "weight_format": sc.MODEL_WEIGHT_FORMAT, "kv_cache_type": sc.KV_CACHE_TYPE,
+    "arm": sc.ARM, "capture_mode": sc.CAPTURE_MODE, "cache_settings": sc.CACHE_SETTINGS,
+    "numerics_settings": sc.NUMERICS_SETTINGS, "sampling_settings": sc.SAMPLING_SETTINGS, "prompt_hash": sc.PROMPT_HASH,
+    "prompt_hash_source": sc.PROMPT_HASH_SOURCE, "reused_tokens_source": sc.CACHE_REUSED_TOKENS_SOURCE,
+    "state_key": sc.CACHE_STATE_KEY, "source_span_id": sc.CACHE_SOURCE_SPAN_ID, "source_trace_id": sc.CACHE_SOURCE_TRACE_ID,
+    "source_request_id": sc.CACHE_SOURCE_REQUEST_ID, "source_run_id": sc.CACHE_SOURCE_RUN_ID,
+    "source_episode_id": sc.CACHE_SOURCE_EPISODE_ID, "output_hash": sc.OUTPUT_HASH,
+    "token_id_source": sc.OUTPUT_TOKEN_ID_SOURCE, "finish_reason": sc.OUTPUT_FINISH_REASON}),
+    ("turn", sc.TURN, INT32_OR_MINUS_1), ("source_turn", sc.CACHE_SOURCE_TURN, INT32_OR_MINUS_1),
+    ("prompt_tokens", sc.GEN_AI_USAGE_INPUT_TOKENS, UINT32_OR_ZERO), ("reused_tokens", sc.CACHE_REUSED_TOKENS, UINT32_OR_ZERO),
+    ("recomputed_tokens", sc.CACHE_RECOMPUTED_TOKENS, UINT32_OR_ZERO),
+    ("replayed_tokens", sc.CACHE_REPLAYED_TOKENS, UINT32_OR_ZERO),
+    ("output_tokens", sc.GEN_AI_USAGE_OUTPUT_TOKENS, UINT32_OR_ZERO), ("cache_layer", sc.CACHE_LAYER, LAYER),
+    ("prompt_block_hashes", sc.PROMPT_BLOCK_HASHES, STRINGS), ("block_layers", sc.PROMPT_BLOCK_LAYERS, STRINGS),
+    ("hit_block_hashes", sc.CACHE_HIT_BLOCK_HASHES, STRINGS)]
+"""``kvtrace_requests``' columns read from a request span's attributes: (column, attribute, conversion)."""
+
+EVENT_SPAN_ATTRIBUTES = [*_text({"run_id": sc.RUN_ID, "episode_id": sc.EPISODE_ID, "request_id": sc.REQUEST_ID,
+                                 "engine": sc.ENGINE_NAME}), ("turn", sc.TURN, INT32_OR_MINUS_1)]
+EVENT_ATTRIBUTES = [*_text({
+    "layer": sc.EVENT_LAYER, "outcome": sc.EVENT_OUTCOME, "key_hash": sc.EVENT_KEY_HASH, "reason": sc.EVENT_REASON,
+    "parent_hash": sc.EVENT_PARENT_HASH, "source_span_id": sc.EVENT_SOURCE_SPAN_ID,
+    "source_trace_id": sc.EVENT_SOURCE_TRACE_ID, "source_request_id": sc.EVENT_SOURCE_REQUEST_ID,
+    "source_run_id": sc.EVENT_SOURCE_RUN_ID, "source_episode_id": sc.EVENT_SOURCE_EPISODE_ID}),
+    ("tokens", sc.EVENT_TOKENS, UINT32_OR_ZERO), ("prefix_tokens", sc.EVENT_PREFIX_TOKENS, UINT32_OR_ZERO),
+    ("entries_scanned", sc.EVENT_ENTRIES_SCANNED, UINT32_OR_ZERO), ("size_bytes", sc.EVENT_SIZE_BYTES, UINT64_OR_ZERO),
+    ("block_hashes", sc.EVENT_BLOCK_HASHES, STRINGS), ("block_ids", sc.EVENT_BLOCK_IDS, INT64S),
+    ("source_turn", sc.EVENT_SOURCE_TURN, INT32_OR_MINUS_1),
+    ("source_time_unix_nano", sc.EVENT_SOURCE_TIME, UINT64_OR_ZERO)]
+"""``kvtrace_cache_events``' columns read from the span (``EVENT_SPAN_ATTRIBUTES``) and from the event."""
+
+_ARRAY_TYPES = {"token_ids": "i64", "top1_ids": "i64", "runner_up_ids": "i64", "margins": "f64", "logprobs": "f64"}
+OTEL_KINDS = ["t", *["s"] * 7, "map", "s", "s", "map", "u64", "s", "s", ("list", "t"), ("list", "s"), ("list", "map"),
+              *[("list", "s")] * 3, ("list", "map")]
+"""Kinds of ``COLUMNS``."""
+_NUMERIC = {"t": (np.int64, pa.timestamp("ns")), "i32": (np.int32, pa.int32()), "u32": (np.uint32, pa.uint32()),
+            "u64": (np.uint64, pa.uint64()), "i64": (np.int64, pa.int64()), "f64": (np.float64, pa.float64())}
+
+
+def arrow(values: list, kind) -> pa.Array:
+    """``values`` as an Arrow array of ``kind`` ("s", a ``_NUMERIC`` key, "map" of text, ``("list", kind)``),
+    built from buffers: ``pa.array`` would import pandas (half a CPU-second) on its first call."""
+    if kind == "s":
+        builder = pa.lib.StringBuilder()
+        builder.append_values(values)
+        return builder.finish()
+    if kind == "map":
+        return pa.MapArray.from_arrays(_offsets(list(map(len, values))), arrow(list(chain.from_iterable(values)), "s"),
+                                       arrow(list(chain.from_iterable(m.values() for m in values)), "s"))
+    if isinstance(kind, tuple):
+        return pa.ListArray.from_arrays(_offsets(list(map(len, values))), arrow(list(chain.from_iterable(values)), kind[1]))
+    return _buffer(np.asarray(values, _NUMERIC[kind][0]), kind)
+
+
+def _buffer(data: np.ndarray, kind: str) -> pa.Array:
+    return pa.Array.from_buffers(_NUMERIC[kind][1], len(data), [None, pa.py_buffer(data)])
+
+
+def _offsets(lengths) -> pa.Array:
+    offsets = np.zeros(len(lengths) + 1, np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return _buffer(offsets, "i32")
+
+
+def _list_column(arrays: list[np.ndarray], kind: str) -> pa.Array:
+    """One Array column from per-row numpy arrays: their concatenation and offsets, no per-number work."""
+    dtype = _NUMERIC[kind][0]
+    values = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+    if kind == "f64":
+        values = values + 0.0  # -0.0 + 0.0 is 0.0: a negative zero is stored as 0
+    return pa.ListArray.from_arrays(_offsets([len(a) for a in arrays]), _buffer(values, kind))
+
+
+def _columns(spec, attributes: list[dict]) -> dict[str, pa.Array]:
+    return {column: arrow([a.get(key, "") for a in attributes] if how is TEXT else
+                          [how.convert(a.get(key, "")) for a in attributes], how.kind) for column, key, how in spec}
+
+
+def _table(columns: dict[str, pa.Array]) -> pa.Table:
+    return pa.Table.from_arrays(list(columns.values()), names=list(columns))
+
+
+def request_table(requests: list[SpanRow]) -> pa.Table:
+    """``kvtrace_requests`` rows of request spans read typed."""
+    columns = {name: arrow([row[COLUMNS.index(name)] for row in requests], "t" if name == "Timestamp" else "s")
+               for name in ("Timestamp", "TraceId", "SpanId", "ParentSpanId", "ServiceName")}
+    columns.update(_columns(REQUEST_ATTRIBUTES, [row[11] for row in requests]))
+    columns["status_code"] = arrow([row[13] for row in requests], "s")
+    columns["duration_ns"] = arrow([row[12] for row in requests], "u64")
+    empty = np.zeros(0, np.int64)
+    for column, kind in _ARRAY_TYPES.items():
+        columns[column] = _list_column([row.arrays.get(column, empty) for row in requests], kind)
+    return _table(columns)
+
+
+def cache_event_table(rows: list[SpanRow]) -> pa.Table:
+    """``kvtrace_cache_events`` rows: one per ``kvtrace.cache.*`` event of ``rows``."""
+    found = [(row, index) for row in rows for index, name in enumerate(row[16])
+             if name.startswith(sc.CACHE_EVENT_PREFIX)]
+    columns = {"Timestamp": arrow([row[15][i] for row, i in found], "t"),
+               "TraceId": arrow([row[1] for row, _ in found], "s"), "SpanId": arrow([row[2] for row, _ in found], "s")}
+    columns.update(_columns(EVENT_SPAN_ATTRIBUTES, [row[11] for row, _ in found]))
+    columns["event"] = arrow([row[16][i] for row, i in found], "s")
+    columns["event_index"] = arrow([i for _, i in found], "u32")
+    columns.update(_columns(EVENT_ATTRIBUTES, [row[17][i] for row, i in found]))
+    return _table(columns)
+
+
+def otel_table(rows: list[SpanRow]) -> pa.Table:
+    return _table({name: arrow([row[i] for row in rows], kind) for i, (name, kind) in enumerate(zip(COLUMNS, OTEL_KINDS))})
+
+
+def store_rows(client, rows: list[SpanRow], token: str) -> None:
+    """Write ``rows`` (read typed): typed tables first, then ``otel_traces`` deduplicated by ``token`` (a hash
+    of what the rows came from), so a batch written again after a stop stores its spans once."""
+    if not rows:
+        return
+    tables = {"kvtrace_requests": request_table([row for row in rows if row.arrays is not None]),
+              "kvtrace_cache_events": cache_event_table(rows),
+              "otel_traces": otel_table(rows)}
+    for name, table in tables.items():
+        if table.num_rows:
+            settings = {"insert_deduplication_token": f"{name}:{token}"} if name == "otel_traces" else None
+            client.insert_arrow(name, table, settings=settings)
+
+
+def batch_token(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
