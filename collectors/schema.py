@@ -55,6 +55,8 @@ VIEWS = ("otel_traces_trace_id_ts_mv", "kvtrace_requests_mv", "kvtrace_tokens_mv
 TYPED_INGEST_COMMENT = "kvtrace typed ingest"
 """``log_comment`` of ingest's inserts into ``TYPED_REQUESTS_TABLE``: the JSON view passes over the rows they
 write into ``otel_traces``."""
+SPAN_TABLES = ("kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
+"""kvtrace's typed tables: one row per span (and position / event), copies folded by the engine."""
 # Tables that get a Distributed table in front of them in cluster mode.
 DISTRIBUTED = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
 # The table whose presence says a database has a kvtrace schema at all.
@@ -122,9 +124,9 @@ def _variables(database: str, cluster: str | None) -> dict[str, str]:
         variables["replacing_engine"] = (
             "ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', updated)"
         )
-        variables["span_engine"] = (
-            "ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')"
-        )
+        # Keeper path by the table's UUID, not its name: a rebuilt table is created under another name and
+        # exchanged (migration 0005), and a rebuild run again must not meet the path of the one before.
+        variables["span_engine"] = "ReplicatedReplacingMergeTree('/clickhouse/tables/{uuid}/{shard}', '{replica}')"
         # The schema version belongs to the whole cluster: one replica set across all shards.
         variables["versions_engine"] = (
             "ReplicatedMergeTree('/clickhouse/tables/all_shards/{database}/{table}', '{shard}-{replica}')"
@@ -140,9 +142,26 @@ def _variables(database: str, cluster: str | None) -> dict[str, str]:
         variables[table] = f"`{table}_local`" if cluster and table in DISTRIBUTED else f"`{table}`"
     for view in VIEWS:
         variables[view] = f"`{view}`"
+    variables.update(_rebuild_variables(database, cluster))
     variables["typed_ingest_comment"] = TYPED_INGEST_COMMENT
     shared = (resources.files("kvtrace.collectors") / "sql" / "request_columns.sql").read_text()
     variables["kvtrace_request_columns"] = "\n".join(split_statements(Template(shared).substitute(variables)))
+    return variables
+
+
+def _rebuild_variables(database: str, cluster: str | None) -> dict[str, str]:
+    """For a migration that rebuilds a typed table: ``${T_rebuilt}``, the new table built beside ``T``, and
+    ``${T_rebuilt_copy}``, what the copy of ``T``'s rows is inserted into (on a cluster, every shard's local
+    table through the cluster table function: an INSERT runs on one node only)."""
+    variables = {}
+    for table in SPAN_TABLES:
+        rebuilt = f"{table}_rebuilt"
+        if cluster:
+            variables[rebuilt] = f"`{rebuilt}_local`"
+            variables[f"{rebuilt}_copy"] = f"FUNCTION cluster('{cluster}', '{database}', '{rebuilt}_local', rand())"
+        else:
+            variables[rebuilt] = f"`{rebuilt}`"
+            variables[f"{rebuilt}_copy"] = f"`{database}`.`{rebuilt}`"
     return variables
 
 
