@@ -152,13 +152,14 @@ def _variables(database: str, cluster: str | None) -> dict[str, str]:
 def _rebuild_variables(database: str, cluster: str | None) -> dict[str, str]:
     """For a migration that rebuilds a typed table: ``${T_rebuilt}``, the new table built beside ``T``, and
     ``${T_rebuilt_copy}``, what the copy of ``T``'s rows is inserted into (on a cluster, every shard's local
-    table through the cluster table function: an INSERT runs on one node only)."""
+    table through the cluster table function: an INSERT runs on one node only; a run's rows go to one shard,
+    so copies of a span stored on two shards meet and fold)."""
     variables = {}
     for table in SPAN_TABLES:
         rebuilt = f"{table}_rebuilt"
         if cluster:
             variables[rebuilt] = f"`{rebuilt}_local`"
-            variables[f"{rebuilt}_copy"] = f"FUNCTION cluster('{cluster}', '{database}', '{rebuilt}_local', rand())"
+            variables[f"{rebuilt}_copy"] = f"FUNCTION cluster('{cluster}', '{database}', '{rebuilt}_local', cityHash64(run_id))"
         else:
             variables[rebuilt] = f"`{rebuilt}`"
             variables[f"{rebuilt}_copy"] = f"`{database}`.`{rebuilt}`"

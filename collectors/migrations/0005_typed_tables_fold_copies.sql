@@ -11,7 +11,8 @@
 -- Run again after an interruption, every step redoes its work from the old table or from the new one,
 -- whichever holds the name by then; nothing is copied twice into one table.
 -- On a cluster the *_local tables are rebuilt on every node and the Distributed tables in front, which name
--- them, read the new ones; the copy reads through the Distributed table and writes to every shard.
+-- them, read the new ones; the copy reads through the Distributed table and writes to every shard, each run
+-- to one (copies of a span once stored on two shards meet there and fold).
 DROP TABLE IF EXISTS ${database}.`kvtrace_request_spans` ${on_cluster};
 DROP VIEW IF EXISTS ${database}.`kvtrace_request_spans_mv` ${on_cluster};
 DROP VIEW IF EXISTS ${database}.`kvtrace_request_spans_otel_traces_mv` ${on_cluster};
