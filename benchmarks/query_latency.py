@@ -157,7 +157,8 @@ def crowd(client, copies: int) -> None:
             client.command(f"INSERT INTO {CROWDED}.{table} SELECT * REPLACE ({run_id} AS run_id) FROM default.{table}")
     client.command(f"OPTIMIZE TABLE {CROWDED}.kvtrace_requests FINAL")
     token_rows = client.query(f"SELECT count() FROM {CROWDED}.kvtrace_tokens").result_rows[0][0]
-    print(f"crowd: the pair and {copies} copies, {token_rows:,} token rows (made in {time.perf_counter() - start:.1f} s)")
+    made = time.perf_counter() - start
+    print(f"crowd: the pair and {copies} copies, {token_rows:,} token rows (made in {made:.1f} s)")
 
 
 def compare_crowded(client, rounds: int, only: set[str]) -> None:

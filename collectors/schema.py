@@ -159,7 +159,8 @@ def _rebuild_variables(database: str, cluster: str | None) -> dict[str, str]:
         rebuilt = f"{table}_rebuilt"
         if cluster:
             variables[rebuilt] = f"`{rebuilt}_local`"
-            variables[f"{rebuilt}_copy"] = f"FUNCTION cluster('{cluster}', '{database}', '{rebuilt}_local', cityHash64(run_id))"
+            variables[f"{rebuilt}_copy"] = (
+                f"FUNCTION cluster('{cluster}', '{database}', '{rebuilt}_local', cityHash64(run_id))")
         else:
             variables[rebuilt] = f"`{rebuilt}`"
             variables[f"{rebuilt}_copy"] = f"`{database}`.`{rebuilt}`"

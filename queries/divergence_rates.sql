@@ -46,9 +46,9 @@ requests AS (
     LIMIT 1 BY run_id, episode_id, turn
 ),
 -- ClickHouse plans a WITH subquery again wherever it is referenced, and planning, not reading, is what
--- this query spends its time on: each subquery below is referenced once (cached and run_config aside),
--- the runs are paired per episode with arrays instead of self-joins, and each run's turns ride along
--- with its trajectory rather than being joined in again.
+-- this query spends its time on: each subquery below is referenced once (scoped aside: requests,
+-- run_config and cached read it), the runs are paired per episode with arrays instead of self-joins,
+-- and each run's turns ride along with its trajectory rather than being joined in again.
 -- One row per (run, episode): its turns in order and its trajectory.
 trajectories AS (
     SELECT run_id, episode_id,
@@ -106,12 +106,14 @@ samples AS (
            seen[pair.2].7 AS compared_arm_runs, seen_turns[pair.1] AS turns_a, seen_turns[pair.2] AS turns_b
     FROM (
         SELECT *,
-               arrayFilter(i -> i = 1 OR (seen[i].1, seen[i].2, seen[i].3) != (seen[i - 1].1, seen[i - 1].2, seen[i - 1].3),
+               arrayFilter(i -> i = 1
+                                OR (seen[i].1, seen[i].2, seen[i].3) != (seen[i - 1].1, seen[i - 1].2, seen[i - 1].3),
                            arrayEnumerate(seen)) AS distinct_at
         FROM episode_observations
     )
     ARRAY JOIN if({baseline_arm:String} != '',
-        arrayFlatten(arrayMap(a -> arrayMap(b -> (a, b), arrayFilter(b -> seen[b].1 = {baseline_arm:String}, distinct_at)),
+        arrayFlatten(arrayMap(a -> arrayMap(b -> (a, b),
+                                            arrayFilter(b -> seen[b].1 = {baseline_arm:String}, distinct_at)),
                               arrayFilter(a -> seen[a].1 != {baseline_arm:String}, distinct_at))),
         arrayFlatten(arrayMap(a -> arrayMap(b -> (a, b),
                                             arrayFilter(b -> seen[b].1 = seen[a].1 AND seen[b].2 = seen[a].2

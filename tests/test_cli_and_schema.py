@@ -87,7 +87,8 @@ def test_cluster_ddl_uses_replicated_local_tables_behind_distributed_ones():
 def test_cluster_print_shows_typed_tables_that_fold_copies_and_the_rebuild_addresses_every_node(capsys):
     assert main(["db", "init", "--cluster", "prod", "--database", "otel", "--print"]) == 0
     printed = capsys.readouterr().out
-    for table, key in (("kvtrace_requests", "Timestamp, TraceId, SpanId"), ("kvtrace_tokens", "position, TraceId, SpanId"),
+    for table, key in (("kvtrace_requests", "Timestamp, TraceId, SpanId"),
+                       ("kvtrace_tokens", "position, TraceId, SpanId"),
                        ("kvtrace_cache_events", "Timestamp, TraceId, SpanId, event_index")):
         statement = next(s for s in printed.split(";\n") if f"CREATE TABLE IF NOT EXISTS `otel`.`{table}_local`" in s)
         assert "ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{uuid}/{shard}', '{replica}')" in statement

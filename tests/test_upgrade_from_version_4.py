@@ -65,6 +65,10 @@ def rows(client, table: str, final: bool = False) -> list[str]:
     return sorted(repr(row) for row in found)
 
 
+def table_names(client) -> set[str]:
+    return {r[0] for r in client.query("SELECT name FROM system.tables WHERE database = currentDatabase()").result_rows}
+
+
 def answers(client) -> list[str]:
     """Every saved query's answer, as text (NaN compares equal to itself that way)."""
     return [repr(queries.run(client, name, params)) for name, params in SAVED]
@@ -90,8 +94,7 @@ def test_a_version_4_database_is_rebuilt_keeps_every_row_and_counts_a_copy_once(
          "run_id, episode_id, turn, Timestamp, TraceId, SpanId, event_index"),
         ("kvtrace_requests", "ReplacingMergeTree", "run_id, episode_id, turn, Timestamp, TraceId, SpanId"),
         ("kvtrace_tokens", "ReplacingMergeTree", "run_id, episode_id, turn, position, TraceId, SpanId")]
-    names = {r[0] for r in client.query("SELECT name FROM system.tables WHERE database = currentDatabase()").result_rows}
-    assert not any(name.endswith("_rebuilt") for name in names)
+    assert not any(name.endswith("_rebuilt") for name in table_names(client))
     for table in schema.SPAN_TABLES:  # every row kept, with its values; the copy folded into one
         assert rows(client, table, final=True) == sorted(set(stored[table])), table
     for table in OTHER_TABLES:  # untouched
@@ -163,5 +166,4 @@ def test_an_interrupted_rebuild_is_finished_by_the_next_init(open_db, stop_at):
         assert rows(client, table, final=True) == stored[table], table
         assert client.query(f"SELECT engine FROM system.tables WHERE database = currentDatabase() AND name = '{table}'"
                             ).result_rows == [("ReplacingMergeTree",)]
-    names = {r[0] for r in client.query("SELECT name FROM system.tables WHERE database = currentDatabase()").result_rows}
-    assert not any(name.endswith("_rebuilt") for name in names)
+    assert not any(name.endswith("_rebuilt") for name in table_names(client))
