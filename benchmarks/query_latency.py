@@ -115,9 +115,12 @@ def timed(client, name: str, params: dict, rounds: int) -> Timing:
     return Timing(wall, cpu, rows)
 
 
+PAIR = {"run_a": "bench-reuse", "run_b": "bench-off"}
+
+
 def saved_queries() -> list[tuple[str, dict]]:
     """Every saved query with the parameters an analyst would pass on this data."""
-    pair = {"run_a": "bench-reuse", "run_b": "bench-off"}
+    pair = PAIR
     return [
         ("runs", {}),
         ("forks", pair),
@@ -137,8 +140,7 @@ PAIR_PREFIX = "bench-"
 
 def pair_queries() -> list[tuple[str, dict]]:
     """The queries of the pair of runs alone: each selects the pair by run id, whatever else is stored."""
-    pair = {"run_a": "bench-reuse", "run_b": "bench-off"}
-    return [("forks", pair), ("fork_attribution", pair),
+    return [("forks", PAIR), ("fork_attribution", PAIR),
             ("divergence_rates", {"run_prefix": PAIR_PREFIX, "baseline_arm": "off"})]
 
 
