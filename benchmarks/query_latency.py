@@ -12,6 +12,13 @@ over its threads; on a shared machine it is steadier than wall time).
 
 --db keeps the generated database in DIR and reuses it on the next run (same sizes), so that
 queries can be timed again without recording and ingesting again.
+
+--crowd N also builds, beside it, the database ``crowded``: the same pair of runs and N more copies of
+it under other run ids (made by the database from the pair's rows; N=9 gives ten times the rows), then
+times the pair's queries there and alone in interleaved rounds and prints, per query, the ratio of the
+medians (inside / alone), wall and CPU: what a query of two runs costs for the rest of the database.
+
+    python benchmarks/query_latency.py --db DIR --crowd 9 [--only fork_attribution,divergence_rates]
 """
 
 from __future__ import annotations
@@ -89,7 +96,7 @@ class Timing:
     rows: int
 
     def line(self, name: str) -> str:
-        return (f"{name:<20} wall best {_ms(min(self.wall))} median {_ms(statistics.median(self.wall))} ms   "
+        return (f"{name:<26} wall best {_ms(min(self.wall))} median {_ms(statistics.median(self.wall))} ms   "
                 f"cpu best {_ms(min(self.cpu))} median {_ms(statistics.median(self.cpu))} ms   ({self.rows} rows)")
 
 
@@ -108,9 +115,12 @@ def timed(client, name: str, params: dict, rounds: int) -> Timing:
     return Timing(wall, cpu, rows)
 
 
+PAIR = {"run_a": "bench-reuse", "run_b": "bench-off"}
+
+
 def saved_queries() -> list[tuple[str, dict]]:
     """Every saved query with the parameters an analyst would pass on this data."""
-    pair = {"run_a": "bench-reuse", "run_b": "bench-off"}
+    pair = PAIR
     return [
         ("runs", {}),
         ("forks", pair),
@@ -123,6 +133,58 @@ def saved_queries() -> list[tuple[str, dict]]:
     ]
 
 
+CROWDED = "crowded"
+PAIR_PREFIX = "bench-"
+"""The pair's run ids start with it; the crowd's copies start with ``other``."""
+
+
+def pair_queries() -> list[tuple[str, dict]]:
+    """The queries of the pair of runs alone: each selects the pair by run id, whatever else is stored."""
+    return [("forks", PAIR), ("fork_attribution", PAIR),
+            ("divergence_rates", {"run_prefix": PAIR_PREFIX, "baseline_arm": "off"})]
+
+
+def crowd(client, copies: int) -> None:
+    """Database ``crowded``: the pair's rows (of ``default``) and ``copies`` copies under other run ids."""
+    init_schema(client, database=CROWDED)
+    runs = client.query(f"SELECT uniqExact(run_id) FROM {CROWDED}.kvtrace_requests").result_rows[0][0]
+    if runs == 2 * (copies + 1):
+        return
+    if runs:
+        raise SystemExit(f"database {CROWDED} holds another crowd; pass an empty or new --db directory")
+    start = time.perf_counter()
+    for copy in range(copies + 1):
+        run_id = "run_id" if copy == 0 else f"concat('other{copy}/', run_id)"
+        for table in ("kvtrace_requests", "kvtrace_cache_events"):  # kvtrace_tokens follows through its view
+            client.command(f"INSERT INTO {CROWDED}.{table} SELECT * REPLACE ({run_id} AS run_id) FROM default.{table}")
+    client.command(f"OPTIMIZE TABLE {CROWDED}.kvtrace_requests FINAL")
+    token_rows = client.query(f"SELECT count() FROM {CROWDED}.kvtrace_tokens").result_rows[0][0]
+    made = time.perf_counter() - start
+    print(f"crowd: the pair and {copies} copies, {token_rows:,} token rows (made in {made:.1f} s)")
+
+
+def compare_crowded(client, rounds: int, only: set[str]) -> None:
+    """The pair's queries alone and inside the crowd, in interleaved rounds; the ratio of the medians."""
+    timings: dict[tuple[str, str], list[Timing]] = {}
+    chosen = [(name, params) for name, params in pair_queries() if not only or name in only]
+    for _ in range(rounds):
+        for name, params in chosen:
+            for database in ("default", CROWDED):
+                client.database = database
+                timings.setdefault((name, database), []).append(timed(client, name, params, 1))
+    client.database = "default"
+    for name, _ in chosen:
+        alone, inside = (merged(timings[(name, database)]) for database in ("default", CROWDED))
+        print(alone.line(f"{name} alone"))
+        print(inside.line(f"{name} crowded"))
+        print(f"{name:<26} crowded / alone: wall {statistics.median(inside.wall) / statistics.median(alone.wall):.2f}x"
+              f"   cpu {statistics.median(inside.cpu) / statistics.median(alone.cpu):.2f}x", flush=True)
+
+
+def merged(rounds: list[Timing]) -> Timing:
+    return Timing([w for t in rounds for w in t.wall], [c for t in rounds for c in t.cpu], rounds[-1].rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--episodes", type=int, default=800)
@@ -131,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5, help="rounds per query (at least 3)")
     parser.add_argument("--db", type=Path, help="keep the database here and reuse it when it exists")
     parser.add_argument("--only", default="", help="comma-separated saved queries to time (default: all)")
+    parser.add_argument("--crowd", type=int, default=0, metavar="N",
+                        help="also time the pair's queries inside a database holding N more copies of the pair")
     args = parser.parse_args(argv)
     if args.repeat < 3:
         parser.error("--repeat must be at least 3 (best and median of the rounds are reported)")
@@ -143,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, params in saved_queries():
             if not only or name in only:
                 print(timed(client, name, params, args.repeat).line(name), flush=True)
+        if args.crowd:
+            crowd(client, args.crowd)
+            compare_crowded(client, args.repeat, only)
         print(f"after: {load()}")
         client.close()
     finally:

@@ -47,6 +47,8 @@ TABLES = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace
           "kvtrace_cache_events", "kvtrace_ingest_files", "kvtrace_ingest_lines")
 VERSIONS_TABLE = "kvtrace_schema_migrations"
 VIEWS = ("otel_traces_trace_id_ts_mv", "kvtrace_requests_mv", "kvtrace_tokens_mv", "kvtrace_cache_events_mv")
+SPAN_TABLES = ("kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
+"""kvtrace's typed tables: one row per span (and position / event), copies folded by the engine."""
 # Tables that get a Distributed table in front of them in cluster mode.
 DISTRIBUTED = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
 # The table whose presence says a database has a kvtrace schema at all.
@@ -114,9 +116,9 @@ def _variables(database: str, cluster: str | None) -> dict[str, str]:
         variables["replacing_engine"] = (
             "ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', updated)"
         )
-        variables["span_engine"] = (
-            "ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')"
-        )
+        # Keeper path by the table's UUID, not its name: a rebuilt table is created under another name and
+        # exchanged (migration 0005), and a rebuild run again must not meet the path of the one before.
+        variables["span_engine"] = "ReplicatedReplacingMergeTree('/clickhouse/tables/{uuid}/{shard}', '{replica}')"
         # The schema version belongs to the whole cluster: one replica set across all shards.
         variables["versions_engine"] = (
             "ReplicatedMergeTree('/clickhouse/tables/all_shards/{database}/{table}', '{shard}-{replica}')"
@@ -132,6 +134,25 @@ def _variables(database: str, cluster: str | None) -> dict[str, str]:
         variables[table] = f"`{table}_local`" if cluster and table in DISTRIBUTED else f"`{table}`"
     for view in VIEWS:
         variables[view] = f"`{view}`"
+    variables.update(_rebuild_variables(database, cluster))
+    return variables
+
+
+def _rebuild_variables(database: str, cluster: str | None) -> dict[str, str]:
+    """For a migration that rebuilds a typed table: ``${T_rebuilt}``, the new table built beside ``T``, and
+    ``${T_rebuilt_copy}``, what the copy of ``T``'s rows is inserted into (on a cluster, every shard's local
+    table through the cluster table function: an INSERT runs on one node only; a run's rows go to one shard,
+    so copies of a span stored on two shards meet and fold)."""
+    variables = {}
+    for table in SPAN_TABLES:
+        rebuilt = f"{table}_rebuilt"
+        if cluster:
+            variables[rebuilt] = f"`{rebuilt}_local`"
+            variables[f"{rebuilt}_copy"] = (
+                f"FUNCTION cluster('{cluster}', '{database}', '{rebuilt}_local', cityHash64(run_id))")
+        else:
+            variables[rebuilt] = f"`{rebuilt}`"
+            variables[f"{rebuilt}_copy"] = f"`{database}`.`{rebuilt}`"
     return variables
 
 

@@ -45,88 +45,102 @@ requests AS (
     ORDER BY run_id, episode_id, turn, Timestamp
     LIMIT 1 BY run_id, episode_id, turn
 ),
--- One row per (run, episode): its trajectory, and when the run first served the episode.
+-- ClickHouse plans a WITH subquery again wherever it is referenced, and planning, not reading, is what
+-- this query spends its time on: each subquery below is referenced once (scoped aside: requests,
+-- run_config and cached read it), the runs are paired per episode with arrays instead of self-joins,
+-- and each run's turns ride along with its trajectory rather than being joined in again.
+-- One row per (run, episode): its turns in order and its trajectory.
 trajectories AS (
-    SELECT run_id, episode_id, min(Timestamp) AS first_seen,
-           cityHash64(arraySort(groupArray((turn, prompt_hash, output_hash, token_ids)))) AS trajectory
+    SELECT run_id, episode_id,
+           arraySort(groupArray((turn, prompt_hash, output_hash, token_ids))) AS turns,
+           cityHash64(turns) AS trajectory
     FROM requests
     GROUP BY run_id, episode_id
 ),
 run_config AS (
     SELECT run_id, any(engine) AS engine, any(model_fingerprint) AS model_fingerprint,
            any(weight_format) AS weight_format, any(kv_cache_type) AS kv_cache_type,
-           any(numerics_settings) AS numerics_settings, any(arm) AS arm, any(cache_settings) AS cache_settings
+           any(numerics_settings) AS numerics_settings, any(arm) AS arm, any(cache_settings) AS cache_settings,
+           -- The order the run served its episodes in (by each one's first request): runs in the same
+           -- order are repeats of each other.
+           minMap([episode_id], [Timestamp]) AS first_seen,
+           cityHash64(arrayMap(x -> x.2, arraySort(arrayZip(first_seen.2, first_seen.1)))) AS episode_order
     FROM scoped
     GROUP BY run_id
 ),
--- The order a run served its episodes in: runs in the same order are repeats of each other.
-run_orders AS (
-    SELECT run_id, cityHash64(arrayMap(x -> x.2, arraySort(groupArray((first_seen, episode_id))))) AS episode_order
-    FROM trajectories
-    GROUP BY run_id
-),
+-- configuration_runs / arm_runs: how many runs the configuration / its arm has.
 observed AS (
     SELECT c.engine AS engine, c.model_fingerprint AS model_fingerprint, c.weight_format AS weight_format,
            c.kv_cache_type AS kv_cache_type, c.numerics_settings AS numerics_settings, c.arm AS arm,
-           c.cache_settings AS cache_settings, o.episode_order AS episode_order,
-           t.run_id AS run_id, t.episode_id AS episode_id, t.trajectory AS trajectory
+           c.cache_settings AS cache_settings,
+           c.episode_order AS episode_order,
+           uniqExact(t.run_id) OVER (PARTITION BY c.engine, c.model_fingerprint, c.weight_format, c.kv_cache_type,
+                                     c.numerics_settings, c.arm, c.cache_settings) AS configuration_runs,
+           uniqExact(t.run_id) OVER (PARTITION BY c.engine, c.model_fingerprint, c.weight_format, c.kv_cache_type,
+                                     c.numerics_settings, c.arm) AS arm_runs,
+           t.run_id AS run_id, t.episode_id AS episode_id, t.trajectory AS trajectory, t.turns AS turns
     FROM trajectories AS t
     INNER JOIN run_config AS c ON c.run_id = t.run_id
-    INNER JOIN run_orders AS o ON o.run_id = t.run_id
 ),
--- Bit-identical observations of an episode collapse into one (any repeat, any order).
-distinct_observed AS (
-    SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
-           episode_id, trajectory, min(run_id) AS run_id
+-- Per episode and configuration (arms aside), every run's observation, sorted:
+-- seen (arm, cache_settings, trajectory, run_id, episode_order, configuration_runs, arm_runs) and, at the
+-- same index, seen_turns (its turns). The pairing below handles indexes into them: an array a lambda
+-- reads is copied for each element it is applied to, and the turns are the bulk.
+episode_observations AS (
+    SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, episode_id,
+           groupArray((arm, cache_settings, trajectory, run_id, episode_order, configuration_runs, arm_runs))
+               AS observations,
+           arraySort(observations) AS seen,
+           arraySort((t, o) -> o, groupArray(turns), observations) AS seen_turns
     FROM observed
-    GROUP BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
-             episode_id, trajectory
+    GROUP BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, episode_id
 ),
+-- The pairs compared (indexes of side a, side b). Against a baseline arm: bit-identical observations of
+-- an arm collapse into one (any repeat, any order; its first run stands for it), and every other arm's
+-- meets the baseline's. Repeats: every two runs of one arm and cache settings that served the episodes
+-- in the same order.
 samples AS (
-    SELECT a.engine AS engine, a.model_fingerprint AS model_fingerprint, a.weight_format AS weight_format,
-           a.kv_cache_type AS kv_cache_type, a.numerics_settings AS numerics_settings, a.arm AS arm,
-           a.cache_settings AS cache_settings, b.arm AS compared_with, a.episode_id AS episode_id,
-           a.run_id AS run_a, b.run_id AS run_b
-    FROM distinct_observed AS a
-    INNER JOIN distinct_observed AS b
-        ON a.engine = b.engine AND a.model_fingerprint = b.model_fingerprint AND a.weight_format = b.weight_format
-       AND a.kv_cache_type = b.kv_cache_type AND a.numerics_settings = b.numerics_settings
-       AND a.episode_id = b.episode_id
-    WHERE {baseline_arm:String} != '' AND b.arm = {baseline_arm:String} AND a.arm != {baseline_arm:String}
-    UNION ALL
-    -- Repeats: every two runs of one configuration that served the episodes in the same order.
-    SELECT a.engine, a.model_fingerprint, a.weight_format, a.kv_cache_type, a.numerics_settings, a.arm,
-           a.cache_settings, a.arm, a.episode_id, a.run_id, b.run_id
-    FROM observed AS a
-    INNER JOIN observed AS b
-        ON a.engine = b.engine AND a.model_fingerprint = b.model_fingerprint AND a.weight_format = b.weight_format
-       AND a.kv_cache_type = b.kv_cache_type AND a.numerics_settings = b.numerics_settings AND a.arm = b.arm
-       AND a.cache_settings = b.cache_settings AND a.episode_order = b.episode_order
-       AND a.episode_id = b.episode_id
-    WHERE {baseline_arm:String} = '' AND a.run_id < b.run_id
+    SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, episode_id,
+           seen[pair.1].1 AS arm, seen[pair.1].2 AS cache_settings, seen[pair.2].1 AS compared_with,
+           seen[pair.1].4 AS run_a, seen[pair.2].4 AS run_b, seen[pair.1].6 AS configuration_runs,
+           seen[pair.2].7 AS compared_arm_runs, seen_turns[pair.1] AS turns_a, seen_turns[pair.2] AS turns_b
+    FROM (
+        SELECT *,
+               arrayFilter(i -> i = 1
+                                OR (seen[i].1, seen[i].2, seen[i].3) != (seen[i - 1].1, seen[i - 1].2, seen[i - 1].3),
+                           arrayEnumerate(seen)) AS distinct_at
+        FROM episode_observations
+    )
+    ARRAY JOIN if({baseline_arm:String} != '',
+        arrayFlatten(arrayMap(a -> arrayMap(b -> (a, b),
+                                            arrayFilter(b -> seen[b].1 = {baseline_arm:String}, distinct_at)),
+                              arrayFilter(a -> seen[a].1 != {baseline_arm:String}, distinct_at))),
+        arrayFlatten(arrayMap(a -> arrayMap(b -> (a, b),
+                                            arrayFilter(b -> seen[b].1 = seen[a].1 AND seen[b].2 = seen[a].2
+                                                             AND seen[b].5 = seen[a].5 AND seen[a].4 < seen[b].4,
+                                                        arrayEnumerate(seen))),
+                              arrayEnumerate(seen)))) AS pair
 ),
-compared AS (
-    SELECT s.engine AS engine, s.model_fingerprint AS model_fingerprint, s.weight_format AS weight_format,
-           s.kv_cache_type AS kv_cache_type, s.numerics_settings AS numerics_settings, s.arm AS arm,
-           s.cache_settings AS cache_settings, s.compared_with AS compared_with, s.episode_id AS episode_id,
-           s.run_a AS run_a, s.run_b AS run_b, ta.turn AS turn,
-           ta.prompt_hash != tb.prompt_hash
-               OR outputs_differ(ta.token_ids, tb.token_ids, ta.output_hash, tb.output_hash) AS differs,
-           fork_position(ta.prompt_hash, tb.prompt_hash, ta.token_ids, tb.token_ids, ta.output_hash,
-                         tb.output_hash) AS position
-    FROM samples AS s
-    INNER JOIN requests AS ta ON ta.run_id = s.run_a AND ta.episode_id = s.episode_id
-    INNER JOIN requests AS tb ON tb.run_id = s.run_b AND tb.episode_id = s.episode_id AND tb.turn = ta.turn
-),
+-- Per sample, every turn both sides reached (both sorted by turn, so the common turns line up), in order:
+-- whether it differs (prompt or output, as forks.sql), and at the first that does, the turn and position.
+-- A sample without a common turn is not one.
 sample_forks AS (
-    SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
-           compared_with, episode_id, run_a, run_b,
-           max(differs) AS forked,
-           argMinIf(turn, turn, differs) AS fork_turn,
-           argMinIf(position, turn, differs) AS first_fork_position
-    FROM compared
-    GROUP BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
-             compared_with, episode_id, run_a, run_b
+    SELECT * EXCEPT (turns_a, turns_b, numbers_a, numbers_b, common_a, common_b, differs),
+           toUInt8(arrayExists(d -> d, differs)) AS forked,
+           arrayFirstIndex(d -> d, differs) AS first,
+           common_a[first].1 AS fork_turn,
+           fork_position(common_a[first].2, common_b[first].2, common_a[first].4, common_b[first].4,
+                         common_a[first].3, common_b[first].3) AS first_fork_position
+    FROM (
+        SELECT *,
+               arrayMap(t -> t.1, turns_a) AS numbers_a,
+               arrayMap(t -> t.1, turns_b) AS numbers_b,
+               arrayFilter((t, n) -> has(numbers_b, n), turns_a, numbers_a) AS common_a,
+               arrayFilter((t, n) -> has(numbers_a, n), turns_b, numbers_b) AS common_b,
+               arrayMap((a, b) -> a.2 != b.2 OR outputs_differ(a.4, b.4, a.3, b.3), common_a, common_b) AS differs
+        FROM samples
+    )
+    WHERE notEmpty(common_a)
 ),
 episodes AS (
     SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
@@ -136,7 +150,9 @@ episodes AS (
            if({baseline_arm:String} = '', toFloat64(max(forked)), avg(forked)) AS forked_share,
            max(forked) AS any_forked,
            groupArrayIf(fork_turn, forked = 1) AS fork_turns,
-           groupArrayIf(first_fork_position, forked = 1) AS fork_positions
+           groupArrayIf(first_fork_position, forked = 1) AS fork_positions,
+           any(configuration_runs) AS configuration_runs,
+           any(compared_arm_runs) AS compared_arm_runs
     FROM sample_forks
     GROUP BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
              compared_with, episode_id
@@ -150,21 +166,12 @@ rates AS (
            avg(forked_share) AS fork_rate,
            arrayMap(x -> x.2, arraySort(groupArray((episode_id, forked_share)))) AS shares,
            if(episodes_forked > 0, toFloat64(quantileExactArray(0.5)(fork_turns)), nan) AS median_fork_turn,
-           if(episodes_forked > 0, toFloat64(quantileExactArray(0.5)(fork_positions)), nan) AS median_fork_position
+           if(episodes_forked > 0, toFloat64(quantileExactArray(0.5)(fork_positions)), nan) AS median_fork_position,
+           any(configuration_runs) AS runs,
+           any(compared_arm_runs) AS compared_arm_runs
     FROM episodes
     GROUP BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
              compared_with
-),
-configuration_runs AS (
-    SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
-           uniqExact(run_id) AS runs
-    FROM observed
-    GROUP BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings
-),
-baseline_runs AS (
-    SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, uniqExact(run_id) AS runs
-    FROM observed
-    GROUP BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm
 ),
 cached AS (
     SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
@@ -176,8 +183,8 @@ SELECT
     r.engine AS engine, r.weight_format AS weight_format, r.kv_cache_type AS kv_cache_type,
     r.numerics_settings AS numerics_settings, r.arm AS arm, r.cache_settings AS cache_settings,
     r.compared_with AS compared_with,
-    n.runs AS runs,
-    if(r.compared_with = r.arm, n.runs, b.runs) AS compared_runs,
+    r.runs AS runs,
+    if(r.compared_with = r.arm, r.runs, r.compared_arm_runs) AS compared_runs,
     r.episodes_compared AS episodes_compared,
     r.samples AS samples,
     r.episodes_forked AS episodes_forked,
@@ -189,13 +196,6 @@ SELECT
     r.median_fork_position AS median_fork_position,
     c.mean_cached_tokens AS mean_cached_tokens
 FROM rates AS r
-LEFT JOIN configuration_runs AS n
-    ON n.engine = r.engine AND n.model_fingerprint = r.model_fingerprint AND n.weight_format = r.weight_format
-   AND n.kv_cache_type = r.kv_cache_type AND n.numerics_settings = r.numerics_settings AND n.arm = r.arm
-   AND n.cache_settings = r.cache_settings
-LEFT JOIN baseline_runs AS b
-    ON b.engine = r.engine AND b.model_fingerprint = r.model_fingerprint AND b.weight_format = r.weight_format
-   AND b.kv_cache_type = r.kv_cache_type AND b.numerics_settings = r.numerics_settings AND b.arm = r.compared_with
 LEFT JOIN cached AS c
     ON c.engine = r.engine AND c.model_fingerprint = r.model_fingerprint AND c.weight_format = r.weight_format
    AND c.kv_cache_type = r.kv_cache_type AND c.numerics_settings = r.numerics_settings AND c.arm = r.arm

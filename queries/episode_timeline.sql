@@ -20,7 +20,7 @@ requests AS (
 events AS (
     SELECT SpanId AS span_id,
            arraySort(e -> e.1, groupArray((event_index, event, layer, outcome, tokens))) AS ordered
-    FROM kvtrace_cache_events
+    FROM kvtrace_cache_events FINAL  -- a span stored twice: its events once
     WHERE run_id IN ({run_a:String}, {run_b:String}) AND episode_id = {episode:String}
     GROUP BY SpanId
 )

@@ -89,7 +89,7 @@ attributed AS (
 serving_events AS (
     SELECT SpanId, event, event_index, layer, key_hash, block_hashes,
            source_span_id, source_request_id, source_run_id, source_episode_id, source_turn
-    FROM kvtrace_cache_events
+    FROM kvtrace_cache_events FINAL
     WHERE run_id IN ({run_a:String}, {run_b:String})
       AND ({episode:String} = '' OR episode_id = {episode:String})
       AND (event IN ('${EVENT_CACHE_INTEGRITY_VIOLATION}', '${EVENT_CACHE_RESTORE}', '${EVENT_CACHE_REUSE}')
@@ -112,7 +112,7 @@ serving_events AS (
 margin_levels AS (
     SELECT quantilesBFloat16Array(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5)(arrayFilter(m -> isFinite(m), margins))
         AS levels
-    FROM kvtrace_requests
+    FROM kvtrace_requests FINAL
     WHERE run_id IN ({run_a:String}, {run_b:String})
 ),
 x -> reinterpretAsFloat32(bitAnd(reinterpretAsUInt32(toFloat32(x)), 0xFFFF0000)) AS bfloat16_truncated

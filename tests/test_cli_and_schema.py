@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvtrace.cli import main
-from kvtrace.collectors.schema import render_ddl
+from kvtrace.collectors.schema import SPAN_TABLES, migrations, render_ddl, render_migration
 
 
 def kvtrace(*args, check=True):
@@ -82,3 +82,29 @@ def test_cluster_ddl_uses_replicated_local_tables_behind_distributed_ones():
         render_ddl("otel; DROP TABLE x", cluster=None)
     single = render_ddl("default")
     assert not any("ON CLUSTER" in s or "Replicated" in s for s in single)
+
+
+def test_cluster_print_shows_typed_tables_that_fold_copies_and_the_rebuild_addresses_every_node(capsys):
+    assert main(["db", "init", "--cluster", "prod", "--database", "otel", "--print"]) == 0
+    printed = capsys.readouterr().out
+    for table, key in (("kvtrace_requests", "Timestamp, TraceId, SpanId"),
+                       ("kvtrace_tokens", "position, TraceId, SpanId"),
+                       ("kvtrace_cache_events", "Timestamp, TraceId, SpanId, event_index")):
+        statement = next(s for s in printed.split(";\n") if f"CREATE TABLE IF NOT EXISTS `otel`.`{table}_local`" in s)
+        assert "ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{uuid}/{shard}', '{replica}')" in statement
+        assert f"ORDER BY (run_id, episode_id, turn, {key})" in statement
+
+    (rebuild,) = [m for m in migrations() if m.version == 5]
+    statements = render_migration(rebuild, "otel", cluster="prod")
+    inserts = [s for s in statements if s.startswith("INSERT")]
+    assert all(" ON CLUSTER `prod`" in s for s in statements if s not in inserts)  # an INSERT runs on one node
+    # Each local table is rebuilt on every node; the copy reads through the Distributed table, writes to every shard.
+    assert [s.split("\n")[0] for s in inserts] == [
+        f"INSERT INTO FUNCTION cluster('prod', 'otel', '{t}_rebuilt_local', cityHash64(run_id)) (" for t in SPAN_TABLES]
+    assert [s.split("\n")[-2:] for s in inserts] == [
+        [f"FROM `otel`.`{t}`", "SETTINGS insert_distributed_sync = 1"] for t in SPAN_TABLES]
+    assert [s for s in statements if s.startswith("EXCHANGE")] == [
+        f"EXCHANGE TABLES `otel`.`{t}_local` AND `otel`.`{t}_rebuilt_local` ON CLUSTER `prod`" for t in SPAN_TABLES]
+    created = [s for s in statements if s.startswith("CREATE TABLE")]
+    assert len(created) == 3 and all("ReplicatedReplacingMergeTree('/clickhouse/tables/{uuid}/{shard}'" in s
+                                     for s in created)

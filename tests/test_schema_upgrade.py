@@ -19,7 +19,7 @@ from kvtrace import correlate
 from kvtrace import semconv as sc
 from kvtrace.cli import main
 from kvtrace.collectors import schema
-from kvtrace.collectors.ingest import ingest_paths, typed_requests_available
+from kvtrace.collectors.ingest import ingest_paths
 from kvtrace.collectors.otlp_rows import COLUMNS, rows_from_request
 from kvtrace.db import connect
 
@@ -141,30 +141,31 @@ def test_a_first_release_database_is_upgraded_on_open_and_keeps_its_runs(kvtrace
     client.close()
 
     assert main(["-q", "db", "status", "--format", "json"]) == 0
-    assert json.loads(capsys.readouterr().out)["schema_version"] == schema.latest_version() == 4
+    assert json.loads(capsys.readouterr().out)["schema_version"] == schema.latest_version() == 5
     assert main(["db", "init"]) == 0
-    assert "schema version 4, nothing to upgrade" in capsys.readouterr().out
+    assert "schema version 5, nothing to upgrade" in capsys.readouterr().out
     client = open_db()
-    assert client.query("SELECT count() FROM kvtrace_schema_migrations").result_rows == [(4,)]
+    assert client.query("SELECT count() FROM kvtrace_schema_migrations").result_rows == [(5,)]
 
 
 def test_an_upgraded_database_has_exactly_the_schema_of_a_new_one(open_db):
     upgraded = open_db("upgraded", first_release=True)
     change = schema.init_schema(upgraded)
     assert (change.version_before, change.version, change.applied) == (
-        1, 4, ("0002_outside_recording_sources", "0003_typed_request_arrays", "0004_request_spans_text_in_database"))
+        1, 5, ("0002_outside_recording_sources", "0003_typed_request_arrays", "0004_request_spans_text_in_database",
+               "0005_typed_tables_fold_copies"))
     upgraded_shape = schema_shape(upgraded)
     upgraded.close()
 
     new = open_db("new")
     change = schema.init_schema(new)
-    assert (change.version_before, change.version, change.applied) == (0, 4, ())
-    assert schema.schema_version(new) == 4
+    assert (change.version_before, change.version, change.applied) == (0, 5, ())
+    assert schema.schema_version(new) == 5
     assert schema_shape(new) == upgraded_shape
     assert any(column[1] == "reused_tokens_source" for column in upgraded_shape["columns"])
 
 
-def test_a_version_3_database_hands_request_spans_over_once_after_its_upgrade(open_db, spool_recorder, spool_dir,
+def test_a_version_3_database_stores_request_spans_once_after_its_upgrade(open_db, spool_recorder, spool_dir,
                                                                             tmp_path):
     # Version 3 sent request spans twice: to otel_traces with the arrays' text, and to kvtrace_request_arrays.
     client = open_db("version-3")
@@ -173,13 +174,11 @@ def test_a_version_3_database_hands_request_spans_over_once_after_its_upgrade(op
     client.insert(schema.VERSIONS_TABLE, [[1, "baseline"], [2, "outside_recording_sources"], [3, "typed_request_arrays"]],
                   column_names=["version", "name"])
     assert schema.schema_version(client) == 3
-    assert not typed_requests_available(client)  # its Null table is not the one this ingest hands spans to
 
-    assert schema.init_schema(client).applied == ("0004_request_spans_text_in_database",)
+    assert schema.init_schema(client).applied == ("0004_request_spans_text_in_database", "0005_typed_tables_fold_copies")
     names = {row[0] for row in client.query("SELECT name FROM system.tables WHERE database = currentDatabase()")
              .result_rows}
     assert not names & {"kvtrace_request_arrays", "kvtrace_request_arrays_mv"}
-    assert typed_requests_available(client)
     with correlate(run_id="after-upgrade", episode_id="e", turn=0):
         rec = spool_recorder.start_request("test_engine")
     for i, margin in enumerate([0.25, 1e21, -0.0]):
@@ -189,8 +188,12 @@ def test_a_version_3_database_hands_request_spans_over_once_after_its_upgrade(op
     assert ingest_paths(client, [spool_dir], quarantine_dir=tmp_path / "q").spans == 1
     assert client.query("SELECT margins, token_ids FROM kvtrace_requests").result_rows == [([0.25, 1e21, 0.0], [0, 1, 2])]
     assert client.query("SELECT count() FROM kvtrace_tokens").result_rows == [(3,)]
-    assert client.query(f"SELECT SpanAttributes['{sc.OUTPUT_MARGINS}'] FROM otel_traces").result_rows == [
-        ("[0.25,1e+21,-0]",)]
+    # The span's row in otel_traces is for trace viewers: its arrays are stored once, in kvtrace's tables.
+    assert client.query(f"SELECT mapContains(SpanAttributes, '{sc.OUTPUT_MARGINS}'), "
+                        f"SpanAttributes['{sc.TYPED_ROWS_STORED}'] != '' FROM otel_traces").result_rows == [(0, 1)]
+    assert "non_replicated_deduplication_window = 10000" in client.query(
+        "SELECT create_table_query FROM system.tables WHERE database = currentDatabase() AND name = 'otel_traces'"
+    ).result_rows[0][0]
     upgraded_shape = schema_shape(client)
     client.close()
 
@@ -206,12 +209,12 @@ def test_an_interrupted_upgrade_is_finished_by_the_next_open_and_a_double_record
         client.command(statement)
     assert schema.schema_version(client) == 1
     assert schema.init_schema(client).applied == ("0002_outside_recording_sources",  # runs it again, harmlessly
-                                                  "0003_typed_request_arrays", "0004_request_spans_text_in_database")
+                                                  "0003_typed_request_arrays", "0004_request_spans_text_in_database",
+                                                  "0005_typed_tables_fold_copies")
     # ... then it records the versions as well: the same versions twice.
-    client.insert(schema.VERSIONS_TABLE, [[1, "baseline"], [2, "outside_recording_sources"],
-                                          [3, "typed_request_arrays"], [4, "request_spans_text_in_database"]],
+    client.insert(schema.VERSIONS_TABLE, [[m.version, m.name] for m in schema.migrations()],
                   column_names=["version", "name"])
-    assert schema.schema_version(client) == 4
+    assert schema.schema_version(client) == 5
     assert schema.init_schema(client).applied == ()
     columns = [row[0] for row in client.query("DESCRIBE TABLE kvtrace_requests").result_rows]
     assert [c for c in columns if c.endswith("_source")] == ["prompt_hash_source", "reused_tokens_source",
@@ -228,7 +231,7 @@ def test_a_failed_migration_says_which_and_records_nothing(open_db, capsys):
     client.close()
     assert main(["-q", "runs"]) == 1
     err = capsys.readouterr().err
-    assert "from schema version 1 to 4: migration 0002_outside_recording_sources failed" in err
+    assert "from schema version 1 to 5: migration 0002_outside_recording_sources failed" in err
     assert "Traceback" not in err
     assert schema.schema_version(open_db()) == 1
 

@@ -4,10 +4,12 @@
 -- of the probe's in the same trace. The engine's record, with the cache provenance and raw-logit
 -- margins, stands for the request; the probe's record of it is left out. A probe's record with no
 -- engine child (an untraced server) and an imported log stay. Every saved query reads requests
--- through it. The traces searched are only those that hold records made outside an engine.
+-- through it. The traces searched are only those that hold records made outside an engine. The table is
+-- read FINAL, so a span stored twice is one request; the subqueries only test membership, where a copy
+-- changes nothing.
 requests_once AS (
     SELECT *
-    FROM kvtrace_requests
+    FROM kvtrace_requests FINAL
     WHERE reused_tokens_source = ''
        OR (TraceId, SpanId) NOT IN (
            SELECT TraceId, ParentSpanId
