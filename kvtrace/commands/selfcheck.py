@@ -65,13 +65,13 @@ def run(args) -> int:
         client = open_database(args, ingest=False)
         report = ingest_paths(client, [Path(spool)])
     rows = client.query(
-        "SELECT SpanId, token_ids, margins FROM kvtrace_requests WHERE run_id = {run:String}",
+        "SELECT SpanId, token_ids, margins FROM kvtrace_requests FINAL WHERE run_id = {run:String}",
         parameters={"run": run_id},
     ).result_rows
     got = {span: (list(tokens), list(margins)) for span, tokens, margins in rows}
-    tokens = client.query("SELECT count() FROM kvtrace_tokens WHERE run_id = {run:String}",
+    tokens = client.query("SELECT count() FROM kvtrace_tokens FINAL WHERE run_id = {run:String}",
                           parameters={"run": run_id}).result_rows[0][0]
-    events = client.query("SELECT count() FROM kvtrace_cache_events WHERE run_id = {run:String}",
+    events = client.query("SELECT count() FROM kvtrace_cache_events FINAL WHERE run_id = {run:String}",
                           parameters={"run": run_id}).result_rows[0][0]
     ok = got == expected and tokens == 32 * args.requests
     print(f"run {run_id}: {report.spans} spans ingested, {len(got)} requests, {tokens} token rows, "
