@@ -8,6 +8,12 @@ state goes into the cache), ``looking for better prompt`` with one line per cach
 The cache lines are at trace level: start llama-server with ``-lv 4`` (or ``--verbose``) and
 ``--log-file FILE`` (or its standard error in a file).
 
+Per task the log also says what an answer reports back, which is how a request is told from the
+others in flight (:mod:`llama_server_tasks`): the sampling parameters the task runs with (among
+them ``dry_penalty_last_n``, which the proxy may set as a marker), ``task.n_tokens``, ``cached
+n_tokens`` (the tokens kept from the slot's state), and the evaluated and generated counts of its
+timing lines.
+
 :class:`LogFollower` reads those lines in order and keeps a model of the cache — which task's state
 each cached prompt is — so that a restore names the earlier *task* whose state came back. Where
 the log leaves a doubt (two cached prompts of the same length and similarity, a cache entry the
@@ -31,6 +37,11 @@ _SELECTED = re.compile(_SLOT + r"selected slot by (?P<how>LCP similarity|LRU|id)
 _PROCESSING = re.compile(_SLOT + r"processing task")
 _NEW_PROMPT = re.compile(_SLOT + r"new prompt, .*task\.n_tokens = (?P<n>\d+)")
 _RELEASED = re.compile(_SLOT + r"stop processing: n_tokens = (?P<n>\d+)")
+_SAMPLER_PARAMS = re.compile(_SLOT + r"sampler params:")
+_DRY_LAST_N = re.compile(r"^\s+.*\bdry_penalty_last_n = (?P<n>-?\d+)")
+_CACHED = re.compile(_SLOT + r"cached n_tokens = (?P<n>\d+)")
+_PROMPT_EVAL = re.compile(_SLOT + r"prompt eval time = .*/\s*(?P<n>\d+) tokens")
+_EVAL = re.compile(_SLOT + r"\s*eval time = .*/\s*(?P<n>\d+) tokens")
 _CONTEXT = re.compile(r"llama_context: (?P<name>n_ctx|n_batch|n_ubatch)\s+= (?P<value>\d+)")
 _FLASH_SET = re.compile(r"llama_context: flash_attn\s+= (?P<value>enabled|disabled)")
 _FLASH_RESOLVED = re.compile(r"Flash Attention (?P<value>enabled|disabled)")
@@ -85,6 +96,18 @@ class TaskDecision:
     """The server looked in its prompt cache for this task (``restore`` says what it found)."""
     prompt_tokens: Optional[int] = None
     """``task.n_tokens`` (filled when the server logs the new prompt, after the decision)."""
+    index: int = 0
+    """The task's place among the tasks the log showed starting (0, 1, ...)."""
+    marker: Optional[int] = None
+    """``dry_penalty_last_n`` of the task's sampling parameters (the proxy's marker, where it set one)."""
+    previous_task: Optional[int] = None
+    """Without a restore: the task whose state the slot still held (``None``: an empty or unknown state)."""
+    cached_tokens: Optional[int] = None
+    """``cached n_tokens``: the tokens of the slot's state the task kept (its first such line)."""
+    evaluated_tokens: Optional[int] = None
+    """The prompt tokens the task computed (its ``prompt eval time`` line: an answer's ``prompt_n``)."""
+    generated_tokens: Optional[int] = None
+    """The tokens the task generated (its ``eval time`` line: ``predicted_n``); set once its timings are out."""
 
 
 @dataclass
@@ -115,6 +138,10 @@ class LogParser:
         self._state_length_of_slot: dict[int, int] = {}
         self._storing: Optional[_CachedPrompt] = None
         self._idle_slot: Optional[int] = None  # an idle slot being saved (--cache-idle-slots)
+        self._params_slot: Optional[int] = None  # the slot whose sampling parameters are being printed
+        self._marker_of_slot: dict[int, int] = {}
+        self.started_count = 0
+        """Tasks the log showed starting so far."""
         self.decisions: dict[int, TaskDecision] = {}
         self.settings: dict[str, object] = {}
         """Server settings the log states at start-up (``cache_ram_mib``: the prompt cache's limit, -1 none)."""
@@ -149,9 +176,24 @@ class LogParser:
         elif (m := _PROCESSING.search(line)) is not None:
             return self._started(int(m["slot"]), int(m["task"]))
         elif (m := _NEW_PROMPT.search(line)) is not None:
-            decision = self.decisions.get(int(m["task"]))
-            if decision is not None:
+            if (decision := self.decisions.get(int(m["task"]))) is not None:
                 decision.prompt_tokens = int(m["n"])
+        elif (m := _CACHED.search(line)) is not None:
+            # The first line says what was kept; later ones report progress through the prompt's batches.
+            if (decision := self.decisions.get(int(m["task"]))) is not None and decision.cached_tokens is None:
+                decision.cached_tokens = int(m["n"])
+        elif (m := _PROMPT_EVAL.search(line)) is not None:
+            if (decision := self.decisions.get(int(m["task"]))) is not None:
+                decision.evaluated_tokens = int(m["n"])
+        elif (m := _EVAL.search(line)) is not None:
+            if (decision := self.decisions.get(int(m["task"]))) is not None:
+                decision.generated_tokens = int(m["n"])
+        elif (m := _SAMPLER_PARAMS.search(line)) is not None:
+            self._params_slot = int(m["slot"])
+        elif self._params_slot is not None and (m := _DRY_LAST_N.search(line)) is not None:
+            # A line of the parameters block (one log entry, so no other line comes between).
+            self._marker_of_slot[self._params_slot] = int(m["n"])
+            self._params_slot = None
         elif (m := _CONTEXT.search(line)) is not None:
             self.numerics[m["name"]] = int(m["value"])
         elif (m := _FLASH_SET.search(line) or _FLASH_RESOLVED.search(line)) is not None:
@@ -218,13 +260,16 @@ class LogParser:
 
     def _started(self, slot: int, task: int) -> TaskDecision:
         pending = self._pending
-        decision = TaskDecision(task, slot)
+        decision = TaskDecision(task, slot, index=self.started_count, marker=self._marker_of_slot.pop(slot, None))
+        self.started_count += 1
         if pending.slot == slot:
             decision.selected_by, decision.slot_similarity = pending.selected_by, pending.similarity
             decision.restore, decision.looked_up = pending.restore, pending.looked_up
             if decision.restore is not None:
                 # The restored state is now the slot's: a later save of this slot stores it again.
                 self._state_length_of_slot[slot] = decision.restore.length
+        if decision.restore is None:
+            decision.previous_task = self._last_task_of_slot.get(slot)
         self._pending = _Pending()
         self.decisions[task] = decision
         while len(self.decisions) > 4096:
