@@ -61,6 +61,8 @@ _OLDEST = re.compile(r"removing oldest entry")
 _LOOKING = re.compile(r"- looking for better prompt")
 _CANDIDATE = re.compile(r"- prompt with length\s+(?P<n>\d+), lcp =\s+(?P<lcp>\d+), "
                         r"f_keep = (?P<keep>[\d.]+), f_sim = (?P<sim>[\d.]+)")
+_CACHE_STATE = re.compile(r"- cache state: (?P<n>\d+) prompts")
+_LISTED = re.compile(r"- prompt (?P<address>(?:0x)?[0-9a-fA-F]+):\s+(?P<n>\d+) tokens")
 _FOUND = re.compile(r"- found better prompt with f_keep = (?P<keep>[\d.]+), f_sim = (?P<sim>[\d.]+)")
 
 SELECTED_BY = {"LCP similarity": "lcp_similarity", "LRU": "lru", "id": "id"}
@@ -114,6 +116,8 @@ class TaskDecision:
 class _CachedPrompt:
     length: int
     source_task: Optional[int]
+    address: Optional[str] = None
+    """Where llama-server keeps it, as its cache listing prints it (the entry's identity between listings)."""
 
 
 @dataclass
@@ -138,6 +142,9 @@ class LogParser:
         self._state_length_of_slot: dict[int, int] = {}
         self._storing: Optional[_CachedPrompt] = None
         self._idle_slot: Optional[int] = None  # an idle slot being saved (--cache-idle-slots)
+        self._listing: Optional[list[tuple[str, int]]] = None  # the cache listing being read
+        self._listing_size = 0
+        self._alike: Optional[tuple[Restore, list[_CachedPrompt]]] = None  # a restore the next listing decides
         self._params_slot: Optional[int] = None  # the slot whose sampling parameters are being printed
         self._marker_of_slot: dict[int, int] = {}
         self.started_count = 0
@@ -152,6 +159,7 @@ class LogParser:
         line = _ANSI.sub("", line)
         pending = self._pending
         if (m := _SELECTED.search(line)) is not None:
+            self._idle_slot = None  # an empty idle slot saves nothing
             pending.slot, pending.selected_by = int(m["slot"]), SELECTED_BY[m["how"]]
             pending.similarity = float(m["sim"]) if m["sim"] else None
         elif (m := _SAVING.search(line)) is not None:
@@ -166,7 +174,15 @@ class LogParser:
             if self._cache:
                 self._cache.pop(0)  # never the one being stored: llama-server makes room before adding it
         elif _LOOKING.search(line):
-            pending.candidates, pending.looked_up, self._storing = [], True, None
+            pending.candidates, pending.looked_up, self._storing, self._idle_slot = [], True, None, None
+        elif (m := _CACHE_STATE.search(line)) is not None:
+            self._listing, self._listing_size = [], int(m["n"])
+            if self._listing_size == 0:
+                self._reconcile()
+        elif self._listing is not None and (m := _LISTED.search(line)) is not None:
+            self._listing.append((m["address"], int(m["n"])))
+            if len(self._listing) == self._listing_size:
+                self._reconcile()
         elif (m := _IDLE_SAVE.search(line)) is not None:
             self._idle_slot = int(m["slot"])
         elif (m := _CANDIDATE.search(line)) is not None:
@@ -229,6 +245,40 @@ class LogParser:
         self._storing = _CachedPrompt(length, source)
         self._cache.append(self._storing)
 
+    def _reconcile(self) -> None:
+        """The model of the cache against llama-server's own listing of it (after every cache update).
+
+        Lengths in the same order: the model holds, and learns each entry's address. Otherwise the
+        listing wins: an entry keeps its origin only where its address (and length) or, for one not
+        listed before, a single model entry of its length says which it is.
+        """
+        listed, self._listing = self._listing or [], None
+        if self._alike is not None:
+            restore, alike = self._alike
+            self._alike = None
+            addresses = {address for address, _ in listed}
+            gone = [entry for entry in alike if entry.address is not None and entry.address not in addresses]
+            if len(gone) == 1 and all(entry.address is not None for entry in alike):
+                restore.source_task = gone[0].source_task
+                restore.doubt = None if gone[0].source_task is not None else \
+                    "the cached prompt was stored from a state the log did not follow"
+                self._cache.remove(gone[0])
+        if [entry.length for entry in self._cache] == [length for _, length in listed]:
+            for entry, (address, _) in zip(self._cache, listed):
+                entry.address = address
+            return
+        by_address = {entry.address: entry for entry in self._cache if entry.address}
+        unlisted = [entry for entry in self._cache if entry.address is None]
+        rebuilt = []
+        for address, length in listed:
+            entry = by_address.get(address)
+            if entry is None or entry.length != length:
+                alike = [e for e in unlisted if e.length == length]
+                entry = alike[0] if len(alike) == 1 else _CachedPrompt(length, None)
+            entry.address = address
+            rebuilt.append(entry)
+        self._cache = rebuilt
+
     def _drop_length(self, length: int) -> None:
         for i, entry in enumerate(self._cache):
             if entry.length == length and entry is not self._storing:
@@ -243,6 +293,11 @@ class LogParser:
         restore = Restore(length, common_prefix, float(sim), float(keep))
         if len(chosen) > 1:
             restore.doubt = f"{len(chosen)} cached prompts have the same length and similarity"
+            if len(self._pending.candidates) == len(self._cache):
+                # The listing that follows shows which of them left the cache: that one was restored.
+                candidates = self._pending.candidates
+                self._alike = (restore, [self._cache[i] for i, c in enumerate(candidates) if (c[2], c[3]) == (keep, sim)
+                                         and c[0] == length])
             return restore
         index = self._pending.candidates.index(chosen[-1])
         if len(self._pending.candidates) != len(self._cache) or self._cache[index].length != length:

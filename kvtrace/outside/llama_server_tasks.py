@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
+from kvtrace.outside.upstream import UpstreamBrokeOff, UpstreamUnreachable
 from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ class TaskProvenance:
         self._origins: OrderedDict[int, StateOrigin] = OrderedDict()
         self._chains: Optional[PromptChains] = None
         self._markers = itertools.count()
+        self._unremembered: set[int] = set()  # tasks matched whose request's state is not remembered yet
         self._lock = threading.Lock()  # requests are served by threads of their own
 
     # --- the request's way through ---------------------------------------------------------
@@ -153,9 +155,11 @@ class TaskProvenance:
             self._waiting.append(traced)
 
     def abandon(self, traced: Traced) -> None:
-        """A request that failed before a task started (the upstream refused it)."""
+        """A request done with (or refused before a task started): it waits for nothing any more."""
         with self._lock:
             self._drop(traced)
+            if traced.task is not None:
+                self._unremembered.discard(traced.task.task)
 
     def server_settings(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(cache settings, numerics) the server's log stated, as copies."""
@@ -164,22 +168,25 @@ class TaskProvenance:
             return dict(parser.settings), dict(parser.numerics)
 
     def find(self, traced: Traced, answer: Fingerprint) -> None:
-        """Ties the request to its task (``traced.task``, ``traced.match``), waiting a little for the log."""
+        """Ties the request to its task (``traced.task``, ``traced.match``), waiting a little for the log
+        to show it and for other waiting requests that could own it to read their answers."""
+        outcome: tuple[str, Optional[TaskDecision]] = (sc.TASK_MATCH_NONE, None)
+        with self._lock:
+            traced.answer = answer
         for pause in (0.0, *self.WAIT_S):
             if pause:
                 time.sleep(pause)
             with self._lock:
                 self._poll()
-                found = self._match(traced, answer)
-                if found is not None:
-                    traced.match, task = found
-                    if task is not None:
-                        traced.task = task
-                        self._unclaimed.pop(task.task, None)
-                    self._drop(traced)
-                    return
+                outcome, final = self._match(traced, answer)
+                if final:
+                    break
         with self._lock:
-            traced.match = sc.TASK_MATCH_NONE
+            traced.match, task = outcome
+            if task is not None:
+                traced.task = task
+                self._unclaimed.pop(task.task, None)
+                self._unremembered.add(task.task)
             self._drop(traced)
 
     def describe(self, traced: Traced, record: RequestRecord, answer_cached: Optional[int]) -> None:
@@ -192,6 +199,7 @@ class TaskProvenance:
         record.config[sc.SERVER_TASK_ID] = decision.task
         restore = decision.restore
         source_task = restore.source_task if restore is not None else decision.previous_task
+        self._wait_for(source_task)
         with self._lock:
             origin = self._origins.get(source_task) if source_task is not None else None
         if restore is not None:
@@ -208,24 +216,34 @@ class TaskProvenance:
             record.state_origin = origin  # the slot's own state: the request that left it there
         self._verify(traced, record, decision, source_task, origin, answer_cached)
 
-    def finished(self, traced: Traced, record: RequestRecord) -> None:
-        """The request's state (prompt, then generated ids) is remembered under its task for later checks."""
+    def remember(self, traced: Traced, record: RequestRecord) -> None:
+        """The request's state (prompt, then generated ids) under its task, for the requests that reuse it."""
         if traced.task is None:
             return
         chain = traced.prompt_chain
         with self._lock:
-            self._origins[traced.task.task] = record.origin()
-            while len(self._origins) > 4096:
-                self._origins.popitem(last=False)
             chains = self._chains
         if chain is not None and chains is not None:
             # The slot's state goes on with the generated ids it evaluated (all but the last); with
             # ids the server did not report, the chain covers the prompt only.
             engine_ids = record.config.get(sc.OUTPUT_TOKEN_ID_SOURCE) == sc.TOKEN_ID_SOURCE_ENGINE
             generated = record.output_token_ids[:-1] if engine_ids else []
-            full = chains.chain(generated, after=chain) if generated else chain
+            chain = chains.chain(generated, after=chain) if generated else chain
+        with self._lock:
+            self._origins[traced.task.task] = record.origin()
+            while len(self._origins) > 4096:
+                self._origins.popitem(last=False)
+            if chain is not None and chains is not None:
+                chains.keep(traced.task.task, chain)
+            self._unremembered.discard(traced.task.task)
+
+    def _wait_for(self, task: Optional[int]) -> None:
+        """A state's request may still be being read (its answer went out before it was recorded)."""
+        for pause in self.WAIT_S:
             with self._lock:
-                chains.keep(traced.task.task, full)
+                if task not in self._unremembered:
+                    return
+            time.sleep(pause)
 
     # --- matching -------------------------------------------------------------------------------
 
@@ -238,24 +256,26 @@ class TaskProvenance:
     def _drop(self, traced: Traced) -> None:
         self._waiting = [waiting for waiting in self._waiting if waiting is not traced]
 
-    def _match(self, traced: Traced, answer: Fingerprint) -> Optional[tuple[str, Optional[TaskDecision]]]:
-        """(how, task) once the log decides; ``None`` while it may still show the task."""
+    def _match(self, traced: Traced, answer: Fingerprint) -> tuple[tuple[str, Optional[TaskDecision]], bool]:
+        """((how, task), final): final once the log decided; else the outcome if it stays as it is."""
         after = [t for t in self._unclaimed.values() if t.index >= traced.not_before]
         if traced.marker is not None:
             marked = [t for t in after if t.marker == traced.marker]
-            return (sc.TASK_MATCH_MARKER, marked[0]) if marked else None
+            return ((sc.TASK_MATCH_MARKER, marked[0]), True) if marked else ((sc.TASK_MATCH_NONE, None), False)
         # An unmarked request's task carries no marker of the proxy's, and its timings are out.
         fitting = [t for t in after if not _is_marker(t.marker) and t.generated_tokens is not None
                    and answer.fits(t)]
         if not fitting:
-            return None
+            return (sc.TASK_MATCH_NONE, None), False
         if len(fitting) > 1:
-            return sc.TASK_MATCH_AMBIGUOUS, None
+            return (sc.TASK_MATCH_AMBIGUOUS, None), False
         task = fitting[0]
-        rivals = [w for w in self._waiting if w is not traced and w.marker is None and w.not_before <= task.index]
+        # Another waiting request could own it unless its own answer (once read) does not fit the task.
+        rivals = [w for w in self._waiting if w is not traced and w.marker is None and w.not_before <= task.index
+                  and (w.answer is None or w.answer.fits(task))]
         if rivals:
-            return sc.TASK_MATCH_AMBIGUOUS, None
-        return (sc.TASK_MATCH_TIMINGS if answer.has_timings else sc.TASK_MATCH_LOG), task
+            return (sc.TASK_MATCH_AMBIGUOUS, None), False
+        return ((sc.TASK_MATCH_TIMINGS if answer.has_timings else sc.TASK_MATCH_LOG), task), True
 
     # --- integrity ------------------------------------------------------------------------------
 
@@ -342,11 +362,19 @@ def json_post(upstream) -> Callable[[str, dict[str, Any]], Optional[dict[str, An
     """``post`` for :func:`server_tokenizer` over the proxy's upstream connections."""
     def post(path: str, body: dict[str, Any]) -> Optional[dict[str, Any]]:
         data = json.dumps(body, ensure_ascii=False).encode("utf-8")
-        answer = upstream.request("POST", path, [(b"content-type", b"application/json")], data, timeout=30.0)
-        try:
-            raw = answer.read()
-        finally:
-            answer.close()
-        return json.loads(raw) if answer.status == 200 else None
+        for _ in range(2):  # these calls change nothing, so one the server closed on is sent again
+            try:
+                answer = upstream.request("POST", path, [(b"content-type", b"application/json")], data, timeout=30.0)
+                try:
+                    raw = answer.read()
+                finally:
+                    answer.close()
+            except (UpstreamUnreachable, UpstreamBrokeOff):
+                continue
+            try:
+                return json.loads(raw) if answer.status == 200 else None
+            except ValueError:
+                return None
+        return None
 
     return post

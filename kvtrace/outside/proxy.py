@@ -90,6 +90,8 @@ class Traced:
     """The marker the proxy set on the upstream request (``llama_server_tasks``), if it could."""
     not_before: int = 0
     """Tasks the log had shown starting when the request went upstream: none of them is its own."""
+    answer: Any = None
+    """What the answer says about its task (``llama_server_tasks.Fingerprint``), once read."""
     prompt_chain: Any = None
     """The prompt's token hash chain (``llama_server_tasks.PromptChains``), for the integrity check."""
 
@@ -329,6 +331,7 @@ class ProxyApp:
             provenance.find(traced, fingerprint(answer.response, answer.slot))
             provenance.prepare_chain(traced, recorder.settings.hash_key, traced.plan.endpoint)
             provenance.describe(traced, record, cached_tokens)
+            provenance.remember(traced, record)
         except Exception:
             self.count("instrumentation_errors")
             log.warning("kvtrace proxy: reading llama-server's log for a request failed", exc_info=True)
@@ -387,12 +390,6 @@ class ProxyApp:
                                str(exc)[:200])
             return
         recorder.finish(record)  # never raises
-        if self.provenance is not None:
-            try:
-                self.provenance.finished(traced, record)
-            except Exception:
-                self.count("instrumentation_errors")
-                log.warning("kvtrace proxy: remembering a request's llama-server task failed", exc_info=True)
 
     def _filled(self, traced: Traced, recorder: Recorder, status: int, answer: answers.UpstreamAnswer,
                 cancelled: bool, broken: Optional[str]) -> RequestRecord:
