@@ -275,6 +275,8 @@ class LogParser:
             if entry is None or entry.length != length:
                 alike = [e for e in unlisted if e.length == length]
                 entry = alike[0] if len(alike) == 1 else _CachedPrompt(length, None)
+                if entry in unlisted:
+                    unlisted.remove(entry)
             entry.address = address
             rebuilt.append(entry)
         self._cache = rebuilt
