@@ -18,7 +18,7 @@ timing lines.
 each cached prompt is — so that a restore names the earlier *task* whose state came back. Where
 the log leaves a doubt (two cached prompts of the same length and similarity, a cache entry the
 model did not see stored), the decision says so (``source_task`` ``None`` and ``doubt``) instead of
-guessing. Matching tasks to HTTP requests is the proxy's business (:mod:`proxy`).
+guessing. Matching tasks to HTTP requests is :mod:`llama_server_tasks`'s business.
 """
 
 from __future__ import annotations
@@ -145,6 +145,7 @@ class LogParser:
         self._listing: Optional[list[tuple[str, int]]] = None  # the cache listing being read
         self._listing_size = 0
         self._alike: Optional[tuple[Restore, list[_CachedPrompt]]] = None  # a restore the next listing decides
+        self._restored_entry: Optional[_CachedPrompt] = None
         self._params_slot: Optional[int] = None  # the slot whose sampling parameters are being printed
         self._marker_of_slot: dict[int, int] = {}
         self.started_count = 0
@@ -253,6 +254,7 @@ class LogParser:
         listed before, a single model entry of its length says which it is.
         """
         listed, self._listing = self._listing or [], None
+        restored, self._restored_entry = self._restored_entry, None
         if self._alike is not None:
             restore, alike = self._alike
             self._alike = None
@@ -267,8 +269,11 @@ class LogParser:
             for entry, (address, _) in zip(self._cache, listed):
                 entry.address = address
             return
-        by_address = {entry.address: entry for entry in self._cache if entry.address}
-        unlisted = [entry for entry in self._cache if entry.address is None]
+        # The entry last restored counts among the model's: a listing that still shows it (a log that
+        # contradicts itself) keeps its origin.
+        known = self._cache + ([restored] if restored is not None else [])
+        by_address = {entry.address: entry for entry in known if entry.address}
+        unlisted = [entry for entry in known if entry.address is None]
         rebuilt = []
         for address, length in listed:
             entry = by_address.get(address)
@@ -310,6 +315,7 @@ class LogParser:
                 self._cache.remove(matching[0])
             return restore
         entry = self._cache.pop(index)
+        self._restored_entry = entry
         restore.source_task = entry.source_task
         if entry.source_task is None:
             restore.doubt = "the cached prompt was stored from a state the log did not follow"

@@ -21,6 +21,9 @@ Per traced request:
   recorded on the span; an unreachable upstream gets a 502 from the proxy, recorded too. Tracing
   never fails a request: if reading the request, planning or recording goes wrong, the request is
   forwarded as the client sent it and the failure is counted (``instrumentation_errors``).
+* **llama-server's log** (``--llama-server-log``): :mod:`llama_server_tasks` ties each request to
+  its task (the proxy may add a marker to the upstream request for it) and checks the state the
+  task kept.
 
 HTTP/1.1 is h11 on both sides: :mod:`http1` serves the clients (blocking sockets, a thread per
 connection, the limits of docs/proxy-limits.md), :mod:`upstream` talks to the server over
