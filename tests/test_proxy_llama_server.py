@@ -353,6 +353,12 @@ def test_requests_in_flight_together_are_told_apart_by_the_marker_the_log_prints
     assert first[sc.SERVER_TASK_ID] != second[sc.SERVER_TASK_ID]
 
 
+def deferred_requests(server: str) -> int:
+    """How many requests llama-server holds back, waiting for a slot (its /metrics)."""
+    metrics = httpx.get(server + "/metrics", timeout=10).text
+    return int(float(re.search(r"^llamacpp:requests_deferred (\S+)", metrics, re.M)[1]))
+
+
 def test_requests_the_proxy_cannot_mark_are_matched_by_their_counts_or_left_ambiguous(tiny_gguf, tmp_path,
                                                                                      memory_recorder,
                                                                                      finished_requests):
@@ -360,26 +366,38 @@ def test_requests_the_proxy_cannot_mark_are_matched_by_their_counts_or_left_ambi
     differ, and two requests the server answers with the very same counts stay ``ambiguous``."""
     log_path = tmp_path / "server.log"
     own = {"dry_penalty_last_n": 64, "temperature": 0, "ignore_eos": True}
-    with running_llama_server(tiny_gguf, "-lv", "4", log_path=log_path, slots=2) as server:
+    with running_llama_server(tiny_gguf, "-lv", "4", "--metrics", log_path=log_path) as server:
         with running_proxy(server, memory_recorder, llama_server_log=log_path) as proxy:
             def send(body):
                 return httpx.post(proxy + "/v1/completions", json={**own, **body}, timeout=120).json()
 
             with ThreadPoolExecutor(2) as pool:
                 # Different prompts and lengths: the counts decide.
-                list(pool.map(send, [{"prompt": "A lighthouse keeper counted", "max_tokens": 40},
-                                     {"prompt": "Seven quiet herons stood in the reeds", "max_tokens": 24}]))
-                # The same request twice at once: the server's output cannot tell them apart.
-                list(pool.map(send, [{"prompt": "Twin lamps", "max_tokens": 40}] * 2))
+                list(pool.map(send, [{"prompt": "A lighthouse keeper counted", "max_tokens": 8},
+                                     {"prompt": "Seven quiet herons stood in the reeds", "max_tokens": 4}]))
+                # The same request twice, both waiting in the server while the one slot is busy, so
+                # neither task starts before both went out; with the prompt recomputed (cache_prompt
+                # off) the server answers both with the same counts.
+                busy = {"prompt": "The kitchen has a long oak table and", "n_predict": 1000, "temperature": 0,
+                        "ignore_eos": True, "stream": True}
+                with httpx.stream("POST", proxy + "/completion", json=busy, timeout=120) as blocker:
+                    lines = blocker.iter_lines()
+                    next(lines)
+                    twins = pool.map(send, [{"prompt": "Twin lamps", "max_tokens": 6, "cache_prompt": False}] * 2)
+                    deadline, seen = time.monotonic() + 60, 0
+                    while seen < 2 and time.monotonic() < deadline:
+                        seen = max(seen, deferred_requests(server))
+                    for _ in lines:
+                        pass
+                list(twins)
+    assert seen == 2, "the twins did not both wait for the slot"
     spans = [attributes for attributes, _, _ in finished_requests(memory_recorder)]
-    different, same = spans[:2], spans[2:]
+    different, twins = spans[:2], [a for a in spans[3:]]
     assert [a[sc.SERVER_TASK_MATCH] for a in different] == [sc.TASK_MATCH_TIMINGS] * 2
     assert len({a[sc.SERVER_TASK_ID] for a in different}) == 2
-    # The first to be read finds both tasks fitting; the other may be told by the task that started
-    # before it was sent, never by a guess.
-    assert sc.TASK_MATCH_AMBIGUOUS in [a[sc.SERVER_TASK_MATCH] for a in same]
-    assert all(a[sc.SERVER_TASK_MATCH] in (sc.TASK_MATCH_AMBIGUOUS, sc.TASK_MATCH_TIMINGS) for a in same)
-    assert all((sc.SERVER_TASK_ID in a) == (a[sc.SERVER_TASK_MATCH] == sc.TASK_MATCH_TIMINGS) for a in same)
+    assert spans[2][sc.SERVER_TASK_MATCH] == sc.TASK_MATCH_MARKER  # the request holding the slot
+    assert [a[sc.SERVER_TASK_MATCH] for a in twins] == [sc.TASK_MATCH_AMBIGUOUS] * 2
+    assert all(sc.SERVER_TASK_ID not in a and sc.CACHE_INTEGRITY not in a for a in twins)
 
 
 SYSTEM = "You are the ship's cook. Answer in one line."
@@ -413,7 +431,8 @@ def test_sixteen_conversations_at_once_on_four_slots_are_each_tied_to_their_own_
                     said = "".join((d.get("content") or "") + "".join(
                         (c.get("delta") or {}).get("content") or c.get("text") or (c.get("message") or {}).get(
                             "content") or "" for c in d.get("choices") or ()) for d in documents if d)
-                    slots.append(next((d["id_slot"] for d in documents if d and "id_slot" in d), None))
+                    # A stream's first events say -1 (no slot yet); its last one says which served it.
+                    slots.append(next((d["id_slot"] for d in reversed(documents) if d and "id_slot" in d), None))
                     messages.append({"role": "assistant", "content": said})
                     text += said
                 return slots
@@ -434,10 +453,16 @@ def test_sixteen_conversations_at_once_on_four_slots_are_each_tied_to_their_own_
         answered = answered_slots[int(episode[1:])][turn]
         if answered is not None:  # the native endpoint says which slot served it
             assert attributes[sc.SERVER_SLOT_ID] == answered
-    kept = [a for a in by_turn.values() if a[sc.CACHE_REUSED_TOKENS] > 0]
+    # Every state a task kept is verified as the prompt's own, unless the log itself could not say
+    # whose it was (a restore with reason source_unknown: two alike cached prompts, one dropped).
+    kept = [(a, events) for a, events, _ in spans if a[sc.CACHE_REUSED_TOKENS] > 0]
     assert kept  # the shared system prompt and the turns before are reused
-    assert all(a[sc.CACHE_INTEGRITY] == sc.INTEGRITY_VERIFIED for a in kept), [
-        (a[sc.EPISODE_ID], a[sc.TURN], a.get(sc.CACHE_INTEGRITY)) for a in kept]
+    unexplained = [(a[sc.EPISODE_ID], a[sc.TURN], a.get(sc.CACHE_INTEGRITY), a[sc.SERVER_TASK_ID]) for a, events in kept
+                   if a.get(sc.CACHE_INTEGRITY) != sc.INTEGRITY_VERIFIED and not any(
+                       e[0] == sc.EVENT_CACHE_RESTORE and e[1].get(sc.EVENT_REASON) == sc.REASON_SOURCE_UNKNOWN
+                       for e in events)]
+    assert not unexplained
+    assert sum(a.get(sc.CACHE_INTEGRITY) == sc.INTEGRITY_VERIFIED for a, _ in kept) >= len(kept) // 2
     assert not [e for _, events, _ in spans for e in events if e[0] == sc.EVENT_CACHE_INTEGRITY_VIOLATION]
 
 

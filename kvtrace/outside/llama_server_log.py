@@ -287,10 +287,15 @@ class LogParser:
         self._cache = rebuilt
 
     def _drop_length(self, length: int) -> None:
-        for i, entry in enumerate(self._cache):
-            if entry.length == length and entry is not self._storing:
-                del self._cache[i]
-                return
+        # llama-server drops the cached prompt the new state contains; the line gives only its length,
+        # so where several have it the model cannot say which went, nor whose the others are.
+        alike = [entry for entry in self._cache if entry.length == length and entry is not self._storing]
+        if not alike:
+            return
+        self._cache.remove(alike[0])
+        if len(alike) > 1:
+            for entry in alike[1:]:
+                entry.source_task = None
 
     def _restored(self, keep: str, sim: str) -> Restore:
         chosen = [c for c in self._pending.candidates if (c[2], c[3]) == (keep, sim)]

@@ -126,6 +126,8 @@ class TaskProvenance:
 
     WAIT_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
     """Pauses to wait for the log to show a finished request's task (llama-server writes it from a thread)."""
+    REMEMBER_WAIT_S = (*WAIT_S, 0.5, 0.5, 1.0)
+    """Pauses to wait for the request of a state a task kept to be remembered (a proxy-marked task's)."""
     MAX_UNCLAIMED = 4096
 
     def __init__(self, follower: LogFollower, tokenize: Optional[Callable[[dict[str, Any], str], Optional[list[int]]]]
@@ -173,14 +175,18 @@ class TaskProvenance:
         outcome: tuple[str, Optional[TaskDecision]] = (sc.TASK_MATCH_NONE, None)
         with self._lock:
             traced.answer = answer
+        seen = None
         for pause in (0.0, *self.WAIT_S):
             if pause:
                 time.sleep(pause)
             with self._lock:
                 self._poll()
                 outcome, final = self._match(traced, answer)
-                if final:
-                    break
+            # A marker is certain at once; counts only once a second read of the log still says so
+            # (the task the answer came from may be a line or two behind in the file).
+            if final and (traced.marker is not None or outcome == seen):
+                break
+            seen = outcome if final else None
         with self._lock:
             traced.match, task = outcome
             if task is not None:
@@ -238,10 +244,12 @@ class TaskProvenance:
             self._unremembered.discard(traced.task.task)
 
     def _wait_for(self, task: Optional[int]) -> None:
-        """A state's request may still be being read (its answer went out before it was recorded)."""
-        for pause in self.WAIT_S:
+        """A state's request may still be being read (its answer went out before it was recorded, and
+        the server's HTTP threads may all be busy with generations when the proxy tokenizes)."""
+        for pause in self.REMEMBER_WAIT_S:
             with self._lock:
-                if task not in self._unremembered:
+                unclaimed = self._unclaimed.get(task) if task is not None else None
+                if task not in self._unremembered and (unclaimed is None or not _is_marker(unclaimed.marker)):
                     return
             time.sleep(pause)
 
@@ -295,8 +303,10 @@ class TaskProvenance:
     def _verify(self, traced: Traced, record: RequestRecord, decision: TaskDecision, source_task: Optional[int],
                 origin: Optional[StateOrigin], answer_cached: Optional[int]) -> None:
         kept = decision.cached_tokens
-        claimed = max(kept or 0, decision.restore.common_prefix if decision.restore is not None else 0)
-        if claimed == 0 and (answer_cached or 0) == 0:
+        used = kept if kept is not None else answer_cached
+        # What the state must share with the prompt: what was kept, and what a restore said it shared.
+        claimed = max(used or 0, decision.restore.common_prefix if decision.restore is not None else 0)
+        if claimed == 0:
             return  # no state was used: nothing to verify
         violations = []
         if kept is not None and answer_cached is not None and kept != answer_cached:
