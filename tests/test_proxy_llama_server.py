@@ -251,6 +251,13 @@ def test_llama_server_and_kvtrace_proxy_started_as_the_readme_shows_record_spans
     assert [row[7:] for row in rows] == [(sc.TASK_MATCH_MARKER, "0")] * 2  # matched to the log's tasks
 
 
+def turn(proxy, prompt, episode, number):
+    """One turn of a conversation through the proxy (a completion of 6 tokens); the text it added."""
+    return httpx.post(proxy + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0},
+                      headers={"baggage": f"kvtrace.episode_id={episode},kvtrace.turn={number}"},
+                      timeout=120).json()["choices"][0]["text"]
+
+
 def test_a_prompt_restored_from_llama_servers_cache_names_the_request_that_stored_it(tiny_gguf, tmp_path,
                                                                                      memory_recorder,
                                                                                      finished_requests):
@@ -261,14 +268,9 @@ def test_a_prompt_restored_from_llama_servers_cache_names_the_request_that_store
     harbour = "Zulu harbour boats rocked under grey skies while"
     with running_llama_server(tiny_gguf, "-lv", "4", "--cache-ram", "64", log_path=log_path) as server:
         with running_proxy(server, memory_recorder, llama_server_log=log_path) as proxy:
-            def turn(prompt, episode, number):
-                return httpx.post(proxy + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0},
-                                  headers={"baggage": f"kvtrace.episode_id={episode},kvtrace.turn={number}"},
-                                  timeout=120).json()["choices"][0]["text"]
-
-            kitchen += turn(kitchen, "kitchen", 0)
-            harbour += turn(harbour, "harbour", 0)
-            turn(kitchen + " Next, the pantry holds", "kitchen", 1)
+            kitchen += turn(proxy, kitchen, "kitchen", 0)
+            harbour += turn(proxy, harbour, "harbour", 0)
+            turn(proxy, kitchen + " Next, the pantry holds", "kitchen", 1)
 
     kitchen_0, harbour_0, kitchen_1 = finished_requests(memory_recorder)
     restores = [e for e in kitchen_1[1] if e[0] == sc.EVENT_CACHE_RESTORE]
@@ -535,15 +537,10 @@ def test_a_restore_of_another_conversations_state_is_caught_as_an_integrity_viol
     with running_llama_server(tiny_gguf, "-lv", "4", "--cache-ram", "64", log_path=server_log) as server, \
             DoctoredLog(server_log, proxy_log) as doctored:
         with running_proxy(server, memory_recorder, llama_server_log=proxy_log) as proxy:
-            def turn(prompt, episode, number):
-                return httpx.post(proxy + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0},
-                                  headers={"baggage": f"kvtrace.episode_id={episode},kvtrace.turn={number}"},
-                                  timeout=120).json()["choices"][0]["text"]
-
-            kitchen += turn(kitchen, "kitchen", 0)
+            kitchen += turn(proxy, kitchen, "kitchen", 0)
             doctored.doctor(foreign_restore)
-            harbour += turn(harbour, "harbour", 0)
-            turn(kitchen + " Next, the pantry holds", "kitchen", 1)
+            harbour += turn(proxy, harbour, "harbour", 0)
+            turn(proxy, kitchen + " Next, the pantry holds", "kitchen", 1)
 
     kitchen_0, harbour_0, kitchen_1 = finished_requests(memory_recorder)
     attributes, events, _ = harbour_0
