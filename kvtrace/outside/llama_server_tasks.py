@@ -291,7 +291,10 @@ class TaskProvenance:
         """The request's prompt tokens as the server tokenizes them, kept as a hash chain on ``traced``."""
         if self._tokenize is None or traced.task is None:
             return
-        tokens = self._tokenize(traced.request, endpoint)
+        try:
+            tokens = self._tokenize(traced.request, endpoint)
+        except Exception:
+            tokens = None  # an answer the proxy cannot read: the state stays unverifiable, the match stands
         if tokens is None or (traced.task.prompt_tokens is not None and len(tokens) != traced.task.prompt_tokens):
             return  # not the server's tokens: nothing to compare with
         with self._lock:

@@ -187,10 +187,10 @@ class ProxyApp:
         endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
         traced = self._begin(request, endpoint) if endpoint else None
         upstream_body = request.body
-        if traced is not None and self.provenance is not None:
-            self.provenance.sent(traced)
         if traced is not None and traced.plan.injected:
             upstream_body = json.dumps(traced.plan.upstream_request, ensure_ascii=False).encode("utf-8")
+        if traced is not None and self.provenance is not None:
+            self.provenance.sent(traced)
         headers = _forwarded_headers(request.headers)
         if traced is not None:
             headers = _with_trace_context(headers, traced.record)
