@@ -312,8 +312,13 @@ MARGIN_UNIT_POST_SAMPLING_LOGPROB = "post_sampling_logprob"
 SERVER_TASK_ID = "kvtrace.server.task_id"
 """llama-server's task id for the request, from its log (``kvtrace proxy --llama-server-log``)."""
 SERVER_TASK_MATCH = "kvtrace.server.task_match"
-"""How the request was matched to a task of the server's log: ``log`` (alone in flight: certain),
-``ambiguous`` (it overlapped other requests; no cache decision is attributed) or ``none``."""
+"""How the request was tied to a task of the server's log (docs/proxy.md): ``marker`` (the log printed
+the marker the proxy set on the request), ``timings`` (the answer's prompt, computed and generated counts
+fit one task alone, which no other waiting request could own), ``log`` (the same without timings in the
+answer), ``ambiguous`` (the server's output cannot tell it from another request; no cache decision is
+attributed) or ``none`` (no task fits)."""
+TASK_MATCH_MARKER = "marker"
+TASK_MATCH_TIMINGS = "timings"
 TASK_MATCH_LOG = "log"
 TASK_MATCH_AMBIGUOUS = "ambiguous"
 TASK_MATCH_NONE = "none"

@@ -21,8 +21,9 @@ def task(number: int, prompt_tokens: int, released_tokens: int, before: str = ""
               f"n_tokens = {released_tokens}, truncated = 0\n")
 
 
-def lru_switch(saved: int, candidates: list[tuple[int, int, str, str]], found: tuple[str, str] | None) -> str:
-    lines = ("0.02.000.000 I slot get_availabl: id  0 | task -1 | selected slot by LRU, t_last = 1\n"
+def lru_switch(saved: int, candidates: list[tuple[int, int, str, str]], found: tuple[str, str] | None,
+               slot: int = 0) -> str:
+    lines = (f"0.02.000.000 I slot get_availabl: id  {slot} | task -1 | selected slot by LRU, t_last = 1\n"
              "0.02.000.001 I srv  get_availabl: updating prompt cache\n"
              f"0.02.000.002 I srv   prompt_save:  - saving prompt with length {saved}, total state size = 0.011 MiB\n"
              "0.02.000.003 I srv          load:  - looking for better prompt, base f_keep = 0.048, f_sim = 0.042\n")
@@ -81,3 +82,69 @@ def test_the_follower_reads_only_what_was_added_and_waits_for_whole_lines(tmp_pa
         log.write(task(7, 18, 21)[60:])
     assert [d.task for d in follower.poll()] == [7]
     assert follower.poll() == []
+
+
+def launch(number: int, slot: int, marker: int) -> str:
+    """The lines llama-server writes when it hands a task to a slot: its sampling parameters, then the task."""
+    return (f"0.03.000.000 I slot launch_slot_: id  {slot} | task -1 | sampler params: \n"
+            "\trepeat_last_n = 64, repeat_penalty = 1.000, frequency_penalty = 0.000, presence_penalty = 0.000\n"
+            f"\tdry_multiplier = 0.000, dry_base = 1.750, dry_allowed_length = 2, dry_penalty_last_n = {marker}\n"
+            f"0.03.000.001 I slot launch_slot_: id  {slot} | task {number} | processing task, is_child = 0\n")
+
+
+def timings(number: int, slot: int, prompt: int, kept: int, generated: int) -> str:
+    return (f"0.03.000.002 I slot   operator(): id  {slot} | task {number} | new prompt, n_ctx_slot = 1024, n_keep = 0, "
+            f"task.n_tokens = {prompt}\n"
+            f"0.03.000.003 I slot   operator(): id  {slot} | task {number} | cached n_tokens = {kept}, memory_seq_rm\n"
+            # A prompt longer than a batch: later lines report progress, not what was kept.
+            f"0.03.000.004 I slot   operator(): id  {slot} | task {number} | cached n_tokens = {kept + 64}, memory_seq_rm\n"
+            f"0.03.000.005 I slot print_timing: id  {slot} | task {number} | prompt eval time =       4.26 ms /    "
+            f"{prompt - kept} tokens (    0.30 ms per token,  3287.93 tokens per second)\n"
+            f"0.03.000.006 I slot print_timing: id  {slot} | task {number} |        eval time =       9.88 ms /     "
+            f"{generated} tokens (    1.41 ms per token,   708.50 tokens per second)\n")
+
+
+def test_each_task_carries_its_sampling_marker_and_the_counts_an_answer_reports():
+    # Two slots launched back to back, their lines interleaved as the server's threads write them.
+    parser = feed(launch(40, 1, 1048577) + launch(41, 0, 64) + timings(41, 0, 30, 0, 8) + timings(40, 1, 90, 12, 5))
+    first, second = parser.decisions[40], parser.decisions[41]
+    assert (first.marker, first.slot, first.index) == (1048577, 1, 0)
+    assert (second.marker, second.slot, second.index) == (64, 0, 1)
+    assert (first.prompt_tokens, first.cached_tokens, first.evaluated_tokens, first.generated_tokens) == (90, 12, 78, 5)
+    assert (second.prompt_tokens, second.cached_tokens, second.generated_tokens) == (30, 0, 8)
+
+
+def test_the_servers_cache_listing_keeps_the_model_right_where_the_lines_alone_would_not():
+    # A prompt saved from a slot the log never showed finishing: the lines say "length 40", the listing
+    # says which entries the cache holds; the next restore of the known entry still names its task.
+    listing = ("0.02.000.010 I srv        update:  - cache state: 2 prompts, 0.026 MiB (limits: 64.000 MiB)\n"
+               "0.02.000.011 I srv        update:    - prompt 0x5600000a0:      21 tokens, checkpoints:  0,     0.011 MiB\n"
+               "0.02.000.012 I srv        update:    - prompt 0x5600000b0:      40 tokens, checkpoints:  0,     0.020 MiB\n")
+    log = (START + task(7, 18, 21) + task(8, 30, 33, lru_switch(21, [(21, 1, "0.048", "0.042")], None) + listing)
+           + task(9, 30, 33, lru_switch(33, [(21, 18, "0.857", "0.562"), (40, 1, "0.025", "0.031"),
+                                             (33, 1, "0.030", "0.031")], ("0.857", "0.562"))))
+    restore = feed(log).decisions[9].restore
+    assert (restore.source_task, restore.doubt) == (7, None)
+
+
+def listing(*entries: tuple[str, int]) -> str:
+    lines = f"0.02.000.010 I srv        update:  - cache state: {len(entries)} prompts, 0.026 MiB (limits: 64.000 MiB)\n"
+    for address, length in entries:
+        lines += (f"0.02.000.011 I srv        update:    - prompt {address}:      {length} tokens, checkpoints:  0,"
+                  "     0.011 MiB\n")
+    return lines
+
+
+def test_two_alike_cached_prompts_are_told_apart_by_the_one_that_left_the_cache():
+    # Tasks 1 and 2 leave alike states on slots 0 and 1; both go into the cache; a later restore
+    # matches both equally, and the listing after it shows which one left.
+    miss = [(21, 1, "0.048", "0.042")]
+    log = (START + task(1, 18, 21, slot=0) + task(2, 18, 21, slot=1)
+           + task(3, 30, 33, lru_switch(21, miss, None, slot=0) + listing(("0x5600000a0", 21)), slot=0)
+           + task(4, 30, 33, lru_switch(21, miss * 2, None, slot=1) + listing(("0x5600000a0", 21), ("0x5600000b0", 21)),
+                  slot=1)
+           + task(5, 30, 33, lru_switch(33, [(21, 18, "0.857", "0.562")] * 2 + [(33, 1, "0.030", "0.031")],
+                                        ("0.857", "0.562"), slot=0)
+                  + listing(("0x5600000a0", 21), ("0x5600000c0", 33)), slot=0))
+    restore = feed(log).decisions[5].restore
+    assert (restore.source_task, restore.doubt) == (2, None)  # 0x...b0 left: task 2's state

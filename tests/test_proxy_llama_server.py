@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -247,7 +248,14 @@ def test_llama_server_and_kvtrace_proxy_started_as_the_readme_shows_record_spans
                                          ("behind-the-proxy", "kitchen", 1, "llama-server")]
     assert all(row[4] == row[5] == 5 for row in rows)
     assert rows[1][6] > 0  # the second turn of the same prompt was served from the slot's cache
-    assert [row[7:] for row in rows] == [(sc.TASK_MATCH_LOG, "0")] * 2  # matched to the log's tasks
+    assert [row[7:] for row in rows] == [(sc.TASK_MATCH_MARKER, "0")] * 2  # matched to the log's tasks
+
+
+def turn(proxy, prompt, episode, number):
+    """One turn of a conversation through the proxy (a completion of 6 tokens); the text it added."""
+    return httpx.post(proxy + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0},
+                      headers={"baggage": f"kvtrace.episode_id={episode},kvtrace.turn={number}"},
+                      timeout=120).json()["choices"][0]["text"]
 
 
 def test_a_prompt_restored_from_llama_servers_cache_names_the_request_that_stored_it(tiny_gguf, tmp_path,
@@ -260,14 +268,9 @@ def test_a_prompt_restored_from_llama_servers_cache_names_the_request_that_store
     harbour = "Zulu harbour boats rocked under grey skies while"
     with running_llama_server(tiny_gguf, "-lv", "4", "--cache-ram", "64", log_path=log_path) as server:
         with running_proxy(server, memory_recorder, llama_server_log=log_path) as proxy:
-            def turn(prompt, episode, number):
-                return httpx.post(proxy + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0},
-                                  headers={"baggage": f"kvtrace.episode_id={episode},kvtrace.turn={number}"},
-                                  timeout=120).json()["choices"][0]["text"]
-
-            kitchen += turn(kitchen, "kitchen", 0)
-            harbour += turn(harbour, "harbour", 0)
-            turn(kitchen + " Next, the pantry holds", "kitchen", 1)
+            kitchen += turn(proxy, kitchen, "kitchen", 0)
+            harbour += turn(proxy, harbour, "harbour", 0)
+            turn(proxy, kitchen + " Next, the pantry holds", "kitchen", 1)
 
     kitchen_0, harbour_0, kitchen_1 = finished_requests(memory_recorder)
     restores = [e for e in kitchen_1[1] if e[0] == sc.EVENT_CACHE_RESTORE]
@@ -281,7 +284,8 @@ def test_a_prompt_restored_from_llama_servers_cache_names_the_request_that_store
     assert attributes[sc.CACHE_LAYER] == sc.LAYER_PROMPT_CACHE
     assert attributes[sc.CACHE_SOURCE_SPAN_ID] == restored[sc.EVENT_SOURCE_SPAN_ID]
     assert attributes[sc.CACHE_REUSED_TOKENS] > 0
-    assert attributes[sc.SERVER_TASK_MATCH] == sc.TASK_MATCH_LOG
+    assert attributes[sc.SERVER_TASK_MATCH] == sc.TASK_MATCH_MARKER
+    assert attributes[sc.CACHE_INTEGRITY] == sc.INTEGRITY_VERIFIED
     assert json.loads(attributes[sc.CACHE_SETTINGS])["cache_ram_mib"] == 64
     # The harbour turn found nothing of its own in the cache: a miss, and the prompt recomputed.
     assert not [e for e in harbour_0[1] if e[0] == sc.EVENT_CACHE_RESTORE]
@@ -324,24 +328,230 @@ def test_a_tracing_failure_never_fails_the_request(llama_server):
     assert broken.pipeline.counters["instrumentation_errors"] == 1
 
 
-def test_requests_in_flight_together_are_not_given_the_logs_cache_decisions(tiny_gguf, tmp_path, memory_recorder,
-                                                                            finished_requests):
-    """The log does not say which request a task was; alone in flight it is certain, together it is not."""
+def test_requests_in_flight_together_are_told_apart_by_the_marker_the_log_prints(tiny_gguf, tmp_path, memory_recorder,
+                                                                                  finished_requests):
+    """Two requests on one slot, the second sent while the first streams: each gets its own task."""
     log_path = tmp_path / "server.log"
     with running_llama_server(tiny_gguf, "-lv", "4", log_path=log_path) as server:
         with running_proxy(server, memory_recorder, llama_server_log=log_path) as proxy:
-            long = {"prompt": "The kitchen has a long oak table and", "n_predict": 900, "ignore_eos": True,
+            long = {"prompt": "The kitchen has a long oak table and", "n_predict": 300, "ignore_eos": True,
                     "temperature": 0, "stream": True}
             with httpx.stream("POST", proxy + "/completion", json=long, timeout=120) as first:
                 lines = first.iter_lines()
-                next(lines)  # the first request is being answered (900 tokens take a while) ...
+                next(lines)  # the first request is being answered ...
                 second = httpx.post(proxy + "/completion", json={"prompt": "Zulu harbour boats rocked",
                                                                  "n_predict": 8, "temperature": 0}, timeout=120)
                 assert second.status_code == 200  # ... while the second one is sent
+                # The marker's echo is set back: the client sees the server's own default.
+                assert second.json()["generation_settings"]["dry_penalty_last_n"] == 64
                 for _ in lines:
                     pass
-            httpx.post(proxy + "/completion", json={"prompt": "A third request, alone", "n_predict": 8}, timeout=120)
-    first, second, third = (attributes for attributes, _, _ in finished_requests(memory_recorder))  # by start
-    assert [a[sc.SERVER_TASK_MATCH] for a in (first, second, third)] == [sc.TASK_MATCH_AMBIGUOUS] * 2 + [
-        sc.TASK_MATCH_LOG]
-    assert sc.SERVER_TASK_ID not in first and sc.SERVER_TASK_ID not in second and sc.SERVER_TASK_ID in third
+    first, second = (attributes for attributes, _, _ in finished_requests(memory_recorder))  # by start
+    assert [a[sc.SERVER_TASK_MATCH] for a in (first, second)] == [sc.TASK_MATCH_MARKER] * 2
+    tasks = {int(m[1]): int(m[2]) for m in re.finditer(r"task (\d+) \| new prompt, .*task\.n_tokens = (\d+)",
+                                                         log_path.read_text())}
+    assert tasks[first[sc.SERVER_TASK_ID]] == first[sc.GEN_AI_USAGE_INPUT_TOKENS]
+    assert tasks[second[sc.SERVER_TASK_ID]] == second[sc.GEN_AI_USAGE_INPUT_TOKENS]
+    assert first[sc.SERVER_TASK_ID] != second[sc.SERVER_TASK_ID]
+
+
+def deferred_requests(server: str) -> int:
+    """How many requests llama-server holds back, waiting for a slot (its /metrics)."""
+    metrics = httpx.get(server + "/metrics", timeout=10).text
+    return int(float(re.search(r"^llamacpp:requests_deferred (\S+)", metrics, re.M)[1]))
+
+
+def test_requests_the_proxy_cannot_mark_are_matched_by_their_counts_or_left_ambiguous(tiny_gguf, tmp_path,
+                                                                                     memory_recorder,
+                                                                                     finished_requests):
+    """Clients that set DRY's window themselves get no marker: counts tell their tasks apart where they
+    differ, and two requests the server answers with the very same counts stay ``ambiguous``."""
+    log_path = tmp_path / "server.log"
+    own = {"dry_penalty_last_n": 64, "temperature": 0, "ignore_eos": True}
+    with running_llama_server(tiny_gguf, "-lv", "4", "--metrics", log_path=log_path) as server:
+        with running_proxy(server, memory_recorder, llama_server_log=log_path) as proxy:
+            def send(body):
+                return httpx.post(proxy + "/v1/completions", json={**own, **body}, timeout=120).json()
+
+            with ThreadPoolExecutor(2) as pool:
+                # Different prompts and lengths: the counts decide.
+                list(pool.map(send, [{"prompt": "A lighthouse keeper counted", "max_tokens": 8},
+                                     {"prompt": "Seven quiet herons stood in the reeds", "max_tokens": 4}]))
+                # The same request twice, both waiting in the server while the one slot is busy, so
+                # neither task starts before both went out; with the prompt recomputed (cache_prompt
+                # off) the server answers both with the same counts.
+                busy = {"prompt": "The kitchen has a long oak table and", "n_predict": 1000, "temperature": 0,
+                        "ignore_eos": True, "stream": True}
+                with httpx.stream("POST", proxy + "/completion", json=busy, timeout=120) as blocker:
+                    lines = blocker.iter_lines()
+                    next(lines)
+                    twins = pool.map(send, [{"prompt": "Twin lamps", "max_tokens": 6, "cache_prompt": False}] * 2)
+                    deadline, seen = time.monotonic() + 60, 0
+                    while seen < 2 and time.monotonic() < deadline:
+                        seen = max(seen, deferred_requests(server))
+                    for _ in lines:
+                        pass
+                list(twins)
+    assert seen == 2, "the twins did not both wait for the slot"
+    spans = [attributes for attributes, _, _ in finished_requests(memory_recorder)]
+    different, twins = spans[:2], [a for a in spans[3:]]
+    assert [a[sc.SERVER_TASK_MATCH] for a in different] == [sc.TASK_MATCH_TIMINGS] * 2
+    assert len({a[sc.SERVER_TASK_ID] for a in different}) == 2
+    assert spans[2][sc.SERVER_TASK_MATCH] == sc.TASK_MATCH_MARKER  # the request holding the slot
+    assert [a[sc.SERVER_TASK_MATCH] for a in twins] == [sc.TASK_MATCH_AMBIGUOUS] * 2
+    assert all(sc.SERVER_TASK_ID not in a and sc.CACHE_INTEGRITY not in a for a in twins)
+
+
+SYSTEM = "You are the ship's cook. Answer in one line."
+
+
+def test_sixteen_conversations_at_once_on_four_slots_are_each_tied_to_their_own_task(tiny_gguf, tmp_path,
+                                                                                     memory_recorder,
+                                                                                     finished_requests):
+    """llama-server with four slots behind the proxy, sixteen clients at once (chat, completions and the
+    native endpoint, half streamed, sharing a system prompt): every request is one span, tied to its own
+    task and slot by the marker, and every state a task kept is verified as the prompt's own prefix."""
+    log_path = tmp_path / "server.log"
+    with running_llama_server(tiny_gguf, "-lv", "4", "--cache-ram", "64", log_path=log_path, slots=4) as server:
+        with running_proxy(server, memory_recorder, llama_server_log=log_path) as proxy:
+            def conversation(number):
+                messages, text, slots = [{"role": "system", "content": SYSTEM}], f"{SYSTEM} Story {number}:", []
+                stream = number % 2 == 0
+                for turn in range(2):
+                    headers = {"baggage": f"kvtrace.episode_id=c{number},kvtrace.turn={turn}"}
+                    if number % 3 == 0:
+                        messages.append({"role": "user", "content": f"Dish {number}, course {turn}?"})
+                        path, body = "/v1/chat/completions", {"messages": messages, "max_tokens": 4}
+                    else:
+                        text += f" then {number * 7 + turn}"
+                        path = "/completion" if number % 3 == 1 else "/v1/completions"
+                        body = {"prompt": text, "n_predict" if path == "/completion" else "max_tokens": 4}
+                    answer = httpx.post(proxy + path, json={**body, "temperature": 0, "stream": stream},
+                                        headers=headers, timeout=120)
+                    assert answer.status_code == 200
+                    documents = sse_payloads(answer.content) if stream else [answer.json()]
+                    said = "".join((d.get("content") or "") + "".join(
+                        (c.get("delta") or {}).get("content") or c.get("text") or (c.get("message") or {}).get(
+                            "content") or "" for c in d.get("choices") or ()) for d in documents if d)
+                    # A stream's first events say -1 (no slot yet); its last one says which served it.
+                    slots.append(next((d["id_slot"] for d in reversed(documents) if d and "id_slot" in d), None))
+                    messages.append({"role": "assistant", "content": said})
+                    text += said
+                return slots
+
+            with ThreadPoolExecutor(16) as pool:
+                answered_slots = dict(enumerate(pool.map(conversation, range(16))))
+
+    spans = finished_requests(memory_recorder)
+    assert len(spans) == 32  # every request once
+    by_turn = {(a[sc.EPISODE_ID], a[sc.TURN]): a for a, _, _ in spans}
+    assert len(by_turn) == 32
+    assert {a[sc.SERVER_TASK_MATCH] for a in by_turn.values()} == {sc.TASK_MATCH_MARKER}
+    assert len({a[sc.SERVER_TASK_ID] for a in by_turn.values()}) == 32
+    started = {int(m[2]): int(m[1]) for m in re.finditer(r"id\s+(\d+) \| task (\d+) \| processing task",
+                                                         log_path.read_text())}
+    for (episode, turn), attributes in by_turn.items():
+        assert attributes[sc.SERVER_SLOT_ID] == started[attributes[sc.SERVER_TASK_ID]]
+        answered = answered_slots[int(episode[1:])][turn]
+        if answered is not None:  # the native endpoint says which slot served it
+            assert attributes[sc.SERVER_SLOT_ID] == answered
+    # Every state a task kept is verified as the prompt's own, unless the log itself could not say
+    # whose it was (a restore with reason source_unknown: two alike cached prompts, one dropped).
+    kept = [(a, events) for a, events, _ in spans if a[sc.CACHE_REUSED_TOKENS] > 0]
+    assert kept  # the shared system prompt and the turns before are reused
+    unexplained = [(a[sc.EPISODE_ID], a[sc.TURN], a.get(sc.CACHE_INTEGRITY), a[sc.SERVER_TASK_ID]) for a, events in kept
+                   if a.get(sc.CACHE_INTEGRITY) != sc.INTEGRITY_VERIFIED and not any(
+                       e[0] == sc.EVENT_CACHE_RESTORE and e[1].get(sc.EVENT_REASON) == sc.REASON_SOURCE_UNKNOWN
+                       for e in events)]
+    assert not unexplained
+    assert sum(a.get(sc.CACHE_INTEGRITY) == sc.INTEGRITY_VERIFIED for a, _ in kept) >= len(kept) // 2
+    assert not [e for _, events, _ in spans for e in events if e[0] == sc.EVENT_CACHE_INTEGRITY_VIOLATION]
+
+
+class DoctoredLog:
+    """llama-server's log copied line by line into the file the proxy reads, where one line can be doctored.
+
+    ``doctor(edit)``: the next candidate line of a prompt-cache lookup is rewritten by ``edit`` (which
+    returns the lines to write instead), as a server whose cache served another prompt's state would log it.
+    """
+
+    def __init__(self, source, target):
+        self.source, self.target = source, target
+        self._edit = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._copy, daemon=True)
+
+    def __enter__(self):
+        self.target.write_bytes(b"")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        time.sleep(0.3)
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def doctor(self, edit):
+        self._edit = edit
+
+    def _copy(self):
+        offset, partial = 0, b""
+        while not self._stop.is_set():
+            with open(self.source, "rb") as source:
+                source.seek(offset)
+                data = source.read()
+            offset += len(data)
+            lines = (partial + data).split(b"\n")
+            partial = lines.pop()
+            out = []
+            for raw in lines:
+                line = raw.decode("utf-8", "replace")
+                if self._edit is not None and "- prompt with length" in line:
+                    out.extend(self._edit(line))
+                    self._edit = None
+                else:
+                    out.append(line)
+            if out:
+                with open(self.target, "a") as target:
+                    target.write("\n".join(out) + "\n")
+            time.sleep(0.002)
+
+
+def test_a_restore_of_another_conversations_state_is_caught_as_an_integrity_violation(tiny_gguf, tmp_path,
+                                                                                       memory_recorder,
+                                                                                       finished_requests):
+    """Fault injection: the log the proxy reads says the harbour turn was served from the kitchen
+    conversation's cached state, with more of it in common than the two prompts share. The proxy
+    compares the state's tokens, as it saw the kitchen request, with the harbour prompt: violated, and
+    the event names both sides. The kitchen's own next turn, restored for real, is verified."""
+    server_log, proxy_log = tmp_path / "server.log", tmp_path / "proxy-reads.log"
+    kitchen = "The kitchen has a long oak table and"
+    harbour = "Zulu harbour boats rocked under grey skies while"
+
+    def foreign_restore(line):
+        length = int(re.search(r"length\s+(\d+)", line)[1])
+        return [re.sub(r"lcp =\s+\d+, f_keep = [\d.]+, f_sim = [\d.]+",
+                       f"lcp = {length:7d}, f_keep = 1.000, f_sim = 0.990", line),
+                line[:line.index("- prompt with length")] + "- found better prompt with f_keep = 1.000, f_sim = 0.990"]
+
+    with running_llama_server(tiny_gguf, "-lv", "4", "--cache-ram", "64", log_path=server_log) as server, \
+            DoctoredLog(server_log, proxy_log) as doctored:
+        with running_proxy(server, memory_recorder, llama_server_log=proxy_log) as proxy:
+            kitchen += turn(proxy, kitchen, "kitchen", 0)
+            doctored.doctor(foreign_restore)
+            harbour += turn(proxy, harbour, "harbour", 0)
+            turn(proxy, kitchen + " Next, the pantry holds", "kitchen", 1)
+
+    kitchen_0, harbour_0, kitchen_1 = finished_requests(memory_recorder)
+    attributes, events, _ = harbour_0
+    assert attributes[sc.SERVER_TASK_MATCH] == sc.TASK_MATCH_MARKER
+    assert attributes[sc.CACHE_INTEGRITY] == sc.INTEGRITY_VIOLATED
+    violation, = [e[1] for e in events if e[0] == sc.EVENT_CACHE_INTEGRITY_VIOLATION]
+    assert violation[sc.EVENT_REASON] == sc.INTEGRITY_FOREIGN_PROMPT
+    assert violation[sc.EVENT_LAYER] == sc.LAYER_PROMPT_CACHE
+    assert violation[sc.EVENT_SOURCE_SPAN_ID] == "%016x" % kitchen_0[2].context.span_id
+    assert (violation[sc.EVENT_SOURCE_EPISODE_ID], violation[sc.EVENT_SOURCE_TURN]) == ("kitchen", 0)
+    assert violation[sc.EVENT_PREFIX_TOKENS] < violation[sc.EVENT_TOKENS]  # the tokens that did match
+    assert kitchen_0[0].get(sc.CACHE_INTEGRITY) is None  # nothing was reused: nothing to verify
+    assert kitchen_1[0][sc.CACHE_INTEGRITY] == sc.INTEGRITY_VERIFIED
+    assert not [e for e in kitchen_1[1] if e[0] == sc.EVENT_CACHE_INTEGRITY_VIOLATION]

@@ -11,7 +11,7 @@ import json
 
 from kvtrace import semconv as sc
 from kvtrace.outside.margin_request import (CHAT, COMPLETIONS, NATIVE, OPENAI_COMPATIBLE, UpstreamProfile, cut,
-                                            plan_request)
+                                            plan_request, with_marker)
 
 LLAMA_SERVER = UpstreamProfile(engine="llama-server", llama_server=True)
 TOP_TWO = {"content": [{"id": 5, "token": "a", "logprob": -0.1,
@@ -62,3 +62,28 @@ def test_a_client_that_asked_for_logprobs_keeps_its_request_and_answer():
 def test_a_server_that_sends_probabilities_by_default_is_left_alone():
     generous = UpstreamProfile(engine="llama-server", llama_server=True, default_n_probs=5)
     assert plan_request(NATIVE, {"prompt": "x"}, generous).source == sc.MARGIN_SOURCE_CLIENT
+
+
+def test_a_marker_rides_in_dry_s_window_only_while_dry_is_off_and_its_echo_is_set_back():
+    server = UpstreamProfile(engine="llama-server", llama_server=True, default_dry_penalty_last_n=64)
+    request = {"prompt": "x", "n_predict": 3}
+    marked = with_marker(plan_request(NATIVE, request, server), request, server, "dry_penalty_last_n", 1048577)
+    assert marked.upstream_request["dry_penalty_last_n"] == 1048577
+    assert marked.upstream_request["n_probs"] == 2  # the margins' request is kept
+    answer = '{"content":"y","generation_settings":{"n_probs":2,"dry_penalty_last_n":1048577,"n_keep":0}}'
+    assert cut(marked, answer) == '{"content":"y","generation_settings":{"n_probs":0,"dry_penalty_last_n":64,"n_keep":0}}'
+
+    # A client's own logprobs: its request is still marked, and nothing else changes.
+    asked = {"messages": [], "logprobs": True, "top_logprobs": 2}
+    client = with_marker(plan_request(CHAT, asked, server), asked, server, "dry_penalty_last_n", 7)
+    assert client.upstream_request == {**asked, "dry_penalty_last_n": 7} and client.source == sc.MARGIN_SOURCE_CLIENT
+
+    # The window matters, or the server's default is unknown: no marker.
+    for unmarked, profile in (({**request, "dry_multiplier": 0.8}, server),
+                              ({**request, "dry_penalty_last_n": 32}, server),
+                              (request, UpstreamProfile(engine="llama-server", llama_server=True)),
+                              (request, UpstreamProfile(engine="llama-server", llama_server=True,
+                                                        default_dry_multiplier=0.5, default_dry_penalty_last_n=64)),
+                              (request, OPENAI_COMPATIBLE)):
+        plan = plan_request(NATIVE, unmarked, profile)
+        assert with_marker(plan, unmarked, profile, "dry_penalty_last_n", 7) is plan

@@ -136,7 +136,7 @@ def _native(documents: list[dict[str, Any]]) -> UpstreamAnswer:
     }
     if isinstance(last.get("tokens_evaluated"), int):
         response["usage"] = {"prompt_tokens": last["tokens_evaluated"]}
-    slot = last.get("id_slot") if isinstance(last.get("id_slot"), int) else None
+    slot = last.get("id_slot") if isinstance(last.get("id_slot"), int) and last["id_slot"] >= 0 else None
     answer = UpstreamAnswer(response, slot=slot, error=error)
     _fill_prompt_tokens(response)
     _convert_probabilities(answer)

@@ -8,11 +8,17 @@ state goes into the cache), ``looking for better prompt`` with one line per cach
 The cache lines are at trace level: start llama-server with ``-lv 4`` (or ``--verbose``) and
 ``--log-file FILE`` (or its standard error in a file).
 
+Per task the log also says what an answer reports back, which is how a request is told from the
+others in flight (:mod:`llama_server_tasks`): the sampling parameters the task runs with (among
+them ``dry_penalty_last_n``, which the proxy may set as a marker), ``task.n_tokens``, ``cached
+n_tokens`` (the tokens kept from the slot's state), and the evaluated and generated counts of its
+timing lines.
+
 :class:`LogFollower` reads those lines in order and keeps a model of the cache — which task's state
 each cached prompt is — so that a restore names the earlier *task* whose state came back. Where
 the log leaves a doubt (two cached prompts of the same length and similarity, a cache entry the
 model did not see stored), the decision says so (``source_task`` ``None`` and ``doubt``) instead of
-guessing. Matching tasks to HTTP requests is the proxy's business (:mod:`proxy`).
+guessing. Matching tasks to HTTP requests is :mod:`llama_server_tasks`'s business.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ _SELECTED = re.compile(_SLOT + r"selected slot by (?P<how>LCP similarity|LRU|id)
 _PROCESSING = re.compile(_SLOT + r"processing task")
 _NEW_PROMPT = re.compile(_SLOT + r"new prompt, .*task\.n_tokens = (?P<n>\d+)")
 _RELEASED = re.compile(_SLOT + r"stop processing: n_tokens = (?P<n>\d+)")
+_SAMPLER_PARAMS = re.compile(_SLOT + r"sampler params:")
+_DRY_LAST_N = re.compile(r"^\s+.*\bdry_penalty_last_n = (?P<n>-?\d+)")
+_CACHED = re.compile(_SLOT + r"cached n_tokens = (?P<n>\d+)")
+_PROMPT_EVAL = re.compile(_SLOT + r"prompt eval time = .*/\s*(?P<n>\d+) tokens")
+_EVAL = re.compile(_SLOT + r"\s*eval time = .*/\s*(?P<n>\d+) tokens")
 _CONTEXT = re.compile(r"llama_context: (?P<name>n_ctx|n_batch|n_ubatch)\s+= (?P<value>\d+)")
 _FLASH_SET = re.compile(r"llama_context: flash_attn\s+= (?P<value>enabled|disabled)")
 _FLASH_RESOLVED = re.compile(r"Flash Attention (?P<value>enabled|disabled)")
@@ -50,6 +61,8 @@ _OLDEST = re.compile(r"removing oldest entry")
 _LOOKING = re.compile(r"- looking for better prompt")
 _CANDIDATE = re.compile(r"- prompt with length\s+(?P<n>\d+), lcp =\s+(?P<lcp>\d+), "
                         r"f_keep = (?P<keep>[\d.]+), f_sim = (?P<sim>[\d.]+)")
+_CACHE_STATE = re.compile(r"- cache state: (?P<n>\d+) prompts")
+_LISTED = re.compile(r"- prompt (?P<address>(?:0x)?[0-9a-fA-F]+):\s+(?P<n>\d+) tokens")
 _FOUND = re.compile(r"- found better prompt with f_keep = (?P<keep>[\d.]+), f_sim = (?P<sim>[\d.]+)")
 
 SELECTED_BY = {"LCP similarity": "lcp_similarity", "LRU": "lru", "id": "id"}
@@ -85,12 +98,26 @@ class TaskDecision:
     """The server looked in its prompt cache for this task (``restore`` says what it found)."""
     prompt_tokens: Optional[int] = None
     """``task.n_tokens`` (filled when the server logs the new prompt, after the decision)."""
+    index: int = 0
+    """The task's place among the tasks the log showed starting (0, 1, ...)."""
+    marker: Optional[int] = None
+    """``dry_penalty_last_n`` of the task's sampling parameters (the proxy's marker, where it set one)."""
+    previous_task: Optional[int] = None
+    """Without a restore: the task whose state the slot still held (``None``: an empty or unknown state)."""
+    cached_tokens: Optional[int] = None
+    """``cached n_tokens``: the tokens of the slot's state the task kept (its first such line)."""
+    evaluated_tokens: Optional[int] = None
+    """The prompt tokens the task computed (its ``prompt eval time`` line: an answer's ``prompt_n``)."""
+    generated_tokens: Optional[int] = None
+    """The tokens the task generated (its ``eval time`` line: ``predicted_n``); set once its timings are out."""
 
 
 @dataclass
 class _CachedPrompt:
     length: int
     source_task: Optional[int]
+    address: Optional[str] = None
+    """Where llama-server keeps it, as its cache listing prints it (the entry's identity between listings)."""
 
 
 @dataclass
@@ -115,6 +142,14 @@ class LogParser:
         self._state_length_of_slot: dict[int, int] = {}
         self._storing: Optional[_CachedPrompt] = None
         self._idle_slot: Optional[int] = None  # an idle slot being saved (--cache-idle-slots)
+        self._listing: Optional[list[tuple[str, int]]] = None  # the cache listing being read
+        self._listing_size = 0
+        self._alike: Optional[tuple[Restore, list[_CachedPrompt]]] = None  # a restore the next listing decides
+        self._restored_entry: Optional[_CachedPrompt] = None
+        self._params_slot: Optional[int] = None  # the slot whose sampling parameters are being printed
+        self._marker_of_slot: dict[int, int] = {}
+        self.started_count = 0
+        """Tasks the log showed starting so far."""
         self.decisions: dict[int, TaskDecision] = {}
         self.settings: dict[str, object] = {}
         """Server settings the log states at start-up (``cache_ram_mib``: the prompt cache's limit, -1 none)."""
@@ -125,6 +160,7 @@ class LogParser:
         line = _ANSI.sub("", line)
         pending = self._pending
         if (m := _SELECTED.search(line)) is not None:
+            self._idle_slot = None  # an empty idle slot saves nothing
             pending.slot, pending.selected_by = int(m["slot"]), SELECTED_BY[m["how"]]
             pending.similarity = float(m["sim"]) if m["sim"] else None
         elif (m := _SAVING.search(line)) is not None:
@@ -139,7 +175,15 @@ class LogParser:
             if self._cache:
                 self._cache.pop(0)  # never the one being stored: llama-server makes room before adding it
         elif _LOOKING.search(line):
-            pending.candidates, pending.looked_up, self._storing = [], True, None
+            pending.candidates, pending.looked_up, self._storing, self._idle_slot = [], True, None, None
+        elif (m := _CACHE_STATE.search(line)) is not None:
+            self._listing, self._listing_size = [], int(m["n"])
+            if self._listing_size == 0:
+                self._reconcile()
+        elif self._listing is not None and (m := _LISTED.search(line)) is not None:
+            self._listing.append((m["address"], int(m["n"])))
+            if len(self._listing) == self._listing_size:
+                self._reconcile()
         elif (m := _IDLE_SAVE.search(line)) is not None:
             self._idle_slot = int(m["slot"])
         elif (m := _CANDIDATE.search(line)) is not None:
@@ -149,9 +193,24 @@ class LogParser:
         elif (m := _PROCESSING.search(line)) is not None:
             return self._started(int(m["slot"]), int(m["task"]))
         elif (m := _NEW_PROMPT.search(line)) is not None:
-            decision = self.decisions.get(int(m["task"]))
-            if decision is not None:
+            if (decision := self.decisions.get(int(m["task"]))) is not None:
                 decision.prompt_tokens = int(m["n"])
+        elif (m := _CACHED.search(line)) is not None:
+            # The first line says what was kept; later ones report progress through the prompt's batches.
+            if (decision := self.decisions.get(int(m["task"]))) is not None and decision.cached_tokens is None:
+                decision.cached_tokens = int(m["n"])
+        elif (m := _PROMPT_EVAL.search(line)) is not None:
+            if (decision := self.decisions.get(int(m["task"]))) is not None:
+                decision.evaluated_tokens = int(m["n"])
+        elif (m := _EVAL.search(line)) is not None:
+            if (decision := self.decisions.get(int(m["task"]))) is not None:
+                decision.generated_tokens = int(m["n"])
+        elif (m := _SAMPLER_PARAMS.search(line)) is not None:
+            self._params_slot = int(m["slot"])
+        elif self._params_slot is not None and (m := _DRY_LAST_N.search(line)) is not None:
+            # A line of the parameters block (one log entry, so no other line comes between).
+            self._marker_of_slot[self._params_slot] = int(m["n"])
+            self._params_slot = None
         elif (m := _CONTEXT.search(line)) is not None:
             self.numerics[m["name"]] = int(m["value"])
         elif (m := _FLASH_SET.search(line) or _FLASH_RESOLVED.search(line)) is not None:
@@ -187,11 +246,56 @@ class LogParser:
         self._storing = _CachedPrompt(length, source)
         self._cache.append(self._storing)
 
+    def _reconcile(self) -> None:
+        """The model of the cache against llama-server's own listing of it (after every cache update).
+
+        Lengths in the same order: the model holds, and learns each entry's address. Otherwise the
+        listing wins: an entry keeps its origin only where its address (and length) or, for one not
+        listed before, a single model entry of its length says which it is.
+        """
+        listed, self._listing = self._listing or [], None
+        restored, self._restored_entry = self._restored_entry, None
+        if self._alike is not None:
+            restore, alike = self._alike
+            self._alike = None
+            addresses = {address for address, _ in listed}
+            gone = [entry for entry in alike if entry.address is not None and entry.address not in addresses]
+            if len(gone) == 1 and all(entry.address is not None for entry in alike):
+                restore.source_task = gone[0].source_task
+                restore.doubt = None if gone[0].source_task is not None else \
+                    "the cached prompt was stored from a state the log did not follow"
+                self._cache.remove(gone[0])
+        if [entry.length for entry in self._cache] == [length for _, length in listed]:
+            for entry, (address, _) in zip(self._cache, listed):
+                entry.address = address
+            return
+        # The entry last restored counts among the model's: a listing that still shows it (a log that
+        # contradicts itself) keeps its origin.
+        known = self._cache + ([restored] if restored is not None else [])
+        by_address = {entry.address: entry for entry in known if entry.address}
+        unlisted = [entry for entry in known if entry.address is None]
+        rebuilt = []
+        for address, length in listed:
+            entry = by_address.get(address)
+            if entry is None or entry.length != length:
+                alike = [e for e in unlisted if e.length == length]
+                entry = alike[0] if len(alike) == 1 else _CachedPrompt(length, None)
+                if entry in unlisted:
+                    unlisted.remove(entry)
+            entry.address = address
+            rebuilt.append(entry)
+        self._cache = rebuilt
+
     def _drop_length(self, length: int) -> None:
-        for i, entry in enumerate(self._cache):
-            if entry.length == length and entry is not self._storing:
-                del self._cache[i]
-                return
+        # llama-server drops the cached prompt the new state contains; the line gives only its length,
+        # so where several have it the model cannot say which went, nor whose the others are.
+        alike = [entry for entry in self._cache if entry.length == length and entry is not self._storing]
+        if not alike:
+            return
+        self._cache.remove(alike[0])
+        if len(alike) > 1:
+            for entry in alike[1:]:
+                entry.source_task = None
 
     def _restored(self, keep: str, sim: str) -> Restore:
         chosen = [c for c in self._pending.candidates if (c[2], c[3]) == (keep, sim)]
@@ -201,6 +305,11 @@ class LogParser:
         restore = Restore(length, common_prefix, float(sim), float(keep))
         if len(chosen) > 1:
             restore.doubt = f"{len(chosen)} cached prompts have the same length and similarity"
+            if len(self._pending.candidates) == len(self._cache):
+                # The listing that follows shows which of them left the cache: that one was restored.
+                candidates = self._pending.candidates
+                self._alike = (restore, [self._cache[i] for i, c in enumerate(candidates) if (c[2], c[3]) == (keep, sim)
+                                         and c[0] == length])
             return restore
         index = self._pending.candidates.index(chosen[-1])
         if len(self._pending.candidates) != len(self._cache) or self._cache[index].length != length:
@@ -211,6 +320,7 @@ class LogParser:
                 self._cache.remove(matching[0])
             return restore
         entry = self._cache.pop(index)
+        self._restored_entry = entry
         restore.source_task = entry.source_task
         if entry.source_task is None:
             restore.doubt = "the cached prompt was stored from a state the log did not follow"
@@ -218,13 +328,16 @@ class LogParser:
 
     def _started(self, slot: int, task: int) -> TaskDecision:
         pending = self._pending
-        decision = TaskDecision(task, slot)
+        decision = TaskDecision(task, slot, index=self.started_count, marker=self._marker_of_slot.pop(slot, None))
+        self.started_count += 1
         if pending.slot == slot:
             decision.selected_by, decision.slot_similarity = pending.selected_by, pending.similarity
             decision.restore, decision.looked_up = pending.restore, pending.looked_up
             if decision.restore is not None:
                 # The restored state is now the slot's: a later save of this slot stores it again.
                 self._state_length_of_slot[slot] = decision.restore.length
+        if decision.restore is None:
+            decision.previous_task = self._last_task_of_slot.get(slot)
         self._pending = _Pending()
         self.decisions[task] = decision
         while len(self.decisions) > 4096:

@@ -27,7 +27,7 @@ and its logprobs give the margins (none when it asked for fewer than two alterna
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from kvtrace import semconv as sc
@@ -62,6 +62,9 @@ class UpstreamProfile:
     version: str = ""
     weight_format: str = ""
     total_slots: Optional[int] = None
+    default_dry_multiplier: float = 0.0
+    default_dry_penalty_last_n: Optional[int] = None
+    """llama-server's DRY defaults: with DRY off, ``dry_penalty_last_n`` changes nothing and may carry a marker."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Server-wide settings worth recording (context size, slots, model)."""
 
@@ -159,6 +162,19 @@ def _plan_openai(endpoint: str, request: dict[str, Any]) -> MarginPlan:
 
 def _client_source(alternatives: int) -> str:
     return sc.MARGIN_SOURCE_CLIENT if alternatives >= TOP_ALTERNATIVES else sc.MARGIN_SOURCE_UNAVAILABLE
+
+
+def with_marker(plan: MarginPlan, request: dict[str, Any], profile: UpstreamProfile, name: str,
+                marker: int) -> MarginPlan:
+    """The plan with ``name: marker`` added to the upstream request and its echo set back, where the
+    field changes nothing the server computes (llama-server, DRY off, the client did not set it)."""
+    if not profile.llama_server or profile.default_dry_penalty_last_n is None or name in request:
+        return plan
+    multiplier = request.get("dry_multiplier", profile.default_dry_multiplier)
+    if not isinstance(multiplier, (int, float)) or multiplier != 0:
+        return plan
+    upstream = {**(plan.upstream_request or request), name: marker}
+    return replace(plan, upstream_request=upstream, cuts=plan.cuts + ((name, profile.default_dry_penalty_last_n),))
 
 
 def cut(plan: MarginPlan, text: str) -> str:

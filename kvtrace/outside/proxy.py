@@ -21,6 +21,9 @@ Per traced request:
   recorded on the span; an unreachable upstream gets a 502 from the proxy, recorded too. Tracing
   never fails a request: if reading the request, planning or recording goes wrong, the request is
   forwarded as the client sent it and the failure is counted (``instrumentation_errors``).
+* **llama-server's log** (``--llama-server-log``): :mod:`llama_server_tasks` ties each request to
+  its task (the proxy may add a marker to the upstream request for it) and checks the state the
+  task kept.
 
 HTTP/1.1 is h11 on both sides: :mod:`http1` serves the clients (blocking sockets, a thread per
 connection, the limits of docs/proxy-limits.md), :mod:`upstream` talks to the server over
@@ -34,8 +37,6 @@ import json
 import logging
 import signal
 import threading
-import time
-from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -49,13 +50,15 @@ from kvtrace.outside import answers
 from kvtrace.outside.http1 import ClientGone, Headers, Request, Responder, Server
 from kvtrace.outside.limits import Limits
 from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
+from kvtrace.outside.llama_server_tasks import (MARKER_FIELD, TaskProvenance, fingerprint, json_post,
+                                                server_tokenizer)
 from kvtrace.outside.margin_request import (ENDPOINTS, NATIVE, OPENAI_COMPATIBLE, MarginPlan, UpstreamProfile, cut,
-                                            plan_request)
+                                            plan_request, with_marker)
 from kvtrace.outside.openai_exchange import TextHasher, fill_record, parse_exchange
 from kvtrace.outside.recorder import trace_headers
 from kvtrace.outside.upstream import Upstream, UpstreamBrokeOff, UpstreamResponse, UpstreamUnreachable
 from kvtrace.recording.recorder import Recorder, get_recorder
-from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
+from kvtrace.recording.records import CacheEvent, RequestRecord
 
 log = logging.getLogger("kvtrace.proxy")
 
@@ -84,8 +87,16 @@ class Traced:
     profile: UpstreamProfile
     task: Optional[TaskDecision] = None
     """llama-server's task for this request, from its log (``--llama-server-log``)."""
-    overlapped: bool = False
-    """Another request was in flight with this one: its task cannot be told from the log alone."""
+    match: Optional[str] = None
+    """How ``task`` was found (a ``TASK_MATCH_*`` value)."""
+    marker: Optional[int] = None
+    """The marker the proxy set on the upstream request (``llama_server_tasks``), if it could."""
+    not_before: int = 0
+    """Tasks the log had shown starting when the request went upstream: none of them is its own."""
+    answer: Any = None
+    """What the answer says about its task (``llama_server_tasks.Fingerprint``), once read."""
+    prompt_chain: Any = None
+    """The prompt's token hash chain (``llama_server_tasks.PromptChains``), for the integrity check."""
 
 
 class UpstreamProfiles:
@@ -133,6 +144,8 @@ def llama_server_profile(props: dict[str, Any]) -> UpstreamProfile:
     slots = props.get("total_slots")
     settings = {"total_slots": slots, "n_ctx": defaults.get("n_ctx"), "model_path": props.get("model_path"),
                 "cache_prompt_default": params.get("cache_prompt")}
+    dry_last_n = params.get("dry_penalty_last_n")
+    dry_multiplier = params.get("dry_multiplier")
     return UpstreamProfile(
         engine="llama-server",
         llama_server=True,
@@ -141,6 +154,8 @@ def llama_server_profile(props: dict[str, Any]) -> UpstreamProfile:
         version=str(props.get("build_info") or ""),
         weight_format=weight_format_name(str(props.get("model_ftype") or "")),
         total_slots=slots if isinstance(slots, int) else None,
+        default_dry_multiplier=float(dry_multiplier) if isinstance(dry_multiplier, (int, float)) else 1.0,
+        default_dry_penalty_last_n=dry_last_n if isinstance(dry_last_n, int) else None,
         settings={k: v for k, v in settings.items() if v is not None},
     )
 
@@ -162,7 +177,8 @@ class ProxyApp:
                  llama_server_log: Optional[Path] = None):
         self.upstream_url = upstream.rstrip("/")
         self.upstream = Upstream(self.upstream_url)
-        self.provenance = TaskProvenance(LogFollower(llama_server_log)) if llama_server_log else None
+        self.provenance = TaskProvenance(LogFollower(llama_server_log), server_tokenizer(json_post(self.upstream))) \
+            if llama_server_log else None
         self._recorder = recorder
         self.profiles = UpstreamProfiles(self.upstream)
         self._hasher: Optional[TextHasher] = None
@@ -236,7 +252,6 @@ class ProxyApp:
             responder.end(out)
         except ClientGone:
             pass  # the client left; the request still happened and is recorded
-        self._find_task(traced)
         self._finish(traced, response.status, lambda: answers.whole_answer(traced.plan.endpoint, body.decode("utf-8")))
 
     def _stream(self, response: UpstreamResponse, responder: Responder, traced: Traced) -> None:
@@ -252,7 +267,6 @@ class ProxyApp:
             except ClientGone:
                 gone = True
         raw = bytes(kept)
-        self._find_task(traced)
         self._finish(traced, response.status, lambda: answers.streamed_answer(traced.plan.endpoint, raw),
                      cancelled=gone, broken=broken)
 
@@ -310,13 +324,20 @@ class ProxyApp:
 
     # --- tracing: never fails the request ---------------------------------------------------
 
-    def _find_task(self, traced: Traced) -> None:
-        if self.provenance is None:
+    def _read_log(self, traced: Traced, record: RequestRecord, recorder: Recorder, answer: answers.UpstreamAnswer,
+                  cached_tokens: Optional[int]) -> None:
+        """The request's task from llama-server's log, its cache decisions and their integrity, on the record."""
+        provenance = self.provenance
+        if provenance is None:
             return
         try:
-            self.provenance.find(traced)
+            provenance.find(traced, fingerprint(answer.response, answer.slot))
+            provenance.prepare_chain(traced, recorder.settings.hash_key, traced.plan.endpoint)
+            provenance.describe(traced, record, cached_tokens)
+            provenance.remember(traced, record)
         except Exception:
-            self._count_failure("reading llama-server's log")
+            self.count("instrumentation_errors")
+            log.warning("kvtrace proxy: reading llama-server's log for a request failed", exc_info=True)
 
     def _begin(self, request: Request, endpoint: str) -> Optional[Traced]:
         try:
@@ -328,12 +349,18 @@ class ProxyApp:
                 return None  # the upstream will say what is wrong with it
             profile = self.profiles.get()
             plan = plan_request(endpoint, body, profile)
+            marker = None
+            if self.provenance is not None:
+                candidate = self.provenance.next_marker()
+                marked = with_marker(plan, body, profile, MARKER_FIELD, candidate)
+                if marked is not plan:
+                    plan, marker = marked, candidate
             token = otel_context.attach(propagate.extract(_header_carrier(request.headers)))
             try:
                 record = recorder.start_request(profile.engine, model=str(body.get("model") or ""))
             finally:
                 otel_context.detach(token)
-            return Traced(record, body, plan, profile)
+            return Traced(record, body, plan, profile, marker=marker)
         except ValueError:
             return None  # not JSON: forwarded as it is, the upstream answers it
         except Exception:
@@ -342,6 +369,14 @@ class ProxyApp:
 
     def _finish(self, traced: Traced, status: int, read_answer: Callable[[], answers.UpstreamAnswer],
                 cancelled: bool = False, broken: Optional[str] = None) -> None:
+        try:
+            self._record(traced, status, read_answer, cancelled, broken)
+        finally:
+            if self.provenance is not None:
+                self.provenance.abandon(traced)  # matched or not, it no longer waits for a task
+
+    def _record(self, traced: Traced, status: int, read_answer: Callable[[], answers.UpstreamAnswer],
+                cancelled: bool, broken: Optional[str]) -> None:
         try:
             recorder = self._recorder()
         except Exception:
@@ -358,12 +393,6 @@ class ProxyApp:
                                str(exc)[:200])
             return
         recorder.finish(record)  # never raises
-        if self.provenance is not None:
-            try:
-                self.provenance.finished(traced, record)
-            except Exception:
-                self.count("instrumentation_errors")
-                log.warning("kvtrace proxy: remembering a request's llama-server task failed", exc_info=True)
 
     def _filled(self, traced: Traced, recorder: Recorder, status: int, answer: answers.UpstreamAnswer,
                 cancelled: bool, broken: Optional[str]) -> RequestRecord:
@@ -390,8 +419,7 @@ class ProxyApp:
             record.error, record.error_detail = "upstream error", answer.error
         elif broken:
             record.error = broken
-        if self.provenance is not None:
-            self.provenance.describe(traced, record)
+        self._read_log(traced, record, recorder, answer, exchange.cached_tokens)
         if record.reused_tokens > 0:
             # What the server reported reusing, as the engine patches record a reuse.
             record.events.append(CacheEvent(sc.EVENT_CACHE_REUSE, record.cache_layer, outcome=sc.OUTCOME_HIT,
@@ -461,100 +489,6 @@ class ProxyApp:
                 recorder.pipeline.force_flush()
         except Exception:
             log.warning("kvtrace proxy: the spans could not be flushed at shutdown", exc_info=True)
-
-
-class TaskProvenance:
-    """Requests ↔ llama-server tasks (from its log), and what the server's prompt cache did for each.
-
-    llama-server starts tasks in the order requests reach it, so the tasks its log shows starting
-    are given, in order, to the requests sent and not yet given one. That is certain only for a
-    request that was alone in flight; one that overlapped another keeps the task it was given only
-    as ``ambiguous`` (no cache event is attributed), and a task whose prompt length differs from the
-    request's is not taken at all. A restore names the request whose task stored the state.
-    """
-
-    WAIT_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
-    """Pauses to wait for the log to show a finished request's task (llama-server writes it from a thread)."""
-
-    def __init__(self, follower: LogFollower):
-        self.follower = follower
-        self._waiting: deque[Traced] = deque()
-        self._started: deque[TaskDecision] = deque()
-        self._origins: OrderedDict[int, StateOrigin] = OrderedDict()
-        self._lock = threading.Lock()  # requests are served by threads of their own
-
-    def sent(self, traced: Traced) -> None:
-        with self._lock:
-            if self._waiting:
-                traced.overlapped = True
-                for other in self._waiting:
-                    other.overlapped = True
-            self._waiting.append(traced)
-
-    def server_settings(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(cache settings, numerics) the server's log stated, as copies."""
-        with self._lock:
-            parser = self.follower.parser
-            return dict(parser.settings), dict(parser.numerics)
-
-    def abandon(self, traced: Traced) -> None:
-        """A request that failed before a task started (the upstream refused it)."""
-        with self._lock:
-            self._drop(traced)
-
-    def _drop(self, traced: Traced) -> None:
-        for i, waiting in enumerate(self._waiting):
-            if waiting is traced:
-                del self._waiting[i]
-                return
-
-    def find(self, traced: Traced) -> None:
-        for pause in (0.0, *self.WAIT_S):
-            if pause:
-                time.sleep(pause)
-            with self._lock:
-                self._started.extend(self.follower.poll())
-                while self._started and self._waiting:
-                    self._waiting.popleft().task = self._started.popleft()
-                if not any(waiting is traced for waiting in self._waiting):
-                    return
-        self.abandon(traced)  # its task never showed: it gets none
-
-    def describe(self, traced: Traced, record: RequestRecord) -> None:
-        decision = traced.task
-        if decision is None:
-            record.config[sc.SERVER_TASK_MATCH] = sc.TASK_MATCH_NONE
-            return
-        if decision.prompt_tokens is not None and record.prompt_tokens and decision.prompt_tokens != record.prompt_tokens:
-            traced.task = None  # not this request's task after all
-            record.config[sc.SERVER_TASK_MATCH] = sc.TASK_MATCH_NONE
-            return
-        if traced.overlapped:
-            record.config[sc.SERVER_TASK_MATCH] = sc.TASK_MATCH_AMBIGUOUS
-            return
-        record.config[sc.SERVER_TASK_MATCH] = sc.TASK_MATCH_LOG
-        record.config[sc.SERVER_SLOT_ID] = decision.slot
-        record.config[sc.SERVER_TASK_ID] = decision.task
-        restore = decision.restore
-        if restore is not None:
-            with self._lock:
-                origin = self._origins.get(restore.source_task) if restore.source_task is not None else None
-            record.events.append(CacheEvent(
-                sc.EVENT_CACHE_RESTORE, sc.LAYER_PROMPT_CACHE, outcome=sc.OUTCOME_HIT, tokens=restore.length,
-                prefix_tokens=restore.common_prefix, source=origin,
-                reason=None if origin is not None else sc.REASON_SOURCE_UNKNOWN))
-            if record.reused_tokens > 0:
-                record.cache_layer = sc.LAYER_PROMPT_CACHE
-                record.state_origin = origin
-        elif decision.looked_up:
-            record.events.append(CacheEvent(sc.EVENT_CACHE_LOOKUP, sc.LAYER_PROMPT_CACHE, outcome=sc.OUTCOME_MISS))
-
-    def finished(self, traced: Traced, record: RequestRecord) -> None:
-        if traced.task is not None and not traced.overlapped:
-            with self._lock:
-                self._origins[traced.task.task] = record.origin()
-                while len(self._origins) > 4096:
-                    self._origins.popitem(last=False)
 
 
 # --- HTTP plumbing ---------------------------------------------------------------------------

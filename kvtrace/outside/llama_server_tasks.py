@@ -1,0 +1,393 @@
+"""Requests ↔ llama-server tasks (from its log), what its caches did for each, and whether that state was
+the request's own.
+
+A request is tied to its task by what both sides say, never by arrival order alone (docs/proxy.md):
+
+* ``marker``: the proxy set ``dry_penalty_last_n`` (inert while DRY is off) to a number no other
+  request in flight has, and the log prints each task's sampling parameters: the task with that
+  number is the request's.
+* ``timings``: the answer's counts (prompt tokens, computed tokens, generated tokens, and the slot on
+  the native endpoint) equal those of exactly one task that started after the request was sent, and
+  no other unmarked request still waiting could own that task.
+* ``ambiguous``: several tasks fit, or another waiting request could own the one that fits; no task
+  and no cache decision is attributed. ``none``: no task in the log fits.
+
+For a matched task the state it kept (a prompt-cache restore, or the slot's previous task) is
+checked (:class:`PromptChains`): the kept tokens must be the prompt's own prefix as the proxy saw
+both requests, and the log's kept count must be the answer's ``cached_tokens``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import struct
+import threading
+import time
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from kvtrace import semconv as sc
+from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
+from kvtrace.outside.upstream import UpstreamBrokeOff, UpstreamUnreachable
+from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
+
+if TYPE_CHECKING:
+    from kvtrace.outside.proxy import Traced
+
+MARKER_BASE = 1 << 20
+"""Markers are ``MARKER_BASE + n``: far from any ``dry_penalty_last_n`` a client would set."""
+MARKER_SPAN = 1 << 16
+MARKER_FIELD = "dry_penalty_last_n"
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What an answer says about its task (``None``: the answer did not say)."""
+
+    prompt_tokens: Optional[int]
+    evaluated_tokens: Optional[int]
+    generated_tokens: Optional[int]
+    slot: Optional[int]
+
+    @property
+    def has_timings(self) -> bool:
+        return self.evaluated_tokens is not None and self.generated_tokens is not None
+
+    def fits(self, task: TaskDecision) -> bool:
+        pairs = ((self.prompt_tokens, task.prompt_tokens), (self.evaluated_tokens, task.evaluated_tokens),
+                 (self.generated_tokens, task.generated_tokens), (self.slot, task.slot))
+        return all(mine is None or mine == theirs for mine, theirs in pairs)
+
+
+def fingerprint(response: dict[str, Any], slot: Optional[int]) -> Fingerprint:
+    usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
+    timings = response.get("timings") if isinstance(response.get("timings"), dict) else {}
+
+    def number(value: Any) -> Optional[int]:
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    return Fingerprint(number(usage.get("prompt_tokens")), number(timings.get("prompt_n")),
+                       number(timings.get("predicted_n")), slot)
+
+
+class PromptChains:
+    """Keyed prefix hashes of each task's state (prompt tokens, then generated ids), bounded.
+
+    Only hashes are kept, whatever the capture mode: entry ``i`` hashes the first ``i + 1`` tokens,
+    so two states agree on their first ``n`` tokens exactly when entry ``n - 1`` is equal.
+    """
+
+    MAX_TOKENS = 2_000_000
+    MAX_TASKS = 4096
+
+    def __init__(self, key: bytes):
+        self._key = hashlib.blake2b(key + b"kvtrace.prompt_chain", digest_size=32).digest()
+        self._chains: OrderedDict[int, array] = OrderedDict()
+        self._tokens = 0
+
+    def chain(self, tokens: list[int], after: Optional[array] = None) -> array:
+        """The chain of ``tokens`` (continuing ``after``, the chain of the tokens before them)."""
+        out = array("Q", after or ())
+        state = out[-1].to_bytes(8, "little") if out else b""
+        for token in tokens:
+            state = hashlib.blake2b(state + struct.pack("<q", token), key=self._key, digest_size=8).digest()
+            out.append(int.from_bytes(state, "little"))
+        return out
+
+    def keep(self, task: int, chain: array) -> None:
+        self._chains[task] = chain
+        self._tokens += len(chain)
+        while self._chains and (self._tokens > self.MAX_TOKENS or len(self._chains) > self.MAX_TASKS):
+            _, dropped = self._chains.popitem(last=False)
+            self._tokens -= len(dropped)
+
+    def get(self, task: Optional[int]) -> Optional[array]:
+        return self._chains.get(task) if task is not None else None
+
+
+def common_prefix(a: array, b: array) -> int:
+    """Tokens two chains share from the start (a chain entry equal means every earlier one is)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[middle - 1] == b[middle - 1]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+class TaskProvenance:
+    """Ties each traced request to its task in llama-server's log and records what the log says of it."""
+
+    WAIT_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
+    """Pauses to wait for the log to show a finished request's task (llama-server writes it from a thread)."""
+    REMEMBER_WAIT_S = (*WAIT_S, 0.5, 0.5, 1.0)
+    """Pauses to wait for the request of a state a task kept to be remembered (a proxy-marked task's)."""
+    MAX_UNCLAIMED = 4096
+
+    def __init__(self, follower: LogFollower, tokenize: Optional[Callable[[dict[str, Any], str], Optional[list[int]]]]
+                 = None):
+        self.follower = follower
+        self._tokenize = tokenize
+        """(request, endpoint) → the prompt's token ids as the server tokenizes them, or ``None``."""
+        self._unclaimed: OrderedDict[int, TaskDecision] = OrderedDict()
+        self._waiting: list[Traced] = []
+        self._origins: OrderedDict[int, StateOrigin] = OrderedDict()
+        self._chains: Optional[PromptChains] = None
+        self._markers = itertools.count()
+        self._unremembered: set[int] = set()  # tasks matched whose request's state is not remembered yet
+        self._lock = threading.Lock()  # requests are served by threads of their own
+
+    # --- the request's way through ---------------------------------------------------------
+
+    def next_marker(self) -> int:
+        with self._lock:
+            return MARKER_BASE + next(self._markers) % MARKER_SPAN
+
+    def sent(self, traced: Traced) -> None:
+        """Just before the request goes upstream: the tasks the log shows now cannot be its own."""
+        with self._lock:
+            self._poll()
+            traced.not_before = self.follower.parser.started_count
+            self._waiting.append(traced)
+
+    def abandon(self, traced: Traced) -> None:
+        """A request done with (or refused before a task started): it waits for nothing any more."""
+        with self._lock:
+            self._drop(traced)
+            if traced.task is not None:
+                self._unremembered.discard(traced.task.task)
+
+    def server_settings(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(cache settings, numerics) the server's log stated, as copies."""
+        with self._lock:
+            parser = self.follower.parser
+            return dict(parser.settings), dict(parser.numerics)
+
+    def find(self, traced: Traced, answer: Fingerprint) -> None:
+        """Ties the request to its task (``traced.task``, ``traced.match``), waiting a little for the log
+        to show it and for other waiting requests that could own it to read their answers."""
+        outcome: tuple[str, Optional[TaskDecision]] = (sc.TASK_MATCH_NONE, None)
+        with self._lock:
+            traced.answer = answer
+        seen = None
+        for pause in (0.0, *self.WAIT_S):
+            if pause:
+                time.sleep(pause)
+            with self._lock:
+                self._poll()
+                outcome, final = self._match(traced, answer)
+            # A marker is certain at once; counts only once a second read of the log still says so
+            # (the task the answer came from may be a line or two behind in the file).
+            if final and (traced.marker is not None or outcome == seen):
+                break
+            seen = outcome if final else None
+        with self._lock:
+            traced.match, task = outcome
+            if task is not None:
+                traced.task = task
+                self._unclaimed.pop(task.task, None)
+                self._unremembered.add(task.task)
+            self._drop(traced)
+
+    def describe(self, traced: Traced, record: RequestRecord, answer_cached: Optional[int]) -> None:
+        """The match, the task's slot and id, its cache decisions and the integrity verdict, on the record."""
+        record.config[sc.SERVER_TASK_MATCH] = traced.match or sc.TASK_MATCH_NONE
+        decision = traced.task
+        if decision is None:
+            return
+        record.config[sc.SERVER_SLOT_ID] = decision.slot
+        record.config[sc.SERVER_TASK_ID] = decision.task
+        restore = decision.restore
+        source_task = restore.source_task if restore is not None else decision.previous_task
+        self._wait_for(source_task)
+        with self._lock:
+            origin = self._origins.get(source_task) if source_task is not None else None
+        if restore is not None:
+            record.events.append(CacheEvent(
+                sc.EVENT_CACHE_RESTORE, sc.LAYER_PROMPT_CACHE, outcome=sc.OUTCOME_HIT, tokens=restore.length,
+                prefix_tokens=restore.common_prefix, source=origin,
+                reason=None if origin is not None else sc.REASON_SOURCE_UNKNOWN))
+            if record.reused_tokens > 0:
+                record.cache_layer = sc.LAYER_PROMPT_CACHE
+                record.state_origin = origin
+        elif decision.looked_up:
+            record.events.append(CacheEvent(sc.EVENT_CACHE_LOOKUP, sc.LAYER_PROMPT_CACHE, outcome=sc.OUTCOME_MISS))
+        if restore is None and record.reused_tokens > 0 and origin is not None:
+            record.state_origin = origin  # the slot's own state: the request that left it there
+        self._verify(traced, record, decision, source_task, origin, answer_cached)
+
+    def remember(self, traced: Traced, record: RequestRecord) -> None:
+        """The request's state (prompt, then generated ids) under its task, for the requests that reuse it."""
+        if traced.task is None:
+            return
+        chain = traced.prompt_chain
+        with self._lock:
+            chains = self._chains
+        if chain is not None and chains is not None:
+            # The slot's state goes on with the generated ids it evaluated (all but the last); with
+            # ids the server did not report, the chain covers the prompt only.
+            engine_ids = record.config.get(sc.OUTPUT_TOKEN_ID_SOURCE) == sc.TOKEN_ID_SOURCE_ENGINE
+            generated = record.output_token_ids[:-1] if engine_ids else []
+            chain = chains.chain(generated, after=chain) if generated else chain
+        with self._lock:
+            self._origins[traced.task.task] = record.origin()
+            while len(self._origins) > 4096:
+                self._origins.popitem(last=False)
+            if chain is not None and chains is not None:
+                chains.keep(traced.task.task, chain)
+            self._unremembered.discard(traced.task.task)
+
+    def _wait_for(self, task: Optional[int]) -> None:
+        """A state's request may still be being read (its answer went out before it was recorded, and
+        the server's HTTP threads may all be busy with generations when the proxy tokenizes)."""
+        for pause in self.REMEMBER_WAIT_S:
+            with self._lock:
+                unclaimed = self._unclaimed.get(task) if task is not None else None
+                if task not in self._unremembered and (unclaimed is None or not _is_marker(unclaimed.marker)):
+                    return
+            time.sleep(pause)
+
+    # --- matching -------------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        for decision in self.follower.poll():
+            self._unclaimed[decision.task] = decision
+            while len(self._unclaimed) > self.MAX_UNCLAIMED:
+                self._unclaimed.popitem(last=False)
+
+    def _drop(self, traced: Traced) -> None:
+        self._waiting = [waiting for waiting in self._waiting if waiting is not traced]
+
+    def _match(self, traced: Traced, answer: Fingerprint) -> tuple[tuple[str, Optional[TaskDecision]], bool]:
+        """((how, task), final): final once the log decided; else the outcome if it stays as it is."""
+        after = [t for t in self._unclaimed.values() if t.index >= traced.not_before]
+        if traced.marker is not None:
+            marked = [t for t in after if t.marker == traced.marker]
+            return ((sc.TASK_MATCH_MARKER, marked[0]), True) if marked else ((sc.TASK_MATCH_NONE, None), False)
+        # An unmarked request's task carries no marker of the proxy's, and its timings are out.
+        fitting = [t for t in after if not _is_marker(t.marker) and t.generated_tokens is not None
+                   and answer.fits(t)]
+        if not fitting:
+            return (sc.TASK_MATCH_NONE, None), False
+        if len(fitting) > 1:
+            return (sc.TASK_MATCH_AMBIGUOUS, None), False
+        task = fitting[0]
+        # Another waiting request could own it unless its own answer (once read) does not fit the task.
+        rivals = [w for w in self._waiting if w is not traced and w.marker is None and w.not_before <= task.index
+                  and (w.answer is None or w.answer.fits(task))]
+        if rivals:
+            return (sc.TASK_MATCH_AMBIGUOUS, None), False
+        return ((sc.TASK_MATCH_TIMINGS if answer.has_timings else sc.TASK_MATCH_LOG), task), True
+
+    # --- integrity ------------------------------------------------------------------------------
+
+    def prepare_chain(self, traced: Traced, key: bytes, endpoint: str) -> None:
+        """The request's prompt tokens as the server tokenizes them, kept as a hash chain on ``traced``."""
+        if self._tokenize is None or traced.task is None:
+            return
+        try:
+            tokens = self._tokenize(traced.request, endpoint)
+        except Exception:
+            tokens = None  # an answer the proxy cannot read: the state stays unverifiable, the match stands
+        if tokens is None or (traced.task.prompt_tokens is not None and len(tokens) != traced.task.prompt_tokens):
+            return  # not the server's tokens: nothing to compare with
+        with self._lock:
+            if self._chains is None:
+                self._chains = PromptChains(key)
+            chains = self._chains
+        traced.prompt_chain = chains.chain(tokens)
+
+    def _verify(self, traced: Traced, record: RequestRecord, decision: TaskDecision, source_task: Optional[int],
+                origin: Optional[StateOrigin], answer_cached: Optional[int]) -> None:
+        kept = decision.cached_tokens
+        used = kept if kept is not None else answer_cached
+        # What the state must share with the prompt: what was kept, and what a restore said it shared.
+        claimed = max(used or 0, decision.restore.common_prefix if decision.restore is not None else 0)
+        if claimed == 0:
+            return  # no state was used: nothing to verify
+        violations = []
+        if kept is not None and answer_cached is not None and kept != answer_cached:
+            violations.append(CacheEvent(sc.EVENT_CACHE_INTEGRITY_VIOLATION, _layer(decision), tokens=answer_cached,
+                                         prefix_tokens=kept, reason=sc.INTEGRITY_CACHED_COUNT_DIFFERS, source=origin))
+        with self._lock:
+            state = self._chains.get(source_task) if self._chains is not None else None
+        mine = traced.prompt_chain
+        verdict = sc.INTEGRITY_UNVERIFIABLE
+        if state is not None and mine is not None:
+            shared = common_prefix(state, mine)
+            comparable = min(claimed, len(state), len(mine))
+            if shared < comparable:
+                violations.append(CacheEvent(sc.EVENT_CACHE_INTEGRITY_VIOLATION, _layer(decision), tokens=claimed,
+                                             prefix_tokens=shared, reason=sc.INTEGRITY_FOREIGN_PROMPT, source=origin))
+            elif comparable == claimed:
+                verdict = sc.INTEGRITY_VERIFIED
+        if violations:
+            verdict = sc.INTEGRITY_VIOLATED
+            record.events.extend(violations)
+        record.config[sc.CACHE_INTEGRITY] = verdict
+
+
+def _layer(decision: TaskDecision) -> str:
+    return sc.LAYER_PROMPT_CACHE if decision.restore is not None else sc.LAYER_KV_REUSE
+
+
+def _is_marker(value: Optional[int]) -> bool:
+    return value is not None and MARKER_BASE <= value < MARKER_BASE + MARKER_SPAN
+
+
+# --- the prompt's tokens, as the server makes them ---------------------------------------------------
+
+CHAT_TEMPLATE_FIELDS = ("messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_format")
+
+
+def server_tokenizer(post: Callable[[str, dict[str, Any]], Optional[dict[str, Any]]]):
+    """A ``tokenize`` for :class:`TaskProvenance` that asks the server itself (``/apply-template``, ``/tokenize``).
+
+    ``post(path, body)``: the server's JSON answer, or ``None``. The server renders and tokenizes a chat
+    prompt the way its chat endpoint does, so the ids are those the slot holds.
+    """
+    def tokenize(request: dict[str, Any], endpoint: str) -> Optional[list[int]]:
+        if endpoint == "chat":
+            rendered = post("/apply-template", {k: request[k] for k in CHAT_TEMPLATE_FIELDS if k in request})
+            text = rendered.get("prompt") if isinstance(rendered, dict) else None
+        else:
+            text = request.get("prompt")
+            if isinstance(text, list) and all(isinstance(t, int) for t in text):
+                return list(text)
+        if not isinstance(text, str):
+            return None
+        answer = post("/tokenize", {"content": text, "add_special": True, "parse_special": True})
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            return None
+        return tokens
+
+    return tokenize
+
+
+def json_post(upstream) -> Callable[[str, dict[str, Any]], Optional[dict[str, Any]]]:
+    """``post`` for :func:`server_tokenizer` over the proxy's upstream connections."""
+    def post(path: str, body: dict[str, Any]) -> Optional[dict[str, Any]]:
+        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
+        for _ in range(2):  # these calls change nothing, so one the server closed on is sent again
+            try:
+                answer = upstream.request("POST", path, [(b"content-type", b"application/json")], data, timeout=30.0)
+                try:
+                    raw = answer.read()
+                finally:
+                    answer.close()
+            except (UpstreamUnreachable, UpstreamBrokeOff):
+                continue
+            try:
+                return json.loads(raw) if answer.status == 200 else None
+            except ValueError:
+                return None
+        return None
+
+    return post
