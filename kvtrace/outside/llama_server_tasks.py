@@ -330,7 +330,8 @@ class TaskProvenance:
         if violations:
             verdict = sc.INTEGRITY_VIOLATED
             record.events.extend(violations)
-        record.config[sc.CACHE_INTEGRITY] = verdict
+        if record.cache_integrity != sc.INTEGRITY_VIOLATED:  # as RequestRecord.judge_integrity: a violation stays
+            record.cache_integrity = verdict
 
 
 def _layer(decision: TaskDecision) -> str:
