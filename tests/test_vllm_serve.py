@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -135,13 +136,18 @@ def test_vllm_serve_spans_join_the_callers_trace_and_show_prefix_block_reuse(ser
            ("0af7651916cd43dd8448eb211c80319c", "c0ffee0000000001")]  # same episode trace, new parent
     first = complete(base, SHARED + "then it asks a question", *ids[0], "e0", 0)
     second = complete(base, SHARED + "and writes a short note", *ids[1], "e0", 1)
+    # Then production-like load: 32 requests sharing the prefix, 16 in flight at once, each its own episode.
+    with ThreadPoolExecutor(16) as pool:
+        concurrent = list(pool.map(
+            lambda i: complete(base, SHARED + f"and then step {i} of the plan", f"{i + 1:032x}", f"{i + 1:016x}",
+                               f"c{i}", 0), range(32)))
     stop()
 
     ingest_paths(db, [spool_dir])
     rows = db.query(
         "SELECT run_id, episode_id, turn, TraceId, ParentSpanId, request_id, token_ids, margins, "
-        "reused_tokens, cache_layer, prompt_tokens, engine, source_request_id FROM kvtrace_requests "
-        "ORDER BY Timestamp").result_rows
+        "reused_tokens, cache_layer, prompt_tokens, engine, source_request_id FROM kvtrace_requests FINAL "
+        "WHERE episode_id = 'e0' ORDER BY Timestamp").result_rows
     log_tail = log_path.read_text(errors="replace")[-3000:]
     assert len(rows) == 2, log_tail
     for row, response, turn, (trace_id, parent_id) in zip(rows, (first, second), (0, 1), ids):
@@ -156,6 +162,19 @@ def test_vllm_serve_spans_join_the_callers_trace_and_show_prefix_block_reuse(ser
     # The second prompt shares 100+ tokens with the first: at least its first 32-token blocks hit.
     assert rows[1][8] > 0 and rows[1][8] % 32 == 0 and rows[1][9] == sc.LAYER_PREFIX_BLOCKS == "prefix_blocks"
     assert rows[1][12] == rows[0][5]  # and the hit blocks name the request that stored them
+    # Under concurrency every request is recorded once, with one margin per generated token, and every
+    # prefix hit names the request that stored its blocks and is verified against the prompt's own chain.
+    loaded = db.query(
+        "SELECT r.request_id, length(r.margins), r.reused_tokens, r.source_request_id, "
+        f"t.SpanAttributes['{sc.CACHE_INTEGRITY}'] FROM kvtrace_requests AS r FINAL "
+        "JOIN (SELECT SpanId, any(SpanAttributes) AS SpanAttributes FROM otel_traces GROUP BY SpanId) AS t "
+        "ON t.SpanId = r.SpanId WHERE startsWith(r.episode_id, 'c')").result_rows
+    assert len(loaded) == 32, log_tail
+    assert all(sum(request_id.startswith(response["id"]) for request_id, *_ in loaded) == 1 for response in concurrent)
+    assert all(margins == 8 for _, margins, *_ in loaded)
+    hits = [row for row in loaded if row[2] > 0]
+    assert len(hits) >= 16  # the shared prefix is stored by the first requests and hit by most of the rest
+    assert all(source for _, _, _, source, _ in hits) and all(v == sc.INTEGRITY_VERIFIED for *_, v in hits)
     # No hook failed in any vLLM process (the API process's middleware included).
     stats = read_stats(spool_dir)
     assert stats and sum(s.get("instrumentation_errors", 0) for s in stats) == 0, stats
