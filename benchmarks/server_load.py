@@ -8,7 +8,9 @@ untraced arm that the client alternates block by block, ABBA (a block is twice t
 requests, sent through that many client threads), so drift on a shared machine hits both alike:
 
 * ``vllm``: vLLM's OpenAI server (the module ``vllm serve`` runs) under ``kvtrace run`` with
-  ``KVTRACE_ENABLED=1`` (the plugin), against a second one with ``KVTRACE_DISABLED=1``;
+  ``KVTRACE_ENABLED=1`` (the plugin), against a second one with ``KVTRACE_DISABLED=1``; both stay
+  up side by side (on a machine with few cores the idle one's threads take CPU from the busy one,
+  so read its ratios over many blocks);
 * ``llama-cpp``: ``kvtrace run -- python -m llama_cpp.server`` against the same server with
   ``KVTRACE_DISABLED=1``;
 * ``llama-server``: llama.cpp's server (``-np 4``, the build
@@ -201,10 +203,11 @@ def base_env(root: Path, traced: bool) -> dict:
 
 @contextlib.contextmanager
 def vllm_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm, Arm]]:
-    from kvtrace.testmodels.hf_llama import make_model
-
-    model = make_model(tmp / "hf-tiny")
     python = args.vllm_python
+    model = tmp / "hf-tiny"
+    # Written by vLLM's interpreter: safetensors comes with vLLM, not necessarily with this one.
+    subprocess.run([str(python), "-P", "-c", "import sys; from kvtrace.testmodels.hf_llama import make_model; "
+                    "make_model(__import__('pathlib').Path(sys.argv[1]))", str(model)], check=True)
 
     def argv(port: int, traced: bool) -> list[str]:
         serve = [str(python), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model),
@@ -422,7 +425,8 @@ def growth(label: str, values: list[float], what: str) -> None:
     if len(values) < 2:
         print(f"  RSS {label}: {values[0] if values else 0:.0f} MB ({what}: too few samples for a growth)")
         return
-    first, last = values[0], values[-1]
+    # The first tenth of a soak is warm-up (llama-server's KV cache and prompt cache page in): growth from there.
+    first, last = values[len(values) // 10], values[-1]
     print(f"  RSS {label}: {first:.0f} -> {last:.0f} MB over {what}, growth {100 * (last / first - 1):+.1f} % "
           f"(target < {TARGET_RSS_PCT:g} % over a 20-minute soak)")
 
