@@ -64,7 +64,7 @@ SPAN_BUILD = "recorder.finish (span build)"
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="small", choices=("tiny", "small"))
-    parser.add_argument("--rounds", type=int, default=5, help="rounds; each is all turns of both arms, ABBA request by request")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; each is all turns of both arms, ABBA block by block")
     parser.add_argument("--episodes", type=int, default=8,
                         help="episodes per arm and round (raised to a multiple of the batch size)")
     parser.add_argument("--batch", default="1", type=batch_sizes,
@@ -130,10 +130,6 @@ class Workload:
         # No detokenization: its cost depends on which tokens come out, and the arms' random continuations
         # differ (an A/A run read 1.5 % apart with it); kvtrace's hooks never see text.
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-
-    def turn(self, turn: int, label: str) -> int:
-        """Run every episode's next turn, one request per call; returns the tokens generated."""
-        return sum(self.step(range(e, e + 1), turn, label) for e in range(len(self.prompts)))
 
     def step(self, episodes: range, turn: int, label: str) -> int:
         """Run these episodes' next turns in one generate call; returns the tokens generated."""
@@ -258,7 +254,7 @@ def report(batch: int, untraced: list[Sample], traced: list[Sample], timer_overh
     else:
         print("  (an A/A run (--null) read these CPU ratios 0.98-1.02 on a shared 2-core machine: run it to see this"
               " machine's floor; the hook timers below resolve 1 %)")
-    print(f"  {'hooks / engine thread CPU, % (best = lowest)':44} {'best':>9} {'median':>9}")
+    print(f"  {'share of engine CPU (%), best = lowest':44} {'best':>9} {'median':>9}")
     shares = [100 * b.hook_ns / b.tokens / (a.engine_ns / a.tokens) for a, b in zip(untraced, traced)]
     print(f"  {'hooks / untraced engine thread CPU (%)':44} {min(shares):9.3f} {statistics.median(shares):9.3f}"
           f"   {hook_target(batch)}")
