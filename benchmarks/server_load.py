@@ -307,6 +307,8 @@ class Client:
         self.http = httpx.Client(timeout=300, limits=httpx.Limits(max_connections=128, max_keepalive_connections=128))
         self.tokens = tokens
         self.numbers = itertools.count(1)  # next() is atomic under the GIL: every request its own tail
+        self.resends = itertools.count()
+        self.resent = 0
 
     def one(self, base: str, stream: bool) -> float:
         n = next(self.numbers)
@@ -327,6 +329,8 @@ class Client:
             except httpx.RemoteProtocolError:
                 if attempt == 2:
                     raise
+                # Resent: its latency includes the lost try, and the proxy may record the cut-off one too.
+                self.resent = next(self.resends) + 1
         raise AssertionError("unreachable")
 
     def block(self, arm: Arm, concurrency: int, count: int, stream: bool) -> "Block":
@@ -363,6 +367,7 @@ def measure(client: Client, untraced: Arm, traced: Arm, concurrency: int, reques
     # Counted against every request so far, so a span of an earlier cell arriving late is not one of this cell's.
     spans_before = wait_for_spans(traced.spool, traced.completed)
     arms: dict[bool, list[Block]] = {False: [], True: []}
+    resent_before = client.resent
     for index in range(blocks):
         count = min(size, requests - index * size)
         order = (True, False) if index % 4 in (0, 3) else (False, True)
@@ -370,7 +375,7 @@ def measure(client: Client, untraced: Arm, traced: Arm, concurrency: int, reques
             arms[is_traced].append(client.block(traced if is_traced else untraced, concurrency, count, stream))
     completed = sum(len(b.latencies) for b in arms[True])
     spans = wait_for_spans(traced.spool, traced.completed) - spans_before
-    out = {"completed": completed, "spans": spans}
+    out = {"completed": completed, "spans": spans, "resent": client.resent - resent_before}
     for is_traced, name in ((False, "untraced"), (True, "traced")):
         latencies = [x for b in arms[is_traced] for x in b.latencies]
         wall = sum(b.wall_s for b in arms[is_traced])
@@ -409,6 +414,7 @@ def ratio(out: dict, key: str) -> float:
 def report_cell(server: str, concurrency: int, stream: bool, out: dict) -> None:
     t, u = out["traced"], out["untraced"]
     lost = out["completed"] - out["spans"]
+    resent = f"  resent after a dropped connection: {out['resent']}" if out["resent"] else ""
     p50_pct = 100 * (ratio(out, "p50") - 1)
     target = ""
     if server == "llama-server" and concurrency == 32:
@@ -418,7 +424,7 @@ def report_cell(server: str, concurrency: int, stream: bool, out: dict) -> None:
           f"CPU/request {ratio(out, 'cpu_per_request'):6.3f} ({u['cpu_per_request'] * 1e3:.1f} / "
           f"{t['cpu_per_request'] * 1e3:.1f} ms)  wall/request {u['wall_per_request'] * 1e3:.1f} / "
           f"{t['wall_per_request'] * 1e3:.1f} ms  spans {out['spans']}/{out['completed']} (lost {lost}; target 0)"
-          f"{target}")
+          f"{resent}{target}")
 
 
 def growth(label: str, values: list[float], what: str) -> None:
@@ -459,7 +465,10 @@ def main() -> int:
         for name in args.servers:
             root = Path(tmp) / name
             root.mkdir()
-            run_server(name, args, root)
+            try:
+                run_server(name, args, root)
+            except httpx.HTTPError as exc:
+                raise SystemExit(f"{name}: a request failed ({exc}); is the server overloaded?") from None
     return 0
 
 
