@@ -417,12 +417,13 @@ class Ingestor:
 
     def _ingest_single_document(self, path: Path, data: bytes, result: FileResult) -> None:
         """A file without newlines: either one pretty-printed request, or a first line still being written."""
-        key = _digest(data)
+        document = hashlib.sha256(data)
+        key = document.hexdigest()[:32]  # _digest(data): the first line is the whole document
         if not data.strip() or any(c.offset == len(data) and c.complete for c in self.log.checkpoints(key)):
             result.skipped = bool(data.strip())
             return
         try:
-            json.loads(data)
+            request = json.loads(data)
         except ValueError:
             if not _writer_is_gone(path):
                 result.pending_bytes = len(data)
@@ -430,16 +431,20 @@ class Ingestor:
             self._quarantine(path, 1, data, "truncated line (its writer ended before finishing it)", result)
         else:
             parsed: list[_Line] = []
-            self._parse(path, 1, data, parsed, result)
+            self._take(path, 1, data, request, parsed, result)
             self._store(path, parsed, result)
         result.lines = 1
-        self._save(path, key, hashlib.sha256(data), len(data), (0, 0, 0), result, True)
+        self._save(path, key, document, len(data), (0, 0, 0), result, True)
 
     def _parse(self, path: Path, line_no: int, line: bytes, parsed: list[_Line], result: FileResult) -> None:
         try:
             request = json.loads(line)
         except (ValueError, RecursionError) as exc:
             return self._quarantine(path, line_no, line, f"not JSON: {exc}", result)
+        self._take(path, line_no, line, request, parsed, result)
+
+    def _take(self, path: Path, line_no: int, line: bytes, request, parsed: list[_Line], result: FileResult) -> None:
+        """A decoded line's rows into ``parsed``, or the line into quarantine when it is no OTLP trace request."""
         dropped: list[str] = []
         try:
             rows = rows_from_request(request, typed=True, dropped=dropped)
