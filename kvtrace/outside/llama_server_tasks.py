@@ -109,7 +109,7 @@ class PromptChains:
         return self._chains.get(task) if task is not None else None
 
 
-def common_prefix(a: array, b: array) -> int:
+def shared_chain_length(a: array, b: array) -> int:
     """Tokens two chains share from the start (a chain entry equal means every earlier one is)."""
     low, high = 0, min(len(a), len(b))
     while low < high:
@@ -320,7 +320,7 @@ class TaskProvenance:
         mine = traced.prompt_chain
         verdict = sc.INTEGRITY_UNVERIFIABLE
         if state is not None and mine is not None:
-            shared = common_prefix(state, mine)
+            shared = shared_chain_length(state, mine)
             comparable = min(claimed, len(state), len(mine))
             if shared < comparable:
                 violations.append(CacheEvent(sc.EVENT_CACHE_INTEGRITY_VIOLATION, _layer(decision), tokens=claimed,
