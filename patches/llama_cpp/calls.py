@@ -40,7 +40,8 @@ class CallState:
     """The tokens the restored state's KV data holds, where they are not the ``input_ids`` it was handed out
     with (a copy of a stored state: those of the state as stored); ``None``: its own ``input_ids``."""
     restored_origin: Optional[StateOrigin] = None
-    """Who stored the restored state's KV data, where kvtrace saw it stored."""
+    """Who stored the KV data of a restored copy, where kvtrace saw it stored; otherwise the lookup's
+    source (``record.state_origin``) is the restored state's origin."""
     finished: bool = False
 
 

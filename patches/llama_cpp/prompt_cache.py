@@ -245,7 +245,6 @@ def load_state_wrapper(wrapped, instance, args, kwargs):
             record.state_key = lookup.key_hash
             record.state_origin = lookup.source
             state.restored = True
-            state.restored_origin = lookup.source
             record.events.append(CacheEvent(sc.EVENT_CACHE_RESTORE, sc.LAYER_PROMPT_CACHE,
                                             key_hash=lookup.key_hash, tokens=int(llama_state.n_tokens),
                                             size_bytes=getattr(llama_state, "llama_state_size", None),
@@ -253,7 +252,7 @@ def load_state_wrapper(wrapped, instance, args, kwargs):
             stored, stored_by = SAVED.stored(llama_state)
             if stored is not llama_state:  # a copy carrying another state's KV data: compare what that holds
                 state.restored_tokens = stored.input_ids[: int(stored.n_tokens)]
-                state.restored_origin = stored_by or lookup.source
+                state.restored_origin = stored_by
         except Exception:
             FAILURES.count("load_state", state.recorder)
     return wrapped(*args, **kwargs)

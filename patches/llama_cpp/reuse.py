@@ -173,7 +173,7 @@ def judge_kept_tokens(state: CallState, kept: int, layer: str) -> None:
     if state.restored and state.restored_tokens is not None:
         matched = common_prefix(state.restored_tokens[:kept], state.prompt[:kept])
     record.judge_integrity(layer, kept, matched, sc.INTEGRITY_TOKENS_DIFFER,
-                           source=state.restored_origin if state.restored else None,
+                           source=(state.restored_origin or record.state_origin) if state.restored else None,
                            key_hash=record.state_key if state.restored else None)
 
 
