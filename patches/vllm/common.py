@@ -22,22 +22,45 @@ def arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
     return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
 
 
+_MEMO_LIMIT = 1 << 15
+"""Block hashes remembered per capture policy (about 250 bytes each): cleared whole when full."""
+_memo: dict = {}
+_memo_policy: Any = None
+
+
 def hash_hex(value: Any) -> Optional[str]:
     """vLLM's block hash (bytes, possibly with a 4-byte group id) as hex of the bare hash.
 
     Passed through the capture policy: vLLM's own value with ``ids`` capture,
-    a keyed hash of it otherwise.
+    a keyed hash of it otherwise.  Remembered: a keyed hash costs about 2 µs, and every turn of a
+    conversation brings its earlier blocks back (stored, hit, evicted: one hash, three lookups).
     """
+    global _memo_policy
     if value is None:
         return None
+    recorder = get_recorder()
+    policy = recorder.capture if recorder is not None else None
+    if policy is not _memo_policy:
+        _memo.clear()
+        _memo_policy = policy
+    try:
+        return _memo[value]
+    except (KeyError, TypeError):  # new, or a value that cannot be a key
+        pass
     if isinstance(value, (bytes, bytearray)):
         text = bytes(value).hex()
     elif isinstance(value, int):  # external (converted) hashes
         text = "%x" % value
     else:
         text = str(value)
-    recorder = get_recorder()
-    return recorder.capture.engine_hash(text) if recorder is not None else text
+    digest = policy.engine_hash(text) if policy is not None else text
+    if len(_memo) >= _MEMO_LIMIT:
+        _memo.clear()
+    try:
+        _memo[value] = digest
+    except TypeError:
+        pass
+    return digest
 
 
 def bare(block_hash_with_group: Any) -> Any:
