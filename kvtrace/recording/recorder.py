@@ -275,6 +275,17 @@ _recorder: Optional[Recorder] = None
 _recorder_pid = -1
 _failed_pid = -1  # the process whose recorder could not be created (it runs untraced)
 _recorder_lock = threading.Lock()
+_pid = os.getpid()
+"""This process's id, kept current across forks: ``os.getpid()`` is a system call, and hooks ask for the
+recorder several times per request."""
+
+
+def _after_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def get_recorder() -> Optional[Recorder]:
@@ -286,25 +297,25 @@ def get_recorder() -> Optional[Recorder]:
     the process goes on untraced; it is not retried on every request.
     """
     global _recorder, _recorder_pid, _failed_pid
-    if _recorder is not None and _recorder_pid == os.getpid():
+    if _recorder is not None and _recorder_pid == _pid:
         return _recorder
-    if _failed_pid == os.getpid():
+    if _failed_pid == _pid:
         return None
     with _recorder_lock:
-        if (_recorder is None or _recorder_pid != os.getpid()) and _failed_pid != os.getpid():
+        if (_recorder is None or _recorder_pid != _pid) and _failed_pid != _pid:
             try:
                 settings = Settings.from_env()
                 if settings.disabled:
                     return None
                 recorder = Recorder(settings)
             except Exception as exc:
-                _failed_pid = os.getpid()
+                _failed_pid = _pid
                 _report_creation_failure(exc)
                 return None
             _recorder = recorder
-            _recorder_pid = os.getpid()
+            _recorder_pid = _pid
             atexit.register(recorder.shutdown)
-    return _recorder if _recorder_pid == os.getpid() else None
+    return _recorder if _recorder_pid == _pid else None
 
 
 def _report_creation_failure(exc: Exception) -> None:
@@ -327,5 +338,5 @@ def set_recorder(recorder: Optional[Recorder]) -> Optional[Recorder]:
         _failed_pid = -1
         previous = _recorder
         _recorder = recorder
-        _recorder_pid = os.getpid()
+        _recorder_pid = _pid
     return previous
