@@ -10,19 +10,16 @@ the violation, ``kvtrace runs`` counts it, and an alert rule on the violation co
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
 from foreign_state_cache import ForeignStateCache  # noqa: E402
+from integrity_readback import assert_counted_and_alerted, store  # noqa: E402
 from kvtrace import correlate, queries  # noqa: E402
 from kvtrace import semconv as sc  # noqa: E402
-from kvtrace.alerts.evaluation import evaluate  # noqa: E402
-from kvtrace.alerts.rules import parse_config  # noqa: E402
 from kvtrace.analysis.forks import diff_runs  # noqa: E402
-from kvtrace.collectors.ingest import ingest_paths  # noqa: E402
 
 EPISODES, TURNS, MAX_TOKENS = 2, 3, 12
 SPOILED = ("e1", 1)
@@ -51,9 +48,7 @@ def two_runs(llama_patched, spool_recorder, spool_dir, make_llama, db):
                 seen[(run, f"e{e}", turn)] = out["choices"][0]["text"]
                 prompts[e] = llm.input_ids[: llm.n_tokens].tolist() + llm.tokenize(f" obs {turn}.".encode(),
                                                                                    add_bos=False)
-    spool_recorder.pipeline.force_flush()
-    ingest_paths(db, [spool_dir])
-    assert spool_recorder.pipeline.counters["instrumentation_errors"] == 0
+    store(spool_recorder, spool_dir, db)
     return db, seen, caches["spoiled"]
 
 
@@ -105,18 +100,5 @@ def test_a_cache_handing_out_another_conversation_is_caught_labelled_listed_and_
     assert fork.culprit.source.span_id == source_span and fork.culprit.source.episode_id == "e0"
     assert "foreign state <- stored by request" in fork.culprit.describe()
 
-    # kvtrace runs: a count per run.
-    columns, rows = queries.run(db, "runs")
-    counts = {row[columns.index("run_id")]: row[columns.index("integrity_violations")] for row in rows}
-    assert counts == {"honest": 0, "spoiled": 1}
-
-    # The alert metric counts violations in the window: a rule on it fires for the spoiled run only.
-    rules = [{"name": "foreign-state", "metric": "integrity_violations", "threshold": 0, "window": "1h"},
-             {"name": "honest-only", "metric": "integrity_violations", "threshold": 0, "window": "1h",
-              "run_prefix": "honest"}]
-    now = time.time()
-    fired, quiet = evaluate(db, parse_config({"rules": rules}), now).outcomes
-    (alert,) = fired.firing
-    assert alert.value == 1 and alert.labels["engine"] == "llama_cpp" and alert.labels["alertname"] == "foreign-state"
-    assert quiet.firing == [] and quiet.rows == 1 and not quiet.error
-    assert evaluate(db, parse_config({"rules": rules[:1]}), now + 7200).outcomes[0].firing == []  # out of the window
+    # kvtrace runs counts it, and an alert rule on the violation count fires for the spoiled run only.
+    assert_counted_and_alerted(db, "spoiled", "honest", engine="llama_cpp")

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from kvtrace import semconv as sc
+from integrity_readback import assert_counted_and_alerted, store
+from kvtrace import queries, semconv as sc
 from kvtrace.recording.counters import SpanCounters
 from llama_server_process import (SIZING, free_port, llama_server_binary, running_llama_server, running_proxy,
                                   sse_payloads, started_llama_server)
@@ -251,11 +252,13 @@ def test_llama_server_and_kvtrace_proxy_started_as_the_readme_shows_record_spans
     assert [row[7:] for row in rows] == [(sc.TASK_MATCH_MARKER, "0")] * 2  # matched to the log's tasks
 
 
-def turn(proxy, prompt, episode, number):
-    """One turn of a conversation through the proxy (a completion of 6 tokens); the text it added."""
+def turn(proxy, prompt, episode, number, run=""):
+    """One turn of a conversation through the proxy (a completion of 6 tokens); the text it added.
+
+    ``run``: the run id the client's baggage names ('' = none: the proxy's own)."""
+    bag = f"kvtrace.episode_id={episode},kvtrace.turn={number}" + (f",kvtrace.run_id={run}" if run else "")
     return httpx.post(proxy + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0},
-                      headers={"baggage": f"kvtrace.episode_id={episode},kvtrace.turn={number}"},
-                      timeout=120).json()["choices"][0]["text"]
+                      headers={"baggage": bag}, timeout=120).json()["choices"][0]["text"]
 
 
 def test_a_prompt_restored_from_llama_servers_cache_names_the_request_that_stored_it(tiny_gguf, tmp_path,
@@ -517,16 +520,22 @@ class DoctoredLog:
             time.sleep(0.002)
 
 
-def test_a_restore_of_another_conversations_state_is_caught_as_an_integrity_violation(tiny_gguf, tmp_path,
-                                                                                       memory_recorder,
-                                                                                       finished_requests):
+def test_a_restore_of_another_conversations_state_is_caught_listed_counted_and_alerted(tiny_gguf, tmp_path,
+                                                                                       spool_recorder, spool_dir,
+                                                                                       db):
     """Fault injection: the log the proxy reads says the harbour turn was served from the kitchen
     conversation's cached state, with more of it in common than the two prompts share. The proxy
     compares the state's tokens, as it saw the kitchen request, with the harbour prompt: violated, and
-    the event names both sides. The kitchen's own next turn, restored for real, is verified."""
+    the event names both sides. The kitchen's own next turn, restored for real, is verified; so is the
+    reuse in a second, honest run on the same server. Stored in the database, the saved query lists
+    the violation, ``kvtrace runs`` counts it and an alert rule fires for the doctored run only.
+
+    ``kvtrace diff`` has no fork to label here: only the log was doctored, the server computed the
+    harbour answer from the harbour prompt, so the client's output is what an honest run gets."""
     server_log, proxy_log = tmp_path / "server.log", tmp_path / "proxy-reads.log"
     kitchen = "The kitchen has a long oak table and"
     harbour = "Zulu harbour boats rocked under grey skies while"
+    garden = "Quiet garden paths wound past the old stone well"
 
     def foreign_restore(line):
         length = int(re.search(r"length\s+(\d+)", line)[1])
@@ -536,22 +545,38 @@ def test_a_restore_of_another_conversations_state_is_caught_as_an_integrity_viol
 
     with running_llama_server(tiny_gguf, "-lv", "4", "--cache-ram", "64", log_path=server_log) as server, \
             DoctoredLog(server_log, proxy_log) as doctored:
-        with running_proxy(server, memory_recorder, llama_server_log=proxy_log) as proxy:
-            kitchen += turn(proxy, kitchen, "kitchen", 0)
+        with running_proxy(server, spool_recorder, llama_server_log=proxy_log) as proxy:
+            kitchen += turn(proxy, kitchen, "kitchen", 0, run="doctored")
             doctored.doctor(foreign_restore)
-            harbour += turn(proxy, harbour, "harbour", 0)
-            turn(proxy, kitchen + " Next, the pantry holds", "kitchen", 1)
+            harbour += turn(proxy, harbour, "harbour", 0, run="doctored")
+            turn(proxy, kitchen + " Next, the pantry holds", "kitchen", 1, run="doctored")
+            garden += turn(proxy, garden, "garden", 0, run="honest")
+            turn(proxy, garden + " Then the gate", "garden", 1, run="honest")
+    store(spool_recorder, spool_dir, db)
 
-    kitchen_0, harbour_0, kitchen_1 = finished_requests(memory_recorder)
-    attributes, events, _ = harbour_0
-    assert attributes[sc.SERVER_TASK_MATCH] == sc.TASK_MATCH_MARKER
-    assert attributes[sc.CACHE_INTEGRITY] == sc.INTEGRITY_VIOLATED
-    violation, = [e[1] for e in events if e[0] == sc.EVENT_CACHE_INTEGRITY_VIOLATION]
-    assert violation[sc.EVENT_REASON] == sc.INTEGRITY_FOREIGN_PROMPT
-    assert violation[sc.EVENT_LAYER] == sc.LAYER_PROMPT_CACHE
-    assert violation[sc.EVENT_SOURCE_SPAN_ID] == "%016x" % kitchen_0[2].context.span_id
-    assert (violation[sc.EVENT_SOURCE_EPISODE_ID], violation[sc.EVENT_SOURCE_TURN]) == ("kitchen", 0)
-    assert violation[sc.EVENT_PREFIX_TOKENS] < violation[sc.EVENT_TOKENS]  # the tokens that did match
-    assert kitchen_0[0].get(sc.CACHE_INTEGRITY) is None  # nothing was reused: nothing to verify
-    assert kitchen_1[0][sc.CACHE_INTEGRITY] == sc.INTEGRITY_VERIFIED
-    assert not [e for e in kitchen_1[1] if e[0] == sc.EVENT_CACHE_INTEGRITY_VIOLATION]
+    spans = {(run, episode, int(number)): (span_id, task_match, verdict)
+             for run, episode, number, span_id, task_match, verdict in db.query(
+                 f"SELECT SpanAttributes['{sc.RUN_ID}'], SpanAttributes['{sc.EPISODE_ID}'], "
+                 f"SpanAttributes['{sc.TURN}'], SpanId, SpanAttributes['{sc.SERVER_TASK_MATCH}'], "
+                 f"SpanAttributes['{sc.CACHE_INTEGRITY}'] FROM otel_traces").result_rows}
+    assert {key: verdict for key, (_, _, verdict) in spans.items()} == {
+        ("doctored", "kitchen", 0): "",  # nothing was reused: nothing to verify
+        ("doctored", "harbour", 0): sc.INTEGRITY_VIOLATED, ("doctored", "kitchen", 1): sc.INTEGRITY_VERIFIED,
+        # The garden's first turn keeps the slot's first token (BOS, the kitchen's): its own prefix too.
+        ("honest", "garden", 0): sc.INTEGRITY_VERIFIED, ("honest", "garden", 1): sc.INTEGRITY_VERIFIED}
+    assert spans["doctored", "harbour", 0][1] == sc.TASK_MATCH_MARKER
+
+    # The saved query lists it with both sides: the harbour request, and the kitchen request whose state it was.
+    columns, rows = queries.run(db, "integrity_violations", {"run": "doctored"})
+    (violation,) = [dict(zip(columns, row)) for row in rows]
+    assert (violation["episode_id"], violation["turn"], violation["engine"]) == ("harbour", 0, "llama-server")
+    assert violation["span_id"] == spans["doctored", "harbour", 0][0]
+    assert violation["reason"] == sc.INTEGRITY_FOREIGN_PROMPT and violation["layer"] == sc.LAYER_PROMPT_CACHE
+    assert violation["matched_tokens"] < violation["used_tokens"]  # the tokens that did match
+    assert violation["source_span_id"] == spans["doctored", "kitchen", 0][0]
+    assert (violation["source_run_id"], violation["source_episode_id"], violation["source_turn"]) == (
+        "doctored", "kitchen", 0)
+    assert queries.run(db, "integrity_violations", {"run": "honest"})[1] == []
+
+    # kvtrace runs counts it, and an alert rule on the violation count fires for the doctored run only.
+    assert_counted_and_alerted(db, "doctored", "honest", engine="llama-server")

@@ -5,7 +5,9 @@ blocks and only 12 KV blocks, so a handful of requests already evicts.  The
 story: an agent sends prompts that share a prefix; kvtrace's span for the
 second one names the hit blocks by vLLM's own hashes, the margins equal what
 vLLM's logprobs say, evictions name the request that had stored the blocks,
-and nothing the engine returns changes when tracing is on.
+a request handed another prompt's blocks is caught all the way into the
+database (listed, counted, alerted on, its fork labelled foreign_state), and
+nothing the engine returns changes when tracing is on.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-from kvtrace import correlate, semconv as sc  # noqa: E402
+from integrity_readback import assert_counted_and_alerted, store  # noqa: E402
+from kvtrace import correlate, queries, semconv as sc  # noqa: E402
+from kvtrace.analysis.forks import diff_runs  # noqa: E402
 from vllm_fork_workload import vllm_block_hashes  # noqa: E402
 
 BLOCK = 32
@@ -56,11 +60,12 @@ def spans_of(recorder) -> list[dict]:
     return [dict(s.attributes, _events=list(s.events)) for s in recorder.pipeline.exporter.get_finished_spans()]
 
 
-def generate(llm, text: str, turn: int, max_tokens: int = 8, logprobs=None):
+def generate(llm, text: str, turn: int, max_tokens: int = 8, logprobs=None, run: str = "vllm-test",
+             episode: str = "e0"):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
-    with correlate(run_id="vllm-test", episode_id="e0", turn=turn):
+    with correlate(run_id=run, episode_id=episode, turn=turn):
         return llm.generate([text], params, use_tqdm=False)[0]
 
 
@@ -159,14 +164,19 @@ def test_a_prefix_cache_reset_shows_on_the_next_request(llm, memory_recorder):
     assert sc.EVENT_CACHE_RESET not in [e.name for e in before["_events"]]
 
 
-def test_a_request_handed_another_prompts_blocks_is_violated_naming_their_storer(llm, memory_recorder):
+def test_a_request_handed_another_prompts_blocks_is_caught_labelled_listed_and_alerted(
+        llm, spool_recorder, spool_dir, db):
     """The prefix-cache lookup of one request is answered with the blocks another prompt cached (its
-    hash chain looked up instead of the request's own): the engine continues from that prompt's KV."""
+    hash chain looked up instead of the request's own): the engine continues from that prompt's KV.
+
+    Two runs of the same two episodes, stored in the database: in the honest one every hit is the
+    prompt's own; in the spoiled one the "mine" episode's request is violated, naming the "theirs"
+    request that stored the blocks. The saved query lists it, ``kvtrace runs`` counts it, an alert rule
+    fires for the spoiled run only, and ``kvtrace diff`` labels the fork ``foreign_state``."""
     coordinator = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.coordinator
-    theirs_text, mine_text = SHARED + "alpha", "a different agent writes a report about the weather " * 3
-    llm.reset_prefix_cache()
-    honest = list(generate(llm, mine_text, turn=0).outputs[0].token_ids)  # cold: nothing to hit
-    llm.reset_prefix_cache()
+    requests = [("theirs", 0, SHARED + "alpha"),
+                ("mine", 0, "a different agent writes a report about the weather " * 3),
+                ("theirs", 1, SHARED + "beta gamma")]  # a hit of its own: the honest run reuses state too
     chains = []
     lookup = coordinator.find_longest_cache_hit
 
@@ -176,26 +186,58 @@ def test_a_request_handed_another_prompts_blocks_is_violated_naming_their_storer
             block_hashes = chains[0][: len(block_hashes)]
         return lookup(block_hashes, max_cache_hit_length)
 
-    coordinator.find_longest_cache_hit = mixed_up
-    try:
-        theirs = generate(llm, theirs_text, turn=1)
-        mine = generate(llm, mine_text, turn=2)
-    finally:
-        del coordinator.find_longest_cache_hit
+    outputs = {}
+    for run in ("honest", "spoiled"):
+        llm.reset_prefix_cache()
+        if run == "spoiled":
+            coordinator.find_longest_cache_hit = mixed_up
+        try:
+            for episode, number, text in requests:
+                outputs[run, episode, number] = generate(llm, text, turn=number, run=run, episode=episode)
+        finally:
+            vars(coordinator).pop("find_longest_cache_hit", None)  # vLLM's own method again
+    theirs, mine = outputs["spoiled", "theirs", 0], outputs["spoiled", "mine", 0]
     assert mine.num_cached_tokens >= BLOCK
-    assert list(mine.outputs[0].token_ids) != honest  # the engine continued from the other prompt's KV
+    # The engine continued from the other prompt's KV; the other episode answered as in the honest run.
+    assert list(mine.outputs[0].token_ids) != list(outputs["honest", "mine", 0].outputs[0].token_ids)
+    assert list(outputs["spoiled", "theirs", 1].outputs[0].token_ids) == list(
+        outputs["honest", "theirs", 1].outputs[0].token_ids)
+    store(spool_recorder, spool_dir, db)
 
-    stored, spoiled = spans_of(memory_recorder)[-2:]
-    assert stored[sc.TURN] == 1 and spoiled[sc.TURN] == 2
-    assert spoiled[sc.CACHE_INTEGRITY] == sc.INTEGRITY_VIOLATED
-    (violation,) = [e.attributes for e in spoiled["_events"] if e.name == sc.EVENT_CACHE_INTEGRITY_VIOLATION]
-    assert violation[sc.EVENT_REASON] == sc.INTEGRITY_HASH_CHAIN_DIFFERS
-    assert violation[sc.EVENT_LAYER] == sc.LAYER_PREFIX_BLOCKS
-    assert (violation[sc.EVENT_TOKENS], violation[sc.EVENT_PREFIX_TOKENS]) == (mine.num_cached_tokens, 0)
+    verdicts = dict(db.query(
+        f"SELECT concat(SpanAttributes['{sc.RUN_ID}'], '/', SpanAttributes['{sc.EPISODE_ID}'], '/', "
+        f"SpanAttributes['{sc.TURN}']), SpanAttributes['{sc.CACHE_INTEGRITY}'] FROM otel_traces").result_rows)
+    assert verdicts == {"honest/theirs/0": "", "honest/mine/0": "", "honest/theirs/1": sc.INTEGRITY_VERIFIED,
+                        "spoiled/theirs/0": "", "spoiled/mine/0": sc.INTEGRITY_VIOLATED,
+                        "spoiled/theirs/1": sc.INTEGRITY_VERIFIED}
+
+    # The saved query lists it with both sides: this request, and the request whose blocks they were.
+    columns, rows = queries.run(db, "integrity_violations", {"run": "spoiled"})
+    (violation,) = [dict(zip(columns, row)) for row in rows]
+    assert (violation["episode_id"], violation["turn"], violation["engine"]) == ("mine", 0, "vllm")
+    assert violation["reason"] == sc.INTEGRITY_HASH_CHAIN_DIFFERS and violation["layer"] == sc.LAYER_PREFIX_BLOCKS
+    assert (violation["used_tokens"], violation["matched_tokens"]) == (mine.num_cached_tokens, 0)
     theirs_chain = vllm_block_hashes(llm, list(theirs.prompt_token_ids))
-    assert list(violation[sc.EVENT_BLOCK_HASHES]) == theirs_chain[: mine.num_cached_tokens // BLOCK]
-    assert violation[sc.EVENT_SOURCE_REQUEST_ID] == stored[sc.REQUEST_ID]
-    assert violation[sc.EVENT_SOURCE_TURN] == 1
+    assert list(violation["block_hashes"]) == theirs_chain[: mine.num_cached_tokens // BLOCK]
+    (stored_request, stored_span), = db.query(
+        f"SELECT SpanAttributes['{sc.REQUEST_ID}'], SpanId FROM otel_traces WHERE SpanAttributes['{sc.RUN_ID}'] = "
+        f"'spoiled' AND SpanAttributes['{sc.EPISODE_ID}'] = 'theirs' AND SpanAttributes['{sc.TURN}'] = '0'").result_rows
+    assert violation["source_request_id"] == stored_request and violation["source_span_id"] == stored_span
+    assert (violation["source_run_id"], violation["source_episode_id"], violation["source_turn"]) == (
+        "spoiled", "theirs", 0)
+    assert queries.run(db, "integrity_violations", {"run": "honest"})[1] == []
+
+    # kvtrace diff: "mine" forks at its first turn, on the spoiled side, labelled foreign_state.
+    diff = diff_runs(db, "honest", "spoiled")
+    (fork,) = diff.forks
+    assert (fork.episode, fork.turn, fork.attribution) == ("mine", 0, sc.ATTRIBUTION_FOREIGN_STATE)
+    assert diff.unforked == ["theirs"]
+    assert fork.culprit.run == "spoiled" and fork.culprit.event == sc.EVENT_CACHE_INTEGRITY_VIOLATION
+    assert fork.culprit.source.request_id == stored_request and fork.culprit.source.span_id == stored_span
+    assert "foreign state <- stored by request" in fork.culprit.describe()
+
+    # kvtrace runs counts it, and an alert rule on the violation count fires for the spoiled run only.
+    assert_counted_and_alerted(db, "spoiled", "honest", engine="vllm")
 
 
 def test_outputs_are_identical_with_tracing_off(llm, vllm_patch, memory_recorder):
