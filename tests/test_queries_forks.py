@@ -15,6 +15,7 @@ from kvtrace import semconv as sc
 
 A, B = "attr-A", "attr-B"
 FA, FB = "integrity-A", "integrity-B"
+FZ = "integrity-zero"
 
 
 def record_foreign_state_scenarios(book: ScenarioBook) -> None:
@@ -40,6 +41,10 @@ def record_foreign_state_scenarios(book: ScenarioBook) -> None:
     reuse = CachePath(sc.LAYER_KV_REUSE, 11)
     book.turn(FA, "both", 1, NEXT_PROMPT, [70, 71], [0.5, 1.0], cache=reuse, events=[violation(11)])
     book.turn(FB, "both", 1, NEXT_PROMPT, [72, 71], [0.5, 1.0], cache=reuse)
+    # zero: the server said nothing was cached, but the state it used was another prompt's (llama.cpp
+    # #27148's sign: cached_tokens 0 on a restored conversation).
+    book.turn(FZ, "zero", 0, PROMPT, FIRST)
+    book.turn(FZ, "zero", 1, NEXT_PROMPT, [60, 61, 62], [1.0, 0.01, 1.0], events=[violation(11)])
 
 
 def _rows(client, name, **params):
@@ -121,6 +126,16 @@ def test_a_fork_after_foreign_state_is_labelled_so_before_any_cache_label(record
     assert (fs["culprit_source_episode_id"], fs["culprit_source_span_id"]) == ("other", stored_by.span_id)
     assert fs["near_tie"] == 1 and "not its prompt's prefix" in fs["note"]
     assert (rows["both"]["culprit_side"], rows["both"]["culprit_run"]) == ("a", FA)
+
+
+def test_the_alert_metric_counts_a_violation_on_a_request_that_reported_no_reuse(recorded):
+    client, book = recorded
+    columns, rows = queries.run(client, "integrity_violation_counts", {"run_prefix": FZ})
+    (row,) = [dict(zip(columns, r)) for r in rows]
+    assert (row["requests"], row["violations"]) == (1, 1)  # the violated request; turn 0 reused nothing
+    columns, rows = queries.run(client, "integrity_violation_counts", {"run_prefix": FB})
+    (row,) = [dict(zip(columns, r)) for r in rows]
+    assert (row["requests"], row["violations"]) == (2, 1)  # requests: those that reused or met a violation
 
 
 def test_hit_versus_recompute_blames_the_reuse_event_with_margins_and_near_tie(recorded):
