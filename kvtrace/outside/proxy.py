@@ -47,6 +47,7 @@ from opentelemetry import propagate
 from kvtrace import semconv as sc
 from kvtrace.credentials import without_password
 from kvtrace.outside import answers
+from kvtrace.outside.background import Background
 from kvtrace.outside.http1 import ClientGone, Headers, Request, Responder, Server
 from kvtrace.outside.limits import Limits
 from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
@@ -182,6 +183,7 @@ class ProxyApp:
         self._recorder = recorder
         self.profiles = UpstreamProfiles(self.upstream)
         self._hasher: Optional[TextHasher] = None
+        self.background = Background()
 
     def handle(self, request: Request, responder: Responder) -> None:
         endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
@@ -369,11 +371,15 @@ class ProxyApp:
 
     def _finish(self, traced: Traced, status: int, read_answer: Callable[[], answers.UpstreamAnswer],
                 cancelled: bool = False, broken: Optional[str] = None) -> None:
-        try:
-            self._record(traced, status, read_answer, cancelled, broken)
-        finally:
-            if self.provenance is not None:
-                self.provenance.abandon(traced)  # matched or not, it no longer waits for a task
+        """The request's record, made off the client's connection (:mod:`background`)."""
+        def record() -> None:
+            try:
+                self._record(traced, status, read_answer, cancelled, broken)
+            finally:
+                if self.provenance is not None:
+                    self.provenance.abandon(traced)  # matched or not, it no longer waits for a task
+
+        self.background.run(record)
 
     def _record(self, traced: Traced, status: int, read_answer: Callable[[], answers.UpstreamAnswer],
                 cancelled: bool, broken: Optional[str]) -> None:
@@ -482,6 +488,7 @@ class ProxyApp:
             pass
 
     def close(self) -> None:
+        self.background.close()
         self.upstream.close()
         try:
             recorder = self._recorder()

@@ -1,0 +1,58 @@
+"""Work the proxy does after a client has its answer, on threads of its own.
+
+A keep-alive client sends its next request on the connection that served the last one, so the
+record of a request (reading llama-server's log for its task, tokenizing its prompt) must not hold
+that connection's thread. Each record gets a thread while fewer than ``limit`` run; beyond that it
+runs on the caller's thread, as back-pressure: a record is never queued without bound, never dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+log = logging.getLogger("kvtrace")
+
+
+class Background:
+    def __init__(self, limit: int = 64):
+        self._room = threading.BoundedSemaphore(limit)
+        self._lock = threading.Lock()
+        self._running: set[threading.Thread] = set()
+        self._closed = False
+
+    def run(self, job: Callable[[], None]) -> None:
+        """``job()`` on a thread of its own, or here when ``limit`` are running or after :meth:`close`."""
+        if self._closed or not self._room.acquire(blocking=False):
+            job()
+            return
+        thread = threading.Thread(target=self._run, args=(job,), name="kvtrace-proxy-record", daemon=True)
+        with self._lock:
+            self._running.add(thread)
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had: the caller's, as beyond the limit
+            self._done(thread)
+            job()
+
+    def _run(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except Exception:  # the job counts its own failures; this is a last guard for the thread
+            log.warning("kvtrace proxy: recording a request failed", exc_info=True)
+        finally:
+            self._done(threading.current_thread())
+
+    def _done(self, thread: threading.Thread) -> None:
+        with self._lock:
+            self._running.discard(thread)
+        self._room.release()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Wait for the running jobs (their spans go out before the proxy's recorder flushes)."""
+        self._closed = True
+        with self._lock:
+            running = list(self._running)
+        for thread in running:
+            thread.join(timeout_s)
