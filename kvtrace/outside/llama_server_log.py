@@ -31,39 +31,57 @@ from pathlib import Path
 from typing import Optional
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class _Screened:
+    """A pattern searched only in lines that hold its literal part: most lines of a verbose log match
+    none of the patterns, and a substring test costs a fraction of a search."""
+
+    __slots__ = ("literal", "pattern")
+
+    def __init__(self, literal: str, regex: str):
+        self.literal, self.pattern = literal, re.compile(regex)
+
+    def search(self, line: str) -> Optional[re.Match]:
+        return self.pattern.search(line) if self.literal in line else None
+
+
 _SLOT = r"id\s+(?P<slot>\d+) \| task (?P<task>-?\d+) \| "
-_SELECTED = re.compile(_SLOT + r"selected slot by (?P<how>LCP similarity|LRU|id)"
-                       r"(?:, f_sim_best = (?P<sim>[\d.]+))?")
-_PROCESSING = re.compile(_SLOT + r"processing task")
-_NEW_PROMPT = re.compile(_SLOT + r"new prompt, .*task\.n_tokens = (?P<n>\d+)")
-_RELEASED = re.compile(_SLOT + r"stop processing: n_tokens = (?P<n>\d+)")
-_SAMPLER_PARAMS = re.compile(_SLOT + r"sampler params:")
-_DRY_LAST_N = re.compile(r"^\s+.*\bdry_penalty_last_n = (?P<n>-?\d+)")
-_CACHED = re.compile(_SLOT + r"cached n_tokens = (?P<n>\d+)")
-_PROMPT_EVAL = re.compile(_SLOT + r"prompt eval time = .*/\s*(?P<n>\d+) tokens")
-_EVAL = re.compile(_SLOT + r"\s*eval time = .*/\s*(?P<n>\d+) tokens")
-_CONTEXT = re.compile(r"llama_context: (?P<name>n_ctx|n_batch|n_ubatch)\s+= (?P<value>\d+)")
-_FLASH_SET = re.compile(r"llama_context: flash_attn\s+= (?P<value>enabled|disabled)")
-_FLASH_RESOLVED = re.compile(r"Flash Attention (?P<value>enabled|disabled)")
-_KV_TYPES = re.compile(r"llama_kv_cache: size = .* K \((?P<k>\w+)\).* V \((?P<v>\w+)\)")
-_THREADS = re.compile(r"system_info: n_threads = (?P<n>\d+) \(n_threads_batch = (?P<batch>\d+)\) / \d+ \| "
-                      r"(?P<info>.*)")
+_SELECTED = _Screened("selected slot by ", _SLOT + r"selected slot by (?P<how>LCP similarity|LRU|id)"
+                                               r"(?:, f_sim_best = (?P<sim>[\d.]+))?")
+_PROCESSING = _Screened("processing task", _SLOT + r"processing task")
+_NEW_PROMPT = _Screened("new prompt, ", _SLOT + r"new prompt, .*task\.n_tokens = (?P<n>\d+)")
+_RELEASED = _Screened("stop processing: n_tokens = ", _SLOT + r"stop processing: n_tokens = (?P<n>\d+)")
+_SAMPLER_PARAMS = _Screened("sampler params:", _SLOT + r"sampler params:")
+_DRY_LAST_N = _Screened("dry_penalty_last_n = ", r"^\s+.*\bdry_penalty_last_n = (?P<n>-?\d+)")
+_CACHED = _Screened("cached n_tokens = ", _SLOT + r"cached n_tokens = (?P<n>\d+)")
+_PROMPT_EVAL = _Screened("prompt eval time = ", _SLOT + r"prompt eval time = .*/\s*(?P<n>\d+) tokens")
+_EVAL = _Screened("eval time = ", _SLOT + r"\s*eval time = .*/\s*(?P<n>\d+) tokens")
+_CONTEXT = _Screened("llama_context: ", r"llama_context: (?P<name>n_ctx|n_batch|n_ubatch)\s+= (?P<value>\d+)")
+_FLASH_SET = _Screened("llama_context: flash_attn", r"llama_context: flash_attn\s+= (?P<value>enabled|disabled)")
+_FLASH_RESOLVED = _Screened("Flash Attention ", r"Flash Attention (?P<value>enabled|disabled)")
+_KV_TYPES = _Screened("llama_kv_cache: size = ", r"llama_kv_cache: size = .* K \((?P<k>\w+)\).* V \((?P<v>\w+)\)")
+_THREADS = _Screened("system_info: n_threads = ",
+                     r"system_info: n_threads = (?P<n>\d+) \(n_threads_batch = (?P<batch>\d+)\) / \d+ \| (?P<info>.*)")
 _REPACKED = re.compile(r"load_tensors: +\S*(REPACK|AMX)\S* model buffer size")
-_TENSORS = re.compile(r"load_tensors: ")
-_CACHE_ON = re.compile(r"prompt cache is enabled, size limit: (?:(?P<mib>\d+) MiB|no limit)")
-_CACHE_OFF = re.compile(r"prompt cache is disabled")
-_IDLE_SAVE = re.compile(_SLOT + r"saving idle slot to prompt cache")
-_SAVING = re.compile(r"- saving prompt with length (?P<n>\d+)")
-_ALREADY = re.compile(r"- prompt is already in the cache, skipping")
-_TOO_BIG = re.compile(r"- prompt state size .* exceeds cache size limit")
-_OBSOLETE = re.compile(r"- removing obsolete cached prompt with length (?P<n>\d+)")
-_OLDEST = re.compile(r"removing oldest entry")
-_LOOKING = re.compile(r"- looking for better prompt")
-_CANDIDATE = re.compile(r"- prompt with length\s+(?P<n>\d+), lcp =\s+(?P<lcp>\d+), "
-                        r"f_keep = (?P<keep>[\d.]+), f_sim = (?P<sim>[\d.]+)")
-_CACHE_STATE = re.compile(r"- cache state: (?P<n>\d+) prompts")
-_LISTED = re.compile(r"- prompt (?P<address>(?:0x)?[0-9a-fA-F]+):\s+(?P<n>\d+) tokens")
-_FOUND = re.compile(r"- found better prompt with f_keep = (?P<keep>[\d.]+), f_sim = (?P<sim>[\d.]+)")
+_TENSORS = _Screened("load_tensors: ", r"load_tensors: ")
+_CACHE_ON = _Screened("prompt cache is enabled, size limit: ",
+                      r"prompt cache is enabled, size limit: (?:(?P<mib>\d+) MiB|no limit)")
+_CACHE_OFF = _Screened("prompt cache is disabled", r"prompt cache is disabled")
+_IDLE_SAVE = _Screened("saving idle slot to prompt cache", _SLOT + r"saving idle slot to prompt cache")
+_SAVING = _Screened("- saving prompt with length ", r"- saving prompt with length (?P<n>\d+)")
+_ALREADY = _Screened("- prompt is already in the cache, skipping", r"- prompt is already in the cache, skipping")
+_TOO_BIG = _Screened("exceeds cache size limit", r"- prompt state size .* exceeds cache size limit")
+_OBSOLETE = _Screened("- removing obsolete cached prompt with length ",
+                      r"- removing obsolete cached prompt with length (?P<n>\d+)")
+_OLDEST = _Screened("removing oldest entry", r"removing oldest entry")
+_LOOKING = _Screened("- looking for better prompt", r"- looking for better prompt")
+_CANDIDATE = _Screened("- prompt with length", r"- prompt with length\s+(?P<n>\d+), lcp =\s+(?P<lcp>\d+), "
+                                              r"f_keep = (?P<keep>[\d.]+), f_sim = (?P<sim>[\d.]+)")
+_CACHE_STATE = _Screened("- cache state: ", r"- cache state: (?P<n>\d+) prompts")
+_LISTED = _Screened("- prompt ", r"- prompt (?P<address>(?:0x)?[0-9a-fA-F]+):\s+(?P<n>\d+) tokens")
+_FOUND = _Screened("- found better prompt with f_keep = ",
+                   r"- found better prompt with f_keep = (?P<keep>[\d.]+), f_sim = (?P<sim>[\d.]+)")
 
 SELECTED_BY = {"LCP similarity": "lcp_similarity", "LRU": "lru", "id": "id"}
 
@@ -112,7 +130,7 @@ class TaskDecision:
     """The tokens the task generated (its ``eval time`` line: ``predicted_n``); set once its timings are out."""
 
 
-@dataclass
+@dataclass(eq=False)  # an entry is itself, not any entry of its length and origin (and `in` stays cheap)
 class _CachedPrompt:
     length: int
     source_task: Optional[int]
@@ -157,9 +175,15 @@ class LogParser:
         """What changes numerics, as the in-process patch records it (``n_batch``, ``flash_attn``, ``type_k`` ...)."""
 
     def feed(self, line: str) -> Optional[TaskDecision]:
-        line = _ANSI.sub("", line)
+        if "\x1b" in line:
+            line = _ANSI.sub("", line)
         pending = self._pending
-        if (m := _SELECTED.search(line)) is not None:
+        if self._listing is not None and (m := _LISTED.pattern.match(line, max(line.find("- prompt "), 0))) is not None:
+            # First: llama-server lists its whole cache after every update, so most lines are these.
+            self._listing.append((m["address"], int(m["n"])))
+            if len(self._listing) == self._listing_size:
+                self._reconcile()
+        elif (m := _SELECTED.search(line)) is not None:
             self._idle_slot = None  # an empty idle slot saves nothing
             pending.slot, pending.selected_by = int(m["slot"]), SELECTED_BY[m["how"]]
             pending.similarity = float(m["sim"]) if m["sim"] else None
@@ -179,10 +203,6 @@ class LogParser:
         elif (m := _CACHE_STATE.search(line)) is not None:
             self._listing, self._listing_size = [], int(m["n"])
             if self._listing_size == 0:
-                self._reconcile()
-        elif self._listing is not None and (m := _LISTED.search(line)) is not None:
-            self._listing.append((m["address"], int(m["n"])))
-            if len(self._listing) == self._listing_size:
                 self._reconcile()
         elif (m := _IDLE_SAVE.search(line)) is not None:
             self._idle_slot = int(m["slot"])
@@ -368,11 +388,10 @@ class LogFollower:
         except OSError:
             return []
         self._offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
+        whole, _, self._partial = (self._partial + data).rpartition(b"\n")
         started = []
-        for raw in lines:
-            decision = self.parser.feed(raw.decode("utf-8", "replace"))
+        for line in whole.decode("utf-8", "replace").split("\n") if whole else ():
+            decision = self.parser.feed(line)
             if decision is not None:
                 started.append(decision)
                 self.started.append(decision)
