@@ -74,6 +74,9 @@ def fingerprint(response: dict[str, Any], slot: Optional[int]) -> Fingerprint:
                        number(timings.get("predicted_n")), slot)
 
 
+_INT64 = struct.Struct("<q")
+
+
 class PromptChains:
     """Keyed prefix hashes of each task's state (prompt tokens, then generated ids), bounded.
 
@@ -85,7 +88,9 @@ class PromptChains:
     MAX_TASKS = 4096
 
     def __init__(self, key: bytes):
-        self._key = hashlib.blake2b(key + b"kvtrace.prompt_chain", digest_size=32).digest()
+        chain_key = hashlib.blake2b(key + b"kvtrace.prompt_chain", digest_size=32).digest()
+        self._keyed = hashlib.blake2b(key=chain_key, digest_size=8)
+        """Copied per token: the key's own block is hashed once, not for every token."""
         self._chains: OrderedDict[int, array] = OrderedDict()
         self._tokens = 0
 
@@ -94,7 +99,9 @@ class PromptChains:
         out = array("Q", after or ())
         state = out[-1].to_bytes(8, "little") if out else b""
         for token in tokens:
-            state = hashlib.blake2b(state + struct.pack("<q", token), key=self._key, digest_size=8).digest()
+            step = self._keyed.copy()
+            step.update(state + _INT64.pack(token))
+            state = step.digest()
             out.append(int.from_bytes(state, "little"))
         return out
 
