@@ -25,7 +25,7 @@ import random
 import threading
 import time
 from array import array
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from opentelemetry import baggage, trace
 from opentelemetry.sdk.resources import Resource
@@ -86,8 +86,9 @@ class Recorder:
             trace_id = parent.trace_id if parent is not None else (self._rng.getrandbits(128) or 1)
         return trace_id, span_id
 
-    def current_correlation(self, request_id: str = "") -> Correlation:
-        bag = baggage.get_all()
+    def current_correlation(self, request_id: str = "", entries: Optional[Mapping[str, object]] = None) -> Correlation:
+        """From ``entries`` (baggage a patch carried itself) or else the current context's baggage."""
+        bag = baggage.get_all() if entries is None else entries
         run_id = str(bag.get(sc.RUN_ID) or self.settings.run_id or self.default_run_id)
         episode_id = str(bag.get(sc.EPISODE_ID) or self.settings.episode_id or "")
         turn_raw = bag.get(sc.TURN)
@@ -106,13 +107,15 @@ class Recorder:
     # --- the API patches use ----------------------------------------------------------
 
     def start_request(self, engine: str, operation: str = sc.OPERATION_TEXT_COMPLETION, model: str = "",
-                      request_id: str = "") -> RequestRecord:
+                      request_id: str = "", baggage_entries: Optional[Mapping[str, object]] = None) -> RequestRecord:
+        """``baggage_entries``: the caller's baggage as a patch carried it across processes (else the
+        current context's is read)."""
         parent_span = trace.get_current_span().get_span_context()
         parent = parent_span if parent_span.is_valid else None
         trace_id, span_id = self._new_ids(parent)
         span_hex = "%016x" % span_id
         record = RequestRecord(
-            correlation=self.current_correlation(request_id or span_hex),
+            correlation=self.current_correlation(request_id or span_hex, baggage_entries),
             engine=engine,
             operation=operation,
             model=model,
@@ -122,7 +125,8 @@ class Recorder:
             parent=parent,
         )
         # The arm is a label of the harness, not of the engine: baggage (per request) or KVTRACE_ARM.
-        arm = str(baggage.get_baggage(sc.ARM) or self.settings.arm or "")
+        carried = baggage.get_baggage(sc.ARM) if baggage_entries is None else baggage_entries.get(sc.ARM)
+        arm = str(carried or self.settings.arm or "")
         if arm:
             record.config[sc.ARM] = arm
         return record

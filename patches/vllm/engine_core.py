@@ -13,13 +13,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Optional
 
 from opentelemetry import context
 
 from kvtrace import semconv as sc
 from kvtrace.patches.hooks import observing
-from kvtrace.patches.vllm.api_process import PROPAGATOR, REQUEST_ID_HEADER
+from kvtrace.patches.vllm.api_process import BAGGAGE_HEADER, PROPAGATOR, REQUEST_ID_HEADER, TRACE_CONTEXT
 from kvtrace.patches.vllm.block_pool import PROVENANCE
 from kvtrace.patches.vllm.common import ENGINE, FAILURES, arg, bare_hashes, hash_hex
 from kvtrace.patches.vllm.config import SETTINGS, sampling_attributes
@@ -95,18 +96,32 @@ record_prefix_cache_stats = observing(FAILURES, "admission", _on_admission)
 
 
 def _correlated_start(recorder: Recorder, request: Any) -> RequestRecord:
-    """Start the record inside the trace context / baggage the request came with."""
+    """Start the record inside the trace context and with the baggage the request came with."""
     headers = dict(getattr(request, "trace_headers", None) or {})
     internal_id = str(request.request_id)
     external_id = headers.get(REQUEST_ID_HEADER) or _external_id(internal_id)
-    # Offline callers send no context: only the request id, and extracting nothing costs µs.
-    carried = len(headers) > (REQUEST_ID_HEADER in headers)
-    token = context.attach(PROPAGATOR.extract(headers)) if carried else None
+    entries = _carried_baggage(headers.get(BAGGAGE_HEADER))
+    if entries is not None:
+        extract = TRACE_CONTEXT.extract if "traceparent" in headers else None
+    else:  # trace headers kvtrace did not write (vLLM's own): the W3C propagators read them
+        extract = PROPAGATOR.extract if len(headers) > (REQUEST_ID_HEADER in headers) else None
+    token = context.attach(extract(headers)) if extract is not None else None
     try:
-        return recorder.start_request(ENGINE, model=SETTINGS.model, request_id=external_id)
+        return recorder.start_request(ENGINE, model=SETTINGS.model, request_id=external_id, baggage_entries=entries)
     finally:
         if token is not None:
             context.detach(token)
+
+
+def _carried_baggage(text: Optional[str]) -> Optional[dict]:
+    """The baggage entries the API process wrote (:data:`BAGGAGE_HEADER`), or ``None``."""
+    if not text:
+        return None
+    try:
+        entries = json.loads(text)
+    except ValueError:
+        return None
+    return entries if isinstance(entries, dict) else None
 
 
 def _external_id(internal_id: str) -> str:

@@ -517,3 +517,39 @@ def test_a_hit_whose_blocks_were_not_seen_is_unverifiable_and_a_violation_stays(
     assert record.cache_integrity == sc.INTEGRITY_VIOLATED
     (violation,) = record.events
     assert (violation.prefix_tokens, violation.tokens) == (0, 2 * BLOCK)
+
+
+def test_the_callers_context_crosses_to_the_engine_core_in_the_trace_headers(memory_recorder):
+    """The API process writes the caller's trace context and baggage into ``trace_headers``; admission reads
+    them back. Headers kvtrace did not write (vLLM's own W3C ones) are read too; a broken entry is ignored."""
+    from opentelemetry import baggage, context
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
+
+    from kvtrace.patches.vllm import api_process
+
+    parent = SpanContext(0x1234, 0x5678, is_remote=True, trace_flags=TraceFlags(1))
+    caller = set_span_in_context(NonRecordingSpan(parent))
+    for key, value in ((sc.RUN_ID, "r1"), (sc.EPISODE_ID, "e1"), (sc.TURN, "3"), (sc.ARM, "cold")):
+        caller = baggage.set_baggage(key, value, caller)
+    written = SimpleNamespace(trace_headers=None)
+    token = context.attach(caller)
+    try:
+        api_process._inject_trace_headers(written, None, ("req-1",), {})
+    finally:
+        context.detach(token)
+    assert api_process.BAGGAGE_HEADER in written.trace_headers and "baggage" not in written.trace_headers
+
+    def admitted(headers):
+        return engine_core._correlated_start(memory_recorder, SimpleNamespace(request_id="req-1-abcdefgh",
+                                                                              trace_headers=headers))
+
+    for headers in (written.trace_headers,
+                    {"traceparent": written.trace_headers["traceparent"], api_process.REQUEST_ID_HEADER: "req-1",
+                     "baggage": f"{sc.RUN_ID}=r1,{sc.EPISODE_ID}=e1,{sc.TURN}=3,{sc.ARM}=cold"}):
+        record = admitted(headers)
+        c = record.correlation
+        assert (c.run_id, c.episode_id, c.turn, c.request_id) == ("r1", "e1", 3, "req-1")
+        assert record.config[sc.ARM] == "cold" and record.parent.span_id == 0x5678
+        assert record.trace_id == "%032x" % 0x1234
+    record = admitted({api_process.BAGGAGE_HEADER: "[not an object", api_process.REQUEST_ID_HEADER: "req-2"})
+    assert record.correlation.request_id == "req-2" and record.parent is None
