@@ -51,6 +51,10 @@ SPAN_TABLES = ("kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
 """kvtrace's typed tables: one row per span (and position / event), copies folded by the engine."""
 # Tables that get a Distributed table in front of them in cluster mode.
 DISTRIBUTED = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
+SHARDING_KEYS = {"otel_traces": "cityHash64(TraceId)", "otel_traces_trace_id_ts": "cityHash64(TraceId)",
+                 **{table: "cityHash64(run_id)" for table in SPAN_TABLES}}
+"""Each Distributed table's sharding key: copies of a span land on one shard, where they fold, and a run's
+rows on one shard (a query over two runs reads at most two)."""
 # The table whose presence says a database has a kvtrace schema at all.
 _MARKER_TABLE = "kvtrace_requests"
 
@@ -181,6 +185,7 @@ def render_ddl(database: str = "default", cluster: str | None = None) -> list[st
                 cluster_literal=f"'{cluster}'",
                 database_literal=f"'{database}'",
                 local_table_literal=f"'{table}_local'",
+                sharding_key=SHARDING_KEYS[table],
             )))
     return statements
 
@@ -273,6 +278,11 @@ def init_schema(client, database: str | None = None, cluster: str | None = None)
         if cluster:
             execute("adding the new columns to the Distributed tables",
                     distributed_column_additions(client, database, cluster))
+    if cluster:  # Distributed tables made before their sharding key was the run's or trace's get it now
+        engines = dict(client.query(
+            "SELECT name, engine_full FROM system.tables WHERE database = {db:String} AND engine = 'Distributed'",
+            parameters={"db": database}).result_rows)
+        execute("sharding the Distributed tables by run and trace", sharding_updates(engines, database, cluster))
     unrecorded = [[m.version, m.name] for m in everything if m.version not in recorded]
     if unrecorded:
         try:
@@ -300,6 +310,23 @@ def distributed_column_additions(client, database: str, cluster: str) -> list[st
                 additions.append(f"ALTER TABLE `{database}`.`{table}` ON CLUSTER `{cluster}` "
                                  f"ADD COLUMN IF NOT EXISTS `{name}` {type_}{after}")
     return additions
+
+
+def sharding_updates(engines: dict[str, str], database: str, cluster: str) -> list[str]:
+    """Statements that give each Distributed table (``engines``: name → ``engine_full``) its sharding key
+    of :data:`SHARDING_KEYS`: its pending rows are sent on first, then it is replaced (it holds no rows of
+    its own; rows stored before keep their shard). Like a migration, best run while writers are paused."""
+    statements = []
+    for table in DISTRIBUTED:
+        engine, key = engines.get(table), SHARDING_KEYS[table]
+        if engine is None or engine.replace(" ", "").endswith(f"{key})"):
+            continue
+        statements += [
+            f"SYSTEM FLUSH DISTRIBUTED `{database}`.`{table}` ON CLUSTER `{cluster}`",
+            f"CREATE OR REPLACE TABLE `{database}`.`{table}` ON CLUSTER `{cluster}` AS `{database}`.`{table}_local` "
+            f"ENGINE = Distributed('{cluster}', '{database}', '{table}_local', {key})",
+        ]
+    return statements
 
 
 def _first_line(exc: Exception) -> str:

@@ -76,6 +76,11 @@ def test_cluster_ddl_uses_replicated_local_tables_behind_distributed_ones():
     assert {s.split()[5] for s in distributed} == {
         "`otel`.`otel_traces`", "`otel`.`otel_traces_trace_id_ts`", "`otel`.`kvtrace_requests`",
         "`otel`.`kvtrace_tokens`", "`otel`.`kvtrace_cache_events`"}
+    # Sharded by run (typed tables) or trace (otel_traces): copies of a span meet on one shard and fold.
+    keys = {s.split()[5].split(".")[1].strip("`"): s.rsplit(", ", 1)[1] for s in distributed}
+    by_trace, by_run = "cityHash64(TraceId))", "cityHash64(run_id))"
+    assert keys == {"otel_traces": by_trace, "otel_traces_trace_id_ts": by_trace, "kvtrace_requests": by_run,
+                    "kvtrace_tokens": by_run, "kvtrace_cache_events": by_run}
     mv = next(s for s in ddl if "`kvtrace_requests_mv`" in s)
     assert "TO `otel`.`kvtrace_requests_local`" in mv and "FROM `otel`.`otel_traces_local`" in mv
     with pytest.raises(ValueError):
@@ -108,3 +113,23 @@ def test_cluster_print_shows_typed_tables_that_fold_copies_and_the_rebuild_addre
     created = [s for s in statements if s.startswith("CREATE TABLE")]
     assert len(created) == 3 and all("ReplicatedReplacingMergeTree('/clickhouse/tables/{uuid}/{shard}'" in s
                                      for s in created)
+
+
+def test_a_cluster_upgrade_reshards_only_distributed_tables_sharded_otherwise():
+    from kvtrace.collectors.schema import sharding_updates
+
+    engines = {"kvtrace_requests": "Distributed('prod', 'otel', 'kvtrace_requests_local', rand())",
+               "kvtrace_tokens": "Distributed('prod', 'otel', 'kvtrace_tokens_local', cityHash64(run_id))",
+               "otel_traces": "Distributed('prod', 'otel', 'otel_traces_local', rand())"}
+    statements = sharding_updates(engines, "otel", "prod")
+    assert statements == [
+        "SYSTEM FLUSH DISTRIBUTED `otel`.`otel_traces` ON CLUSTER `prod`",
+        "CREATE OR REPLACE TABLE `otel`.`otel_traces` ON CLUSTER `prod` AS `otel`.`otel_traces_local` "
+        "ENGINE = Distributed('prod', 'otel', 'otel_traces_local', cityHash64(TraceId))",
+        "SYSTEM FLUSH DISTRIBUTED `otel`.`kvtrace_requests` ON CLUSTER `prod`",
+        "CREATE OR REPLACE TABLE `otel`.`kvtrace_requests` ON CLUSTER `prod` AS `otel`.`kvtrace_requests_local` "
+        "ENGINE = Distributed('prod', 'otel', 'kvtrace_requests_local', cityHash64(run_id))"]
+    # Run again once resharded: nothing left to do.
+    resharded = {table: statement.split("ENGINE = ", 1)[1]
+                 for table, statement in (("otel_traces", statements[1]), ("kvtrace_requests", statements[3]))}
+    assert sharding_updates({**engines, **resharded}, "otel", "prod") == []
