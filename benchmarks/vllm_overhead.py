@@ -57,8 +57,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_overhead  # noqa: E402  (a sibling script's timers and totals)
 from llama_overhead import HookClock, HookTime, exporter_cpu_ns, print_closing_counts  # noqa: E402
 
-SPAN_BUILD = "recorder.finish (span build)"
-"""The request's span, built inside the ``_free_request`` hook: reported apart as well."""
+SPAN_BUILD = "recorder.finish (span queued)"
+"""Handing the record over inside the ``_free_request`` hook, reported apart; the span itself is built on
+the exporter thread, whose CPU is printed beside the engine's."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -103,13 +104,13 @@ def hook_target(batch: int) -> str:
 
 
 class Sample(llama_overhead.Sample):
-    """One arm's totals over a round's blocks; the span build is reported apart."""
+    """One arm's totals over a round's blocks; the span hand-over is reported apart."""
 
     APART: ClassVar[str] = SPAN_BUILD
 
 
 def install_hook_timers(patch, hook_clock: HookClock) -> None:
-    """Timers around every hook of the vLLM table (before vLLM loads the plugin) and the span build."""
+    """Timers around every hook of the vLLM table (before vLLM loads the plugin) and the span hand-over."""
 
     patch.HOOKS.hooks = tuple(Hook(h.module, h.target, hook_clock.around_hook(h.wrapper, h.target))
                               for h in patch.HOOKS.hooks)

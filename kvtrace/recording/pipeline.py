@@ -22,7 +22,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional, Union
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -42,6 +42,16 @@ _DROPPED_QUEUE_FULL = {"spans_finished": 1, "spans_dropped_queue_full": 1}
 _DROPPED_CLOSING = {"spans_finished": 1, "spans_dropped_at_shutdown": 1}
 
 
+class Deferred:
+    """A span built on the worker thread: the engine's thread only queues ``build`` (the record's hashing
+    and packing is most of what recording costs it). A build that fails is counted lost."""
+
+    __slots__ = ("build",)
+
+    def __init__(self, build: Callable[[], ReadableSpan]):
+        self.build = build
+
+
 class SpanPipeline(SpanProcessor):
     def __init__(
         self,
@@ -59,7 +69,7 @@ class SpanPipeline(SpanProcessor):
         self.shutdown_timeout_s = max(0.0, shutdown_timeout_s)
         self.stats = stats
         self.counters = SpanCounters()
-        self._queue: collections.deque[ReadableSpan] = collections.deque()
+        self._queue: collections.deque[Union[ReadableSpan, Deferred]] = collections.deque()
         self._wake = threading.Event()
         self._state = threading.Condition()  # guards _in_flight and _final; notified when a batch settles
         self._in_flight = 0
@@ -110,7 +120,7 @@ class SpanPipeline(SpanProcessor):
             if self._closing and not self._queue:
                 return
 
-    def _take_batch(self) -> list[ReadableSpan]:
+    def _take_batch(self) -> list[Union[ReadableSpan, Deferred]]:
         with self._state:
             batch = []
             while self._queue and len(batch) < self.max_batch_size:
@@ -122,7 +132,25 @@ class SpanPipeline(SpanProcessor):
         while self._queue and not self._final:
             batch = self._take_batch()
             if batch:
+                batch = self._built(batch)
                 self._settle(batch, self._deliver(batch))
+
+    def _built(self, batch: list) -> list[ReadableSpan]:
+        """The batch with its deferred spans built; those that fail to build are settled as lost."""
+        spans, failed = [], 0
+        for item in batch:
+            if type(item) is not Deferred:
+                spans.append(item)
+                continue
+            try:
+                spans.append(item.build())
+            except Exception:
+                failed += 1
+                log.exception("kvtrace: could not build a request span")
+        if failed:
+            self.counters.add("instrumentation_errors", failed)
+            self._settle([None] * failed, Delivery.LOST)
+        return spans
 
     def _deliver(self, batch: list[ReadableSpan], timeout: Optional[float] = None) -> Delivery:
         try:
@@ -206,6 +234,7 @@ class SpanPipeline(SpanProcessor):
             while self._queue and time.monotonic() < deadline:
                 batch = self._take_batch()
                 if batch:
+                    batch = self._built(batch)
                     self._settle(batch, self._deliver(batch, timeout=max(0.0, deadline - time.monotonic())))
             self._wait_idle(deadline)
         with self._state:

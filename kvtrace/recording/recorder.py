@@ -18,6 +18,7 @@ here, so nothing is lost.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import os
@@ -40,7 +41,7 @@ from kvtrace.config import Settings, default_spool_dir
 from kvtrace.errors import KvtraceError
 from kvtrace.recording.capture import CapturePolicy
 from kvtrace.recording.exporters import build_exporter
-from kvtrace.recording.pipeline import SpanPipeline
+from kvtrace.recording.pipeline import Deferred, SpanPipeline
 from kvtrace.recording.records import TURN_MAX, TURN_MIN, CacheEvent, Correlation, RequestRecord, StateOrigin
 from kvtrace.recording.stats import StatsFile
 
@@ -135,11 +136,12 @@ class Recorder:
         return self.capture.hash_tokens(tokens)
 
     def finish(self, record: RequestRecord) -> None:
-        """Emit the record as a span.  Never raises: errors are logged and counted."""
+        """Emit the record as a span, built on the pipeline's thread: the record is the span's from here on,
+        and nothing changes it.  Never raises: errors are logged and counted."""
         try:
             if not record.end_time_unix_nano:
                 record.end_time_unix_nano = time.time_ns()
-            self.pipeline.on_end(self._to_span(record))
+            self.pipeline.on_end(Deferred(functools.partial(self._to_span, record)))
         except Exception:
             self.pipeline.counters.add("instrumentation_errors")
             log.exception("kvtrace: could not record request span")
