@@ -21,6 +21,7 @@ from kvtrace import semconv as sc
 from kvtrace import queries
 from kvtrace.collectors.ingest import ingest_paths
 from kvtrace.collectors.otlp_rows import COLUMNS, rows_from_request
+from kvtrace.cli import main
 from kvtrace.collectors.schema import init_schema
 from kvtrace.config import Settings
 from kvtrace.db import connect
@@ -178,7 +179,7 @@ def test_a_spool_and_a_collector_store_the_same_rows_and_every_query_answers_ali
         assert ingested == {k: v for k, v in by_collector.items() if k not in TOKEN_ARRAYS}
 
 
-def test_a_span_stored_by_a_collector_and_by_ingest_is_seen_once(monkeypatch, tmp_path):
+def test_a_span_stored_by_a_collector_and_by_ingest_is_seen_once(monkeypatch, tmp_path, capsys):
     spans = recorded_spans(monkeypatch, tmp_path)
     spool = tmp_path / "spool"
     SpoolExporter(spool).export(spans)
@@ -188,6 +189,13 @@ def test_a_span_stored_by_a_collector_and_by_ingest_is_seen_once(monkeypatch, tm
     assert ingest_paths(client, [spool], quarantine_dir=tmp_path / "q").spans == len(spans)
     assert table_rows(client) == alone
     client.close()
+    # `kvtrace db status` counts each span once too, however many copies are stored before they fold.
+    monkeypatch.setenv("KVTRACE_CLICKHOUSE_URL", f"chdb://{tmp_path / 'both'}")
+    monkeypatch.setenv("KVTRACE_SPOOL_DIR", str(tmp_path / "empty-spool"))
+    capsys.readouterr()
+    assert main(["db", "status", "--format", "json"]) == 0
+    tables = json.loads(capsys.readouterr().out)["tables"]
+    assert tables["kvtrace_requests"] == sum(1 for s in spans if s.name == sc.SPAN_REQUEST)
 
 
 # Where text and numbers part ways: both notations' switches, the extremes of the type, zeros of both signs.
