@@ -376,23 +376,30 @@ class LogFollower:
         self._inode: Optional[int] = None
         self.started: deque[TaskDecision] = deque(maxlen=4096)
 
+    READ_BYTES = 1 << 20
+    """Read and parsed a piece at a time: a log far ahead (a proxy started on a long-running server,
+    llama-server listing a large cache) never sits in memory whole."""
+
     def poll(self) -> list[TaskDecision]:
         """Parse the lines written since the last call; returns the tasks that started in them."""
+        started: list[TaskDecision] = []
         try:
             with open(self.path, "rb") as log:
                 stat = os.fstat(log.fileno())
                 if self._inode != stat.st_ino or stat.st_size < self._offset:
                     self._inode, self._offset, self._partial = stat.st_ino, 0, b""  # a new or truncated file
                 log.seek(self._offset)
-                data = log.read()
+                while data := log.read(self.READ_BYTES):
+                    self._offset += len(data)
+                    self._parse(data, started)
         except OSError:
-            return []
-        self._offset += len(data)
+            pass
+        return started
+
+    def _parse(self, data: bytes, started: list[TaskDecision]) -> None:
         whole, _, self._partial = (self._partial + data).rpartition(b"\n")
-        started = []
         for line in whole.decode("utf-8", "replace").split("\n") if whole else ():
             decision = self.parser.feed(line)
             if decision is not None:
                 started.append(decision)
                 self.started.append(decision)
-        return started
