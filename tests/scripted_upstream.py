@@ -97,6 +97,12 @@ class ScriptedUpstream:
         for thread in self._threads:
             thread.join(5)
 
+    @property
+    def connections(self) -> int:
+        """Connections accepted so far."""
+        with self._lock:
+            return len(self._sockets)
+
     def requests_to(self, target: str) -> list[Received]:
         with self._lock:
             return [r for r in self.received if r.target == target]

@@ -116,6 +116,22 @@ def test_a_kept_alive_connection_the_upstream_closed_meanwhile_is_not_used(memor
         assert len(upstream.received) == 2
 
 
+def test_a_connection_idle_past_the_reuse_bound_is_not_reused(memory_recorder, monkeypatch):
+    """Servers close idle kept-alive connections after a few seconds; one idle that long is not risked."""
+    from kvtrace.outside import upstream as upstream_module
+
+    monkeypatch.setattr(upstream_module, "MAX_IDLE_S", 0.3)
+    with ScriptedUpstream(lambda received: json_answer({"data": []})) as upstream, \
+            proxy_in_thread(upstream.url, memory_recorder) as proxy:
+        with httpx.Client(timeout=30) as client:
+            for _ in range(3):  # back to back: one connection, kept alive
+                assert client.get(proxy + "/v1/models").status_code == 200
+            assert upstream.connections == 1
+            time.sleep(0.5)
+            assert client.get(proxy + "/v1/models").status_code == 200
+            assert upstream.connections == 2 and len(upstream.received) == 4
+
+
 # --- limits on clients ------------------------------------------------------------------------
 
 

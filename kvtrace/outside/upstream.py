@@ -17,6 +17,7 @@ import select
 import socket
 import ssl
 import threading
+import time
 from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
@@ -30,6 +31,9 @@ MAX_HEAD_BYTES = 64 << 10
 """An answer's head, a chunk's size line, the trailers: past this the answer is refused (502)."""
 MAX_IDLE_CONNECTIONS = 64
 """Kept-alive connections held for reuse; more are closed when their answer ends."""
+MAX_IDLE_S = 2.0
+"""A connection idle longer is not reused: servers close idle ones after a few seconds (llama-server's
+HTTP library after 5), and a close that crosses the request on the wire would cost the client a 502."""
 
 
 class UpstreamUnreachable(Exception):
@@ -48,6 +52,7 @@ class _Connection:
     def __init__(self, sock: socket.socket):
         self.socket = sock
         self.protocol = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.idle_since = 0.0
 
     def alive(self) -> bool:
         """Idle and still open: nothing to read (neither the upstream's close nor stray bytes)."""
@@ -218,9 +223,9 @@ class Upstream:
                 if not self._idle:
                     return None
                 connection = self._idle.pop()
-            if connection.alive():
+            if time.monotonic() - connection.idle_since < MAX_IDLE_S and connection.alive():
                 return connection
-            connection.close()  # closed by the upstream while it waited
+            connection.close()  # closed by the upstream while it waited, or soon to be
 
     def _connect(self) -> _Connection:
         try:
@@ -238,6 +243,7 @@ class Upstream:
             protocol.start_next_cycle()
             with self._lock:
                 if len(self._idle) < MAX_IDLE_CONNECTIONS:
+                    connection.idle_since = time.monotonic()
                     self._idle.append(connection)
                     return
         connection.close()  # the upstream asked to close, framed the answer by its end, or sent more
