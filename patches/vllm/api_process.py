@@ -4,15 +4,15 @@ The API process records nothing itself.  ``InputProcessor.process_inputs`` puts 
 trace context, its baggage (run / episode / turn) and the external request id into
 ``EngineCoreRequest.trace_headers``, a field vLLM already ships to the engine core, which reads
 them at admission.  Both ends are kvtrace, so the baggage travels as JSON (:data:`BAGGAGE_HEADER`):
-the W3C baggage propagator's validation was about half of the admission hook's time.  The OpenAI server's ``build_app`` gets a middleware that makes each HTTP
-request's ``traceparent`` / ``baggage`` current, so the caller's context reaches ``process_inputs``.
+the W3C baggage propagator's validation was about half of the admission hook's time.  The OpenAI
+server's ``build_app`` gets a middleware that makes each HTTP request's ``traceparent`` / ``baggage``
+current, so the caller's context reaches ``process_inputs``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import json
+from typing import Any, Callable
 
 from opentelemetry import baggage
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
