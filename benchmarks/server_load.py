@@ -53,6 +53,9 @@ import httpx
 
 from kvtrace.semconv import SPAN_REQUEST
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arguments import positive_integers  # noqa: E402  (what the benchmark scripts share)
+
 SERVERS = ("vllm", "llama-cpp", "llama-server")
 MODEL_NAME = "tiny"
 PREFIX = " ".join(["the agent opens the configuration file and reads each of its lines"] * 11)[:700]
@@ -62,16 +65,6 @@ TARGET_P50_PCT = 2.0
 TARGET_RSS_PCT = 5.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def integer_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"each value must be at least 1: {text!r}")
-    return values
 
 
 def server_list(text: str) -> list[str]:
@@ -85,7 +78,7 @@ def server_list(text: str) -> list[str]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", type=server_list, default=list(SERVERS), help=",".join(SERVERS))
-    parser.add_argument("--concurrency", type=integer_list, default=[1, 8, 32])
+    parser.add_argument("--concurrency", type=positive_integers, default=[1, 8, 32])
     parser.add_argument("--requests", type=int, default=96, help="requests per arm, concurrency and streaming mode")
     parser.add_argument("--tokens", type=int, default=16, help="max_tokens per request")
     parser.add_argument("--minutes", type=float, default=0.0, help="soak of traced load for RSS growth (0: none)")

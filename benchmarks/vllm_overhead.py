@@ -55,6 +55,7 @@ from kvtrace.testmodels.hf_llama import SIZES, make_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_overhead  # noqa: E402  (a sibling script's timers and totals)
+from arguments import positive_integers  # noqa: E402
 from llama_overhead import HookClock, HookTime, exporter_cpu_ns, print_closing_counts  # noqa: E402
 
 SPAN_BUILD = "recorder.finish (span queued)"
@@ -68,7 +69,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="rounds; each is all turns of both arms, ABBA block by block")
     parser.add_argument("--episodes", type=int, default=8,
                         help="episodes per arm and round (raised to a multiple of the batch size)")
-    parser.add_argument("--batch", default="1", type=batch_sizes,
+    parser.add_argument("--batch", default="1", type=positive_integers,
                         help="requests per generate call, comma-separated sizes each measured apart (e.g. 1,8,32)")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
@@ -79,17 +80,6 @@ def parse_args() -> argparse.Namespace:
     if min(args.rounds, args.episodes, args.turns) < 1 or args.max_tokens < 2:
         parser.error("--rounds, --episodes and --turns must be at least 1, --max-tokens at least 2")
     return args
-
-
-def batch_sizes(text: str) -> list[int]:
-    """``--batch``'s comma-separated sizes, each at least 1."""
-    try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be at least 1: {text!r}")
-    return sizes
 
 
 BATCH_TARGETS = {1: 1.0, 32: 0.5}
