@@ -178,7 +178,7 @@ class LogParser:
         if "\x1b" in line:
             line = _ANSI.sub("", line)
         pending = self._pending
-        if self._listing is not None and (m := _LISTED.pattern.match(line, max(line.find("- prompt "), 0))) is not None:
+        if self._listing is not None and (m := _LISTED.search(line)) is not None:
             # First: llama-server lists its whole cache after every update, so most lines are these.
             self._listing.append((m["address"], int(m["n"])))
             if len(self._listing) == self._listing_size:
