@@ -45,12 +45,15 @@ from kvtrace.errors import SchemaUpgradeFailed
 
 TABLES = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens",
           "kvtrace_cache_events", "kvtrace_ingest_files", "kvtrace_ingest_lines")
+"""Every name a query may read (``kvtrace_tokens`` is a view of ``kvtrace_requests``)."""
 VERSIONS_TABLE = "kvtrace_schema_migrations"
-VIEWS = ("otel_traces_trace_id_ts_mv", "kvtrace_requests_mv", "kvtrace_tokens_mv", "kvtrace_cache_events_mv")
-SPAN_TABLES = ("kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
-"""kvtrace's typed tables: one row per span (and position / event), copies folded by the engine."""
+VIEWS = ("otel_traces_trace_id_ts_mv", "kvtrace_requests_mv", "kvtrace_cache_events_mv")
+SPAN_TABLES = ("kvtrace_requests", "kvtrace_cache_events")
+"""kvtrace's typed tables: one row per span (and event), copies folded by the engine."""
+REBUILT_IN_0005 = ("kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
+"""The typed tables of version 5, which migration 0005 rebuilds (the tokens table until 0006 drops it)."""
 # Tables that get a Distributed table in front of them in cluster mode.
-DISTRIBUTED = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
+DISTRIBUTED = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_cache_events")
 SHARDING_KEYS = {"otel_traces": "cityHash64(TraceId)", "otel_traces_trace_id_ts": "cityHash64(TraceId)",
                  **{table: "cityHash64(run_id)" for table in SPAN_TABLES}}
 """Each Distributed table's sharding key: copies of a span land on one shard, where they fold, and a run's
@@ -134,10 +137,12 @@ def _variables(database: str, cluster: str | None) -> dict[str, str]:
         # kvtrace's typed tables: copies of a span's rows (a retried write, two paths) fold into one.
         variables["span_engine"] = "ReplacingMergeTree()"
         variables["versions_engine"] = "MergeTree()"
-    for table in TABLES + (VERSIONS_TABLE,):
-        variables[table] = f"`{table}_local`" if cluster and table in DISTRIBUTED else f"`{table}`"
+    for table in TABLES + (VERSIONS_TABLE,):  # kvtrace_tokens: the table of versions 1-5, local on a cluster
+        local = cluster and (table in DISTRIBUTED or table == "kvtrace_tokens")
+        variables[table] = f"`{table}_local`" if local else f"`{table}`"
     for view in VIEWS:
         variables[view] = f"`{view}`"
+    variables["kvtrace_tokens_view"] = "`kvtrace_tokens`"
     variables.update(_rebuild_variables(database, cluster))
     return variables
 
@@ -148,7 +153,7 @@ def _rebuild_variables(database: str, cluster: str | None) -> dict[str, str]:
     table through the cluster table function: an INSERT runs on one node only; a run's rows go to one shard,
     so copies of a span stored on two shards meet and fold)."""
     variables = {}
-    for table in SPAN_TABLES:
+    for table in REBUILT_IN_0005:
         rebuilt = f"{table}_rebuilt"
         if cluster:
             variables[rebuilt] = f"`{rebuilt}_local`"
@@ -167,18 +172,16 @@ def split_statements(sql: str) -> list[str]:
 
 
 def render_ddl(database: str = "default", cluster: str | None = None) -> list[str]:
-    """The statements that create the current schema (``kvtrace db init --print``), in order."""
+    """The statements that create the current schema (``kvtrace db init --print``), in order: on a cluster
+    the Distributed tables where ``90_distributed.sql`` stands, before the views that read them."""
     variables = _variables(database, cluster)
     statements = []
-    distributed_template = None
     for name, text in _templates():
-        if name.startswith("90_distributed"):
-            distributed_template = text
+        if not name.startswith("90_distributed"):
+            statements.extend(split_statements(Template(text).substitute(variables)))
             continue
-        statements.extend(split_statements(Template(text).substitute(variables)))
-    if cluster and distributed_template:
-        for table in DISTRIBUTED:
-            statements.extend(split_statements(Template(distributed_template).substitute(
+        for table in DISTRIBUTED if cluster else ():
+            statements.extend(split_statements(Template(text).substitute(
                 variables,
                 table=f"`{table}`",
                 local_table=f"`{table}_local`",

@@ -90,7 +90,7 @@ def everything_stored(client) -> str:
     """Every row of every table of the database, as text: what a reader of the store sees."""
     tables = [name for (name,) in client.query(
         "SELECT name FROM system.tables WHERE database = currentDatabase() AND engine NOT LIKE '%View'").result_rows]
-    assert {"otel_traces", "kvtrace_requests", "kvtrace_tokens"} <= set(tables)
+    assert {"otel_traces", "kvtrace_requests", "kvtrace_cache_events"} <= set(tables)
     return "\n".join(repr(row) for table in tables for row in client.query(f"SELECT * FROM {table}").result_rows)
 
 

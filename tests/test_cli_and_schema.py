@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvtrace.cli import main
-from kvtrace.collectors.schema import SPAN_TABLES, migrations, render_ddl, render_migration
+from kvtrace.collectors.schema import REBUILT_IN_0005, migrations, render_ddl, render_migration
 
 
 def kvtrace(*args, check=True):
@@ -75,12 +75,16 @@ def test_cluster_ddl_uses_replicated_local_tables_behind_distributed_ones():
     distributed = [s for s in ddl if "ENGINE = Distributed" in s]
     assert {s.split()[5] for s in distributed} == {
         "`otel`.`otel_traces`", "`otel`.`otel_traces_trace_id_ts`", "`otel`.`kvtrace_requests`",
-        "`otel`.`kvtrace_tokens`", "`otel`.`kvtrace_cache_events`"}
+        "`otel`.`kvtrace_cache_events`"}
     # Sharded by run (typed tables) or trace (otel_traces): copies of a span meet on one shard and fold.
     keys = {s.split()[5].split(".")[1].strip("`"): s.rsplit(", ", 1)[1] for s in distributed}
     by_trace, by_run = "cityHash64(TraceId))", "cityHash64(run_id))"
     assert keys == {"otel_traces": by_trace, "otel_traces_trace_id_ts": by_trace, "kvtrace_requests": by_run,
-                    "kvtrace_tokens": by_run, "kvtrace_cache_events": by_run}
+                    "kvtrace_cache_events": by_run}
+    # The tokens view reads every shard: the Distributed kvtrace_requests, created before it.
+    view = next(s for s in ddl if "VIEW `otel`.`kvtrace_tokens`" in s)
+    assert "FROM `otel`.`kvtrace_requests` FINAL" in view
+    assert ddl.index(view) > ddl.index(next(s for s in distributed if "`otel`.`kvtrace_requests`" in s))
     mv = next(s for s in ddl if "`kvtrace_requests_mv`" in s)
     assert "TO `otel`.`kvtrace_requests_local`" in mv and "FROM `otel`.`otel_traces_local`" in mv
     with pytest.raises(ValueError):
@@ -93,7 +97,6 @@ def test_cluster_print_shows_typed_tables_that_fold_copies_and_the_rebuild_addre
     assert main(["db", "init", "--cluster", "prod", "--database", "otel", "--print"]) == 0
     printed = capsys.readouterr().out
     for table, key in (("kvtrace_requests", "Timestamp, TraceId, SpanId"),
-                       ("kvtrace_tokens", "position, TraceId, SpanId"),
                        ("kvtrace_cache_events", "Timestamp, TraceId, SpanId, event_index")):
         statement = next(s for s in printed.split(";\n") if f"CREATE TABLE IF NOT EXISTS `otel`.`{table}_local`" in s)
         assert "ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{uuid}/{shard}', '{replica}')" in statement
@@ -105,14 +108,19 @@ def test_cluster_print_shows_typed_tables_that_fold_copies_and_the_rebuild_addre
     assert all(" ON CLUSTER `prod`" in s for s in statements if s not in inserts)  # an INSERT runs on one node
     # Each local table is rebuilt on every node; the copy reads through the Distributed table, writes to every shard.
     assert [s.split("\n")[0] for s in inserts] == [
-        f"INSERT INTO FUNCTION cluster('prod', 'otel', '{t}_rebuilt_local', cityHash64(run_id)) (" for t in SPAN_TABLES]
+        f"INSERT INTO FUNCTION cluster('prod', 'otel', '{t}_rebuilt_local', cityHash64(run_id)) (" for t in REBUILT_IN_0005]
     assert [s.split("\n")[-2:] for s in inserts] == [
-        [f"FROM `otel`.`{t}`", "SETTINGS insert_distributed_sync = 1"] for t in SPAN_TABLES]
+        [f"FROM `otel`.`{t}`", "SETTINGS insert_distributed_sync = 1"] for t in REBUILT_IN_0005]
     assert [s for s in statements if s.startswith("EXCHANGE")] == [
-        f"EXCHANGE TABLES `otel`.`{t}_local` AND `otel`.`{t}_rebuilt_local` ON CLUSTER `prod`" for t in SPAN_TABLES]
+        f"EXCHANGE TABLES `otel`.`{t}_local` AND `otel`.`{t}_rebuilt_local` ON CLUSTER `prod`" for t in REBUILT_IN_0005]
     created = [s for s in statements if s.startswith("CREATE TABLE")]
     assert len(created) == 3 and all("ReplicatedReplacingMergeTree('/clickhouse/tables/{uuid}/{shard}'" in s
                                      for s in created)
+    # Version 6 drops the tokens table (its rows are kvtrace_requests' arrays): the Distributed one, then the local.
+    (tokens_view,) = [m for m in migrations() if m.version == 6]
+    assert [s for s in render_migration(tokens_view, "otel", cluster="prod") if s.startswith("DROP TABLE")] == [
+        "DROP TABLE IF EXISTS `otel`.`kvtrace_tokens` ON CLUSTER `prod` SYNC",
+        "DROP TABLE IF EXISTS `otel`.`kvtrace_tokens_local` ON CLUSTER `prod` SYNC"]
 
 
 def test_a_cluster_upgrade_reshards_only_distributed_tables_sharded_otherwise():

@@ -44,10 +44,14 @@ def test_every_saved_query_counts_a_span_stored_twice_once(tmp_path):
         once, stored = answers(client), counts(client)
         assert all(stored) and "'hit_vs_recompute'" in once[2]
 
-        # The same spans again: kvtrace_requests' copy reaches kvtrace_tokens through its view.
+        tokens = client.query("SELECT count() FROM kvtrace_tokens").result_rows[0][0]
+
+        # The same spans again.
         client.command("INSERT INTO kvtrace_requests SELECT * FROM kvtrace_requests")
         client.command("INSERT INTO kvtrace_cache_events SELECT * FROM kvtrace_cache_events")
         assert counts(client) == [2 * n for n in stored]
         assert answers(client) == once
+        # The tokens view reads kvtrace_requests FINAL: the copies' tokens once.
+        assert client.query("SELECT count() FROM kvtrace_tokens").result_rows[0][0] == tokens > 0
     finally:
         client.close()

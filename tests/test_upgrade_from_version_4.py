@@ -2,11 +2,12 @@
 
 ``fixtures/database_v4.sql`` is a version-4 database frozen as text: its DDL and its rows (two runs
 that fork, an episode they agree on, and one request stored twice, in every table, as a retried
-write under version 4 could leave it).  ``init_schema`` rebuilds the three typed tables (migration
-0005): every row stays with its values, the copy counts once, the saved queries answer as they do on
-a new database that received the same spans through the Collector's path, a span written after the
-upgrade reaches the new tables through the views, and a second init changes nothing.  An upgrade
-interrupted anywhere is finished by the next one.
+write under version 4 could leave it).  ``init_schema`` rebuilds the typed tables (migration 0005)
+and makes ``kvtrace_tokens`` a view of ``kvtrace_requests``' arrays (0006): every row stays with its
+values, the copy counts once, the saved queries answer as they do on a new database that received
+the same spans through the Collector's path, a span written after the upgrade reaches the new tables
+through the views, and a second init changes nothing.  An upgrade interrupted anywhere is finished by
+the next one.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from kvtrace.db import connect
 from test_schema_upgrade import schema_shape
 
 VERSION_4 = Path(__file__).parent / "fixtures" / "database_v4.sql"
-MIGRATION = "0005_typed_tables_fold_copies"
+MIGRATIONS = ("0005_typed_tables_fold_copies", "0006_tokens_view")
+TYPED = schema.REBUILT_IN_0005  # version 4's typed tables: kvtrace_tokens a view since version 6
 OTHER_TABLES = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_ingest_files")
 PAIR = {"run_a": "v4-A", "run_b": "v4-B"}
 SAVED = (("runs", {}), ("forks", PAIR), ("fork_attribution", PAIR),
@@ -78,13 +80,13 @@ def test_a_version_4_database_is_rebuilt_keeps_every_row_and_counts_a_copy_once(
     client = open_db("db")
     load_version_4(client)
     assert schema.schema_version(client) == 4
-    stored = {t: rows(client, t) for t in schema.SPAN_TABLES + OTHER_TABLES}
+    stored = {t: rows(client, t) for t in TYPED + OTHER_TABLES}
     copied = {t: len(r) - len(set(r)) for t, r in stored.items()}
     assert copied == {"kvtrace_requests": 1, "kvtrace_tokens": 3, "kvtrace_cache_events": 1, "otel_traces": 1,
                       "otel_traces_trace_id_ts": 1, "kvtrace_ingest_files": 0}
 
     change = schema.init_schema(client)
-    assert (change.version_before, change.version, change.applied) == (4, 5, (MIGRATION,))
+    assert (change.version_before, change.version, change.applied) == (4, 6, MIGRATIONS)
     assert client.query("SELECT version, name FROM kvtrace_schema_migrations ORDER BY version").result_rows == [
         (m.version, m.name) for m in schema.migrations()]
     engines = client.query("SELECT name, engine, sorting_key FROM system.tables WHERE database = currentDatabase() "
@@ -93,10 +95,10 @@ def test_a_version_4_database_is_rebuilt_keeps_every_row_and_counts_a_copy_once(
         ("kvtrace_cache_events", "ReplacingMergeTree",
          "run_id, episode_id, turn, Timestamp, TraceId, SpanId, event_index"),
         ("kvtrace_requests", "ReplacingMergeTree", "run_id, episode_id, turn, Timestamp, TraceId, SpanId"),
-        ("kvtrace_tokens", "ReplacingMergeTree", "run_id, episode_id, turn, position, TraceId, SpanId")]
-    assert not any(name.endswith("_rebuilt") for name in table_names(client))
-    for table in schema.SPAN_TABLES:  # every row kept, with its values; the copy folded into one
-        assert rows(client, table, final=True) == sorted(set(stored[table])), table
+        ("kvtrace_tokens", "View", "")]
+    assert not any(name.endswith("_rebuilt") or name == "kvtrace_tokens_mv" for name in table_names(client))
+    for table in TYPED:  # every row kept, with its values (the tokens as the view's); the copy folded into one
+        assert rows(client, table, final=table != "kvtrace_tokens") == sorted(set(stored[table])), table
     for table in OTHER_TABLES:  # untouched
         assert rows(client, table) == stored[table], table
 
@@ -118,8 +120,8 @@ def test_a_version_4_database_is_rebuilt_keeps_every_row_and_counts_a_copy_once(
                    f"mapUpdate(SpanAttributes, map('{sc.RUN_ID}', 'v4-C')) AS SpanAttributes, 'c0ffee' AS SpanId) "
                    f"FROM (SELECT * FROM otel_traces WHERE SpanAttributes['{sc.RUN_ID}'] = 'v4-A' "
                    f"AND SpanAttributes['{sc.TURN}'] = '1' LIMIT 1)")
-    counts = [client.query(f"SELECT count() FROM {t} FINAL WHERE run_id = 'v4-C' AND SpanId = 'c0ffee'")
-              .result_rows[0][0] for t in schema.SPAN_TABLES]
+    counts = [client.query(f"SELECT count() FROM {t} {'' if t == 'kvtrace_tokens' else 'FINAL'} "
+                           "WHERE run_id = 'v4-C' AND SpanId = 'c0ffee'").result_rows[0][0] for t in TYPED]
     assert counts == [1, 3, 1]
 
     # A second init changes nothing.
@@ -142,7 +144,7 @@ def main_says_nothing_to_upgrade(capsys) -> bool:
     from kvtrace.cli import main
 
     capsys.readouterr()
-    return main(["db", "init"]) == 0 and "schema version 5, nothing to upgrade" in capsys.readouterr().out
+    return main(["db", "init"]) == 0 and "schema version 6, nothing to upgrade" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("stop_at", [
@@ -154,16 +156,17 @@ def main_says_nothing_to_upgrade(capsys) -> bool:
 def test_an_interrupted_rebuild_is_finished_by_the_next_init(open_db, stop_at):
     client = open_db("db")
     load_version_4(client)
-    stored = {t: sorted(set(rows(client, t))) for t in schema.SPAN_TABLES}
+    stored = {t: sorted(set(rows(client, t))) for t in TYPED}
     statements = schema.render_migration(schema.migrations()[4])
     stop = len(statements) if stop_at is None else next(
         i for i, s in enumerate(statements) if s.startswith(stop_at[0])) + stop_at[1]
     for statement in statements[:stop]:
         client.command(statement)
     assert schema.schema_version(client) == 4
-    assert schema.init_schema(client).applied == (MIGRATION,)
-    for table in schema.SPAN_TABLES:
-        assert rows(client, table, final=True) == stored[table], table
+    assert schema.init_schema(client).applied == MIGRATIONS
+    for table in TYPED:
+        view = table == "kvtrace_tokens"
+        assert rows(client, table, final=not view) == stored[table], table
         assert client.query(f"SELECT engine FROM system.tables WHERE database = currentDatabase() AND name = '{table}'"
-                            ).result_rows == [("ReplacingMergeTree",)]
+                            ).result_rows == [("View" if view else "ReplacingMergeTree",)]
     assert not any(name.endswith("_rebuilt") for name in table_names(client))

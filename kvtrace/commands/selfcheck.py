@@ -69,7 +69,7 @@ def run(args) -> int:
         parameters={"run": run_id},
     ).result_rows
     got = {span: (list(tokens), list(margins)) for span, tokens, margins in rows}
-    tokens = client.query("SELECT count() FROM kvtrace_tokens FINAL WHERE run_id = {run:String}",
+    tokens = client.query("SELECT count() FROM kvtrace_tokens WHERE run_id = {run:String}",
                           parameters={"run": run_id}).result_rows[0][0]
     events = client.query("SELECT count() FROM kvtrace_cache_events FINAL WHERE run_id = {run:String}",
                           parameters={"run": run_id}).result_rows[0][0]

@@ -1,11 +1,15 @@
--- Explodes the per-token arrays of kvtrace_requests into kvtrace_tokens (chained on the typed table).
-CREATE MATERIALIZED VIEW IF NOT EXISTS ${database}.${kvtrace_tokens_mv} ${on_cluster}
-TO ${database}.${kvtrace_tokens}
-AS SELECT
+-- kvtrace_tokens: one row per generated token (position 0 = first generated token of the request), for ad hoc SQL.
+-- A view, not a table: the rows are kvtrace_requests' per-token arrays read FINAL (each span once), so they are
+-- stored once and cost ingest nothing; the saved queries compare the arrays themselves. It reads the plain
+-- kvtrace_requests, which on a cluster is the Distributed table in front of every shard.
+-- token_id / top1_id / runner_up_id are -1 when the capture policy kept no ids; margin and logprob NaN where a
+-- request recorded ids without them.
+CREATE OR REPLACE VIEW ${database}.${kvtrace_tokens_view} ${on_cluster} AS
+SELECT
     Timestamp, TraceId, SpanId, run_id, episode_id, turn, request_id, engine, weight_format, arm,
     prompt_hash, cache_layer, reused_tokens,
     toUInt32(position) AS position, token_id, top1_id, runner_up_id, margin, logprob
-FROM ${database}.${kvtrace_requests}
+FROM ${database}.`kvtrace_requests` FINAL
 ARRAY JOIN
     range(greatest(length(token_ids), length(margins))) AS position,
     arrayResize(token_ids, greatest(length(token_ids), length(margins)), toInt64(-1)) AS token_id,
