@@ -423,7 +423,7 @@ class Ingestor:
             result.skipped = bool(data.strip())
             return
         try:
-            request = json.loads(data)
+            json.loads(data)
         except ValueError:
             if not _writer_is_gone(path):
                 result.pending_bytes = len(data)
@@ -431,25 +431,18 @@ class Ingestor:
             self._quarantine(path, 1, data, "truncated line (its writer ended before finishing it)", result)
         else:
             parsed: list[_Line] = []
-            self._take(path, 1, data, request, parsed, result)
+            self._parse(path, 1, data, parsed, result)
             self._store(path, parsed, result)
         result.lines = 1
         self._save(path, key, document, len(data), (0, 0, 0), result, True)
 
     def _parse(self, path: Path, line_no: int, line: bytes, parsed: list[_Line], result: FileResult) -> None:
-        try:
-            request = json.loads(line)
-        except (ValueError, RecursionError) as exc:
-            return self._quarantine(path, line_no, line, f"not JSON: {exc}", result)
-        self._take(path, line_no, line, request, parsed, result)
-
-    def _take(self, path: Path, line_no: int, line: bytes, request, parsed: list[_Line], result: FileResult) -> None:
-        """A decoded line's rows into ``parsed``, or the line into quarantine when it is no OTLP trace request."""
+        """A line's rows into ``parsed``, or the line into quarantine when it is no OTLP trace request."""
         dropped: list[str] = []
         try:
-            rows = rows_from_request(request, typed=True, dropped=dropped)
+            rows = rows_from_request(line, typed=True, dropped=dropped)
         except MalformedSpan as exc:
-            return self._quarantine(path, line_no, line, f"not an OTLP/JSON trace request: {exc}", result)
+            return self._quarantine(path, line_no, line, str(exc), result)
         if dropped and not result.repaired:  # the first of a file is named; every one is counted
             result.messages.append(f"{path}:{line_no}: attribute {dropped[0][:80]!r} holds an integer outside the "
                                    "64-bit range: left out of its span, which is stored (every such value is "

@@ -1,23 +1,23 @@
-"""OTLP/JSON ``ExportTraceServiceRequest`` → rows of ``otel_traces``, checked field by field.
+"""OTLP/JSON ``ExportTraceServiceRequest`` lines → rows of ``otel_traces``, checked field by field.
 
-Attribute values become text as in the OpenTelemetry Collector's ClickHouse exporter (numbers as
-text, booleans ``true``/``false``, arrays and maps as JSON, bytes as base64), so its views read
-either writer's rows alike.  With ``typed=True`` (ingest), a ``kvtrace.request`` span's per-token
-arrays (``TOKEN_ARRAYS``) become numpy arrays (``SpanRow.arrays``) instead of text: packed ones
-(``kvtrace/recording/packed_arrays.py``) are viewed in place, standard ones of older spools read
-number by number; and every span ingest writes typed rows for is marked ``TYPED_ROWS_STORED``.
+msgspec decodes a line into the structs below: every field's JSON type is checked in C, and
+``bytesValue`` is base64-decoded there. Attribute values become text as the OpenTelemetry
+Collector's ClickHouse exporter writes them (numbers as text, booleans ``true``/``false``, arrays
+and maps as JSON, bytes as base64), so the views read either writer's rows alike. With
+``typed=True`` (ingest), a ``kvtrace.request`` span's per-token arrays (``TOKEN_ARRAYS``) become
+numpy arrays (``SpanRow.arrays``) instead of text: packed ones
+(``kvtrace/recording/packed_arrays.py``) viewed in place, standard ones of older spools read number
+by number; and every span ingest writes typed rows for is marked ``TYPED_ROWS_STORED``.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import math
-import sys
-from functools import partial
-from typing import Any, Optional
+from typing import Optional, Union
 
+import msgspec
 import numpy as np
 
 from kvtrace import semconv as sc
@@ -36,18 +36,101 @@ SPAN_KINDS = ("SPAN_KIND_UNSPECIFIED", "SPAN_KIND_INTERNAL", "SPAN_KIND_SERVER",
 STATUS_CODES = ("STATUS_CODE_UNSET", "STATUS_CODE_OK", "STATUS_CODE_ERROR")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _DTYPES = {INT64: np.dtype("<i8"), "d": np.dtype("<f8")}
-_B64 = (partial(binascii.a2b_base64, strict_mode=True) if sys.version_info >= (3, 11)  # one C call that checks
-        else partial(base64.b64decode, validate=True))
-_KINDS = {dict: "an object", list: "a list", str: "text", bool: "a boolean", int: "a number", float: "a number"}
+Number = Union[int, float, str]  # proto3 JSON writes int64 as a decimal string, NaN and the infinities as text
 
 
 class MalformedSpan(ValueError):
-    """A line that is JSON but not an OTLP trace request kvtrace can store."""
+    """A line that is not an OTLP trace request kvtrace can store."""
 
 
 class OutOfRange(MalformedSpan):
     """One attribute value that does not fit (an integer outside int64, a per-token array of other
     elements): with a ``dropped`` list the attribute is left out, the span kept."""
+
+
+class AnyValue(msgspec.Struct):
+    stringValue: Optional[str] = None
+    boolValue: Optional[bool] = None
+    intValue: Union[int, str, None] = None
+    doubleValue: Optional[Number] = None
+    bytesValue: Optional[bytes] = None
+    arrayValue: Optional[ArrayValue] = None
+    kvlistValue: Optional[KeyValueList] = None
+
+
+class KeyValue(msgspec.Struct):
+    key: str
+    value: AnyValue = msgspec.field(default_factory=AnyValue)
+
+
+class ArrayValue(msgspec.Struct):
+    values: list[AnyValue] = []
+
+
+class KeyValueList(msgspec.Struct):
+    values: list[KeyValue] = []
+
+
+class Event(msgspec.Struct):
+    timeUnixNano: Optional[Number] = None
+    name: str = ""
+    attributes: list[KeyValue] = []
+
+
+class Link(msgspec.Struct):
+    traceId: str = ""
+    spanId: str = ""
+    traceState: str = ""
+    attributes: list[KeyValue] = []
+
+
+class Status(msgspec.Struct):
+    code: Union[int, str] = 0
+    message: str = ""
+
+
+class Span(msgspec.Struct):
+    traceId: str = ""
+    spanId: str = ""
+    parentSpanId: str = ""
+    traceState: str = ""
+    name: str = ""
+    kind: Union[int, str] = 0
+    startTimeUnixNano: Optional[Number] = None
+    endTimeUnixNano: Optional[Number] = None
+    attributes: list[KeyValue] = []
+    events: list[Event] = []
+    links: list[Link] = []
+    status: Status = msgspec.field(default_factory=Status)
+
+
+class Scope(msgspec.Struct):
+    name: str = ""
+    version: str = ""
+
+
+class ScopeSpans(msgspec.Struct):
+    scope: Optional[Scope] = None
+    instrumentationLibrary: Optional[Scope] = None  # the name before OTLP 0.15
+    spans: list[Span] = []
+
+
+class Resource(msgspec.Struct):
+    attributes: list[KeyValue] = []
+
+
+class ResourceSpans(msgspec.Struct):
+    resource: Resource = msgspec.field(default_factory=Resource)
+    scopeSpans: list[ScopeSpans] = []
+    instrumentationLibrarySpans: list[ScopeSpans] = []
+
+
+class ExportRequest(msgspec.Struct):
+    resourceSpans: list[ResourceSpans]
+
+
+_DECODE = msgspec.json.Decoder(ExportRequest).decode
+_JSON = msgspec.json.Encoder().encode
 
 
 class SpanRow(list):
@@ -61,34 +144,35 @@ class SpanRow(list):
         self.arrays = arrays
 
 
-def _expect(value: Any, kind: type, what: str):
-    """``value`` when it is of ``kind`` (absent: its empty value), else ``MalformedSpan`` naming ``what``."""
-    if value is None:
-        return kind()
-    if not isinstance(value, kind):
-        raise MalformedSpan(f"{what} must be {_KINDS[kind]}, got {_KINDS.get(type(value), type(value).__name__)}")
+def decode(line: Union[bytes, str]) -> ExportRequest:
+    """One line as an export request; ``MalformedSpan`` saying what is wrong and where."""
+    try:
+        return _DECODE(line)
+    except msgspec.ValidationError as exc:
+        raise MalformedSpan(f"not an OTLP/JSON trace request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        try:
+            json.loads(line)
+        except (ValueError, RecursionError) as python_exc:
+            raise MalformedSpan(f"not JSON: {python_exc}") from None
+        # JSON to Python, not to a strict parser: a lone surrogate, NaN or Infinity no database can store.
+        raise MalformedSpan(f"not JSON ingest can store (a lone surrogate, NaN or Infinity?): {exc}") from None
+
+
+def _int64(value: Union[int, str]) -> int:
+    if type(value) is str:
+        try:
+            value = int(value)
+        except ValueError:
+            raise MalformedSpan(f"intValue {value[:40]!r} is not an integer") from None
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise OutOfRange(f"intValue {value} is outside the 64-bit integer range")
     return value
 
 
-def _int64(value: Any) -> int:
-    """An ``intValue``: a JSON integer or, as proto3 JSON writes int64, a decimal string."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise MalformedSpan(f"intValue must be an integer, got {_KINDS.get(type(value), 'null')}")
+def _double(value: Number) -> float:
     try:
-        number = int(value)
-    except ValueError:
-        raise MalformedSpan(f"intValue {value[:40]!r} is not an integer") from None
-    if not INT64_MIN <= number <= INT64_MAX:
-        raise OutOfRange(f"intValue {number} is outside the 64-bit integer range")
-    return number
-
-
-def _double(value: Any) -> float:
-    """A ``doubleValue``: a JSON number, or a string proto3 JSON allows ("NaN", "Infinity", "1.5")."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise MalformedSpan(f"doubleValue must be a number, got {_KINDS.get(type(value), 'null')}")
-    try:
-        return float(value)
+        return float(value)  # proto3 JSON's text: "NaN", "Infinity", "-Infinity", "1.5"
     except ValueError:
         raise MalformedSpan(f"doubleValue {value[:40]!r} is not a number") from None
 
@@ -97,119 +181,86 @@ def _double_text(value: float) -> str:
     return repr(value) if math.isfinite(value) else "NaN" if math.isnan(value) else "+Inf" if value > 0 else "-Inf"
 
 
-def _raw(value: Any) -> Any:
+def _raw(value: AnyValue):
     """An AnyValue as a plain JSON-able Python value (for arrays and maps)."""
-    value = _expect(value, dict, "attribute value")
-    if not value:
-        return None
-    if "stringValue" in value or "bytesValue" in value:
-        return _expect(value.get("stringValue", value.get("bytesValue")), str,
-                       "stringValue" if "stringValue" in value else "bytesValue")
-    if "intValue" in value:
-        return _int64(value["intValue"])
-    if "doubleValue" in value:  # proto3 JSON's text for NaN and the infinities stays text, which JSON can carry
-        number = _double(value["doubleValue"])
-        return value["doubleValue"] if isinstance(value["doubleValue"], str) else number
-    if "boolValue" in value:
-        return bool(value["boolValue"])
-    if "arrayValue" in value:
-        return [_raw(v) for v in _array_values(value)]
-    if "kvlistValue" in value:
-        pairs = _expect(_expect(value["kvlistValue"], dict, "kvlistValue").get("values"), list, "kvlistValue.values")
-        return {_key(kv): _raw(kv.get("value")) for kv in pairs}
-    raise MalformedSpan(f"unknown attribute value type {sorted(value)}")
+    if value.stringValue is not None:
+        return value.stringValue
+    if value.bytesValue is not None:
+        return base64.b64encode(value.bytesValue).decode()
+    if value.intValue is not None:
+        return _int64(value.intValue)
+    if value.doubleValue is not None:  # proto3 JSON's text for NaN and the infinities stays text
+        number = _double(value.doubleValue)
+        return value.doubleValue if type(value.doubleValue) is str else number
+    if value.boolValue is not None:
+        return value.boolValue
+    if value.arrayValue is not None:
+        return [_raw(v) for v in value.arrayValue.values]
+    if value.kvlistValue is not None:
+        return {kv.key: _raw(kv.value) for kv in value.kvlistValue.values}
+    return None
 
 
-def _array_values(value: dict) -> list:
-    return _expect(_expect(value["arrayValue"], dict, "arrayValue").get("values"), list, "arrayValue.values")
-
-
-def _key(kv: Any) -> str:
-    key = _expect(kv, dict, "attribute").get("key")
-    if not isinstance(key, str):
-        raise MalformedSpan(f"attribute key must be text, got {_KINDS.get(type(key), 'null')}")
-    return key
-
-
-def value_as_string(value: Any) -> str:
+def value_as_string(value: AnyValue) -> str:
     """An attribute value as the Collector's text."""
-    value = _expect(value, dict, "attribute value")
-    if not value:
-        return ""
-    if "stringValue" in value:
-        return _expect(value["stringValue"], str, "stringValue")
-    if "intValue" in value:
-        return str(_int64(value["intValue"]))
-    if "doubleValue" in value:
-        return _double_text(_double(value["doubleValue"]))
-    if "boolValue" in value:
-        return "true" if value["boolValue"] else "false"
-    if type(array := value.get("arrayValue")) is dict and type(values := array.get("values")) is list:
-        texts = [v.get("stringValue") if type(v) is dict else None for v in values]  # e.g. block hashes
-        if all([type(t) is str for t in texts]):
-            return json.dumps(texts, separators=(",", ":"), ensure_ascii=False)
+    if value.stringValue is not None:
+        return value.stringValue
+    if value.intValue is not None:
+        return str(_int64(value.intValue))
+    if value.doubleValue is not None:
+        return _double_text(_double(value.doubleValue))
+    if value.boolValue is not None:
+        return "true" if value.boolValue else "false"
+    if value.arrayValue is not None and all([v.stringValue is not None for v in value.arrayValue.values]):
+        return _JSON([v.stringValue for v in value.arrayValue.values]).decode()  # e.g. block hashes
     raw = _raw(value)
-    return raw if isinstance(raw, str) else json.dumps(raw, separators=(",", ":"), ensure_ascii=False)
+    return "" if raw is None else raw if isinstance(raw, str) else _JSON(raw).decode()
 
 
-def numbers(value: Any, typecode: str) -> np.ndarray:
+def numbers(value: AnyValue, typecode: str) -> np.ndarray:
     """A per-token array attribute as int64 / float64: packed bytes viewed in place, a standard array
     read number by number (``OutOfRange`` when its elements are not numbers of the type)."""
-    value = _expect(value, dict, "attribute value")
-    if "bytesValue" in value:
-        return _packed(value["bytesValue"], typecode)
-    if "arrayValue" not in value:
-        raise OutOfRange(f"a per-token array must be an array, got {sorted(value)}")
-    read, field = (_int64, "intValue") if typecode == INT64 else (_double, "doubleValue")
+    dtype = _DTYPES[typecode]
+    if value.bytesValue is not None:
+        if len(value.bytesValue) % 8:
+            raise MalformedSpan(f"packed array of {len(value.bytesValue)} bytes is not base64 of whole 8-byte numbers")
+        return np.frombuffer(value.bytesValue, dtype)
+    if value.arrayValue is None:
+        raise OutOfRange("a per-token array must be an arrayValue or packed bytesValue")
+    elements = [v.intValue if typecode == INT64 else v.doubleValue for v in value.arrayValue.values]
     try:
-        return np.array([read(_expect(v, dict, "array element").get(field)) for v in _array_values(value)],
-                        _DTYPES[typecode])
+        if None in elements:
+            raise MalformedSpan("an element of another type")
+        return np.array([_int64(e) if typecode == INT64 else _double(e) for e in elements], dtype)
     except MalformedSpan as exc:
-        raise OutOfRange(f"a per-token array holds a value that is not {_DTYPES[typecode]}: {exc}") from None
+        raise OutOfRange(f"a per-token array holds a value that is not {dtype}: {exc}") from None
 
 
-def _packed(text: Any, typecode: str) -> np.ndarray:
-    text = _expect(text, str, "bytesValue")
-    try:
-        data = _B64(text)
-    except (binascii.Error, ValueError):
-        data = b"?"
-    if len(data) % 8:
-        raise MalformedSpan(f"packed array {text[:40]!r} is not base64 of whole 8-byte numbers")
-    return np.frombuffer(data, _DTYPES[typecode])
-
-
-def span_attributes(attributes: Any, arrays: Optional[dict] = None, dropped: Optional[list[str]] = None) -> dict:
-    """A span's attributes as text by key; with ``arrays`` (a request span read typed), its per-token arrays
-    go there by column instead.  ``dropped``: see ``rows_from_request``."""
+def span_attributes(attributes: list[KeyValue], arrays: Optional[dict] = None,
+                    dropped: Optional[list[str]] = None) -> dict[str, str]:
+    """Attributes as text by key (a repeated key: the last counts); with ``arrays`` (a request span read
+    typed), its per-token arrays go there by column instead. ``dropped``: see ``rows_from_request``."""
     out: dict[str, str] = {}
-    for kv in _expect(attributes, list, "attributes"):
-        if type(kv) is dict:  # the common shapes without the general path's calls (per span they add up)
-            key, value = kv.get("key"), kv.get("value")
-            if type(key) is str and type(value) is dict:
-                if type(text := value.get("stringValue")) is str:
-                    out[key] = text
-                    continue
-                if type(text := value.get("intValue")) is str and text.isascii() and text.isdigit() and len(text) < 19:
-                    out[key] = str(int(text))  # below 10**18: inside int64
-                    continue
-                if arrays is not None and "bytesValue" in value and key in TOKEN_ARRAYS:
-                    out.pop(key, None)
-                    arrays[TOKEN_ARRAYS[key]] = _packed(value["bytesValue"], PACKED_ARRAYS[key])
-                    continue
-        key = _key(kv)
-        typecode = PACKED_ARRAYS.get(key)
-        out.pop(key, None)  # a repeated key: the last value counts
+    for kv in attributes:
+        key, value = kv.key, kv.value
+        if (text := value.stringValue) is not None:  # the common shapes first: per span they add up
+            out[key] = text
+            continue
+        if type(number := value.intValue) is str and number.isascii() and number.isdigit() and len(number) < 19:
+            out[key] = str(int(number))  # below 10**18: inside int64
+            continue
+        out.pop(key, None)
         try:
+            typecode = PACKED_ARRAYS.get(key)
             if typecode is None:
-                out[key] = value_as_string(kv.get("value"))
+                out[key] = value_as_string(value)
             elif arrays is not None and key in TOKEN_ARRAYS:
-                arrays[TOKEN_ARRAYS[key]] = numbers(kv.get("value"), typecode)
-            elif "bytesValue" in _expect(kv.get("value"), dict, "attribute value"):  # e.g. packed prompt ids
+                arrays[TOKEN_ARRAYS[key]] = numbers(value, typecode)
+            elif value.bytesValue is not None:  # e.g. packed prompt ids: the Collector's JSON text
                 out[key] = "[" + ",".join(map(str if typecode == INT64 else _double_text,
-                                              numbers(kv.get("value"), typecode).tolist())) + "]"
+                                              numbers(value, typecode).tolist())) + "]"
             else:
-                out[key] = value_as_string(kv.get("value"))
+                out[key] = value_as_string(value)
         except OutOfRange:
             if dropped is None:
                 raise
@@ -219,9 +270,8 @@ def span_attributes(attributes: Any, arrays: Optional[dict] = None, dropped: Opt
     return out
 
 
-def _hex_id(value: Any, nbytes: int, what: str) -> str:
-    """OTLP/JSON ids are hex; protobuf's generic JSON mapping writes base64.  Accept both."""
-    value = _expect(value, str, what)
+def _hex_id(value: str, nbytes: int, what: str) -> str:
+    """OTLP/JSON ids are hex; protobuf's generic JSON mapping writes base64. Accept both."""
     if not value:
         return ""
     if len(value) == nbytes * 2:
@@ -232,80 +282,63 @@ def _hex_id(value: Any, nbytes: int, what: str) -> str:
             pass
     try:
         raw = base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
+    except ValueError:
         raise MalformedSpan(f"{what} {value[:60]!r} is neither hex nor base64") from None
     if len(raw) != nbytes:
         raise MalformedSpan(f"{what} {value[:60]!r} has {len(raw)} bytes, expected {nbytes}")
     return raw.hex()
 
 
-def _enum(value: Any, names: tuple[str, ...]) -> str:
+def _enum(value: Union[int, str], names: tuple[str, ...]) -> str:
     if isinstance(value, str):
         return value if value in names else names[0]
-    return names[value] if isinstance(value, int) and 0 <= value < len(names) else names[0]
+    return names[value] if 0 <= value < len(names) else names[0]
 
 
-def _nanos(value: Any, what: str) -> int:
+def _nanos(value: Optional[Number], what: str) -> int:
     try:
         return unix_nanos(value, what)
     except ImplausibleTime as exc:
         raise MalformedSpan(str(exc)) from None
 
 
-def rows_from_request(request: Any, typed: bool = False, dropped: Optional[list[str]] = None) -> list[SpanRow]:
-    """One ``otel_traces`` row per span of an export request (``typed``: see the module doc).
+def rows_from_request(line: Union[bytes, str], typed: bool = False, dropped: Optional[list[str]] = None) -> list[SpanRow]:
+    """One ``otel_traces`` row per span of an export request line (``typed``: see the module doc).
 
     Anything that does not fit the table (a wrong shape or type, an id that is not 8/16 bytes, a time
     outside what ``DateTime64(9)`` holds) raises ``MalformedSpan`` naming the field, so the caller can
-    quarantine the request.  With a ``dropped`` list one value is no reason to lose a request that may
+    quarantine the line. With a ``dropped`` list one value is no reason to lose a request that may
     hold many spans: an attribute that does not fit (``OutOfRange``) is left out and its key listed.
     """
-    if not isinstance(request, dict) or "resourceSpans" not in request:
-        raise MalformedSpan("not an OTLP trace export request (no resourceSpans)")
     rows = []
-    try:
-        for resource_spans in _expect(request["resourceSpans"], list, "resourceSpans"):
-            resource_spans = _expect(resource_spans, dict, "resourceSpans[]")
-            resource = _expect(resource_spans.get("resource"), dict, "resource")
-            resource_attrs = span_attributes(resource.get("attributes"), dropped=dropped)
-            scopes = resource_spans.get("scopeSpans") or resource_spans.get("instrumentationLibrarySpans")
-            for scope_spans in _expect(scopes, list, "scopeSpans"):
-                scope_spans = _expect(scope_spans, dict, "scopeSpans[]")
-                scope = _expect(scope_spans.get("scope") or scope_spans.get("instrumentationLibrary"), dict, "scope")
-                head = (resource_attrs.get("service.name", ""), resource_attrs,
-                        _expect(scope.get("name"), str, "scope.name"), _expect(scope.get("version"), str, "scope.version"))
-                for span in _expect(scope_spans.get("spans"), list, "spans"):
-                    rows.append(_span_row(_expect(span, dict, "span"), head, typed, dropped))
-    except MalformedSpan:
-        raise
-    except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
-        # A shape the checks above did not foresee: still this request's fault, never the caller's.
-        raise MalformedSpan(f"unexpected shape: {type(exc).__name__}: {exc}") from None
+    for resource_spans in decode(line).resourceSpans:
+        resource_attrs = span_attributes(resource_spans.resource.attributes, dropped=dropped)
+        for scope_spans in resource_spans.scopeSpans or resource_spans.instrumentationLibrarySpans:
+            scope = scope_spans.scope or scope_spans.instrumentationLibrary or Scope()
+            head = (resource_attrs.get("service.name", ""), resource_attrs, scope.name, scope.version)
+            rows.extend(_span_row(span, head, typed, dropped) for span in scope_spans.spans)
     return rows
 
 
-def _span_row(span: dict, head: tuple, typed: bool, dropped: Optional[list[str]]) -> SpanRow:
+def _span_row(span: Span, head: tuple, typed: bool, dropped: Optional[list[str]]) -> SpanRow:
     service, resource_attrs, scope_name, scope_version = head
-    start = _nanos(span.get("startTimeUnixNano"), "startTimeUnixNano")
-    end = _nanos(span.get("endTimeUnixNano"), "endTimeUnixNano") or start
-    events = [_expect(e, dict, "events[]") for e in _expect(span.get("events"), list, "events")]
-    links = [_expect(link, dict, "links[]") for link in _expect(span.get("links"), list, "links")]
-    status = _expect(span.get("status"), dict, "status")
-    name = _expect(span.get("name"), str, "name")
-    arrays = {} if typed and name == sc.SPAN_REQUEST else None
-    attributes = span_attributes(span.get("attributes"), arrays, dropped)
-    event_names = [_expect(e.get("name"), str, "events[].name") for e in events]
+    start = _nanos(span.startTimeUnixNano, "startTimeUnixNano")
+    end = _nanos(span.endTimeUnixNano, "endTimeUnixNano") or start
+    arrays = {} if typed and span.name == sc.SPAN_REQUEST else None
+    attributes = span_attributes(span.attributes, arrays, dropped)
+    event_names = [e.name for e in span.events]
     if arrays is not None or (typed and any(n.startswith(sc.CACHE_EVENT_PREFIX) for n in event_names)):
         attributes[sc.TYPED_ROWS_STORED] = "true"
+    links = span.links
     return SpanRow([
-        start, _hex_id(span.get("traceId"), 16, "traceId"), _hex_id(span.get("spanId"), 8, "spanId"),
-        _hex_id(span.get("parentSpanId"), 8, "parentSpanId"), _expect(span.get("traceState"), str, "traceState"),
-        name, _enum(span.get("kind"), SPAN_KINDS), service, resource_attrs, scope_name, scope_version, attributes,
-        max(0, end - start), _enum(status.get("code"), STATUS_CODES), _expect(status.get("message"), str, "status.message"),
-        [_nanos(e.get("timeUnixNano"), "events[].timeUnixNano") for e in events], event_names,
-        [span_attributes(e.get("attributes"), dropped=dropped) for e in events],
-        [_hex_id(link.get("traceId"), 16, "links[].traceId") for link in links],
-        [_hex_id(link.get("spanId"), 8, "links[].spanId") for link in links],
-        [_expect(link.get("traceState"), str, "links[].traceState") for link in links],
-        [span_attributes(link.get("attributes"), dropped=dropped) for link in links],
+        start, _hex_id(span.traceId, 16, "traceId"), _hex_id(span.spanId, 8, "spanId"),
+        _hex_id(span.parentSpanId, 8, "parentSpanId"), span.traceState, span.name, _enum(span.kind, SPAN_KINDS),
+        service, resource_attrs, scope_name, scope_version, attributes, max(0, end - start),
+        _enum(span.status.code, STATUS_CODES), span.status.message,
+        [_nanos(e.timeUnixNano, "events[].timeUnixNano") for e in span.events], event_names,
+        [span_attributes(e.attributes, dropped=dropped) for e in span.events],
+        [_hex_id(link.traceId, 16, "links[].traceId") for link in links],
+        [_hex_id(link.spanId, 8, "links[].spanId") for link in links],
+        [link.traceState for link in links],
+        [span_attributes(link.attributes, dropped=dropped) for link in links],
     ], arrays)

@@ -9,7 +9,6 @@ embedded (chDB) database belongs to the query side's process.
 
 from __future__ import annotations
 
-import json
 from typing import Callable, Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
@@ -37,7 +36,7 @@ class ClickHouseSpanExporter(SpanExporter):
         # Repaired as ingest repairs a spool line: text UTF-8 cannot carry, a value that does not fit left out.
         line, repaired = utf8_line(encode_request(spans, packed=True))
         dropped: list[str] = []
-        rows = rows_from_request(json.loads(line), typed=True, dropped=dropped)
+        rows = rows_from_request(line, typed=True, dropped=dropped)
         try:
             if self._client is None:
                 self._client = server_client(self.url, self.connect_timeout_s, self.timeout_s)

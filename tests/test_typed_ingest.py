@@ -98,7 +98,8 @@ def table_rows(client) -> dict[str, list[dict[str, str]]]:
     -0.0 differs from 0.0: bit-exact)."""
     out = {}
     for table, order in TABLES.items():
-        result = client.query(f"SELECT * FROM {table} FINAL ORDER BY {order}")
+        final = "" if table == "kvtrace_tokens" else " FINAL"  # the tokens view reads kvtrace_requests FINAL
+        result = client.query(f"SELECT * FROM {table}{final} ORDER BY {order}")
         out[table] = [{name: repr(value) for name, value in zip(result.column_names, row)}
                       for row in result.result_rows]
     return out
@@ -128,7 +129,7 @@ def database(path):
 
 def as_a_collector_stores_them(client, spans) -> None:
     """Straight into otel_traces, every array as JSON text for the views to parse."""
-    client.insert("otel_traces", rows_from_request(json.loads(encode_request(spans))), column_names=COLUMNS)
+    client.insert("otel_traces", rows_from_request(encode_request(spans)), column_names=COLUMNS)
 
 
 def test_a_spool_and_a_collector_store_the_same_rows_and_every_query_answers_alike(monkeypatch, tmp_path):
@@ -227,7 +228,7 @@ def test_the_margins_come_back_bit_exact_a_negative_zero_as_0(spool_recorder, sp
 
 @pytest.mark.parametrize("spoil, reason", [
     ("AAAA", "not base64 of whole 8-byte numbers"),    # 3 bytes: not one whole int64
-    ("not base64!", "not base64 of whole 8-byte numbers"),
+    ("not base64!", "Invalid base64 encoded string"),
 ])
 def test_a_packed_array_that_does_not_unpack_is_quarantined_with_its_line(spool_recorder, spool_dir, db, tmp_path,
                                                                           spoil, reason):
@@ -270,7 +271,7 @@ def test_standard_arrays_in_any_order_or_place_end_the_same_both_ways(tmp_path):
 
     rows = []
     for name, store in (("ingested", lambda client: ingest_paths(client, [path], quarantine_dir=tmp_path / "q")),
-                        ("collector", lambda client: [client.insert("otel_traces", rows_from_request(line),
+                        ("collector", lambda client: [client.insert("otel_traces", rows_from_request(json.dumps(line)),
                                                                     column_names=COLUMNS) for line in lines])):
         client = database(tmp_path / name)
         store(client)

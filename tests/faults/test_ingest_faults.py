@@ -42,47 +42,52 @@ def _attribute(value):
     return spoil
 
 
+SPAN = "$.resourceSpans[0].scopeSpans[0].spans[0]"
 HOSTILE = {
-    # wrong shapes: a number, text or list where an object or a list belongs
-    "number instead of a resourceSpans entry": ({"resourceSpans": [1]}, "resourceSpans[] must be an object"),
-    "number instead of the resourceSpans list": ({"resourceSpans": 1}, "resourceSpans must be a list"),
-    "text instead of the resourceSpans list": ({"resourceSpans": "spans"}, "resourceSpans must be a list"),
-    "number instead of the resource": (_set("resourceSpans.0.resource", 5), "resource must be an object"),
+    # wrong shapes: a number, text or list where an object or a list belongs (msgspec says where, as a JSON path)
+    "number instead of a resourceSpans entry": ({"resourceSpans": [1]}, "Expected `object`, got `int` - at "
+                                                "`$.resourceSpans[0]`"),
+    "number instead of the resourceSpans list": ({"resourceSpans": 1}, "Expected `array`, got `int` - at `$.resourceSpans`"),
+    "text instead of the resourceSpans list": ({"resourceSpans": "spans"}, "got `str` - at `$.resourceSpans`"),
+    "number instead of the resource": (_set("resourceSpans.0.resource", 5), "got `int` - at `$.resourceSpans[0].resource`"),
     "number among resource attributes": (_set("resourceSpans.0.resource.attributes", [1]),
-                                         "attribute must be an object"),
-    "list instead of the scope": (_set("resourceSpans.0.scopeSpans.0.scope", ["kvtrace"]), "scope must be an object"),
-    "number instead of the spans list": (_set("resourceSpans.0.scopeSpans.0.spans", 5), "spans must be a list"),
-    "text instead of a span": (_set("resourceSpans.0.scopeSpans.0.spans", ["span"]), "span must be an object"),
-    "text instead of the status": (_set("span.status", "OK"), "status must be an object"),
-    "object instead of the events list": (_set("span.events", {"name": "x"}), "events must be a list"),
+                                         "got `int` - at `$.resourceSpans[0].resource.attributes[0]`"),
+    "list instead of the scope": (_set("resourceSpans.0.scopeSpans.0.scope", ["kvtrace"]),
+                                  "got `array` - at `$.resourceSpans[0].scopeSpans[0].scope`"),
+    "number instead of the spans list": (_set("resourceSpans.0.scopeSpans.0.spans", 5),
+                                         "got `int` - at `$.resourceSpans[0].scopeSpans[0].spans`"),
+    "text instead of a span": (_set("resourceSpans.0.scopeSpans.0.spans", ["span"]), f"got `str` - at `{SPAN}`"),
+    "text instead of the status": (_set("span.status", "OK"), f"got `str` - at `{SPAN}.status`"),
+    "object instead of the events list": (_set("span.events", {"name": "x"}), f"got `object` - at `{SPAN}.events`"),
     # wrong types
-    "number as trace id": (_set("span.traceId", 12345), "traceId must be text"),
+    "number as trace id": (_set("span.traceId", 12345), f"Expected `str`, got `int` - at `{SPAN}.traceId`"),
     "span id that is neither hex nor base64": (_set("span.spanId", "not-an-id!"), "spanId"),
-    "object as span name": (_set("span.name", {"a": 1}), "name must be text"),
-    "number as trace state": (_set("span.traceState", 5), "traceState must be text"),
+    "object as span name": (_set("span.name", {"a": 1}), f"got `object` - at `{SPAN}.name`"),
+    "number as trace state": (_set("span.traceState", 5), f"got `int` - at `{SPAN}.traceState`"),
     "number as attribute key": (_set("span.attributes", [{"key": 5, "value": {"stringValue": "x"}}]),
-                                "attribute key must be text"),
-    "number as stringValue": (_attribute({"stringValue": 7}), "stringValue must be text"),
-    "list as doubleValue": (_attribute({"doubleValue": [1]}), "doubleValue must be a number"),
-    "number as arrayValue": (_attribute({"arrayValue": 3}), "arrayValue must be an object"),
-    "text as kvlist values": (_attribute({"kvlistValue": {"values": "x"}}), "kvlistValue.values must be a list"),
+                                f"got `int` - at `{SPAN}.attributes[0].key`"),
+    "number as stringValue": (_attribute({"stringValue": 7}), f"got `int` - at `{SPAN}.attributes[5].value.stringValue`"),
+    "list as doubleValue": (_attribute({"doubleValue": [1]}), f"got `array` - at `{SPAN}.attributes[5].value.doubleValue`"),
+    "number as arrayValue": (_attribute({"arrayValue": 3}), f"got `int` - at `{SPAN}.attributes[5].value.arrayValue`"),
+    "text as kvlist values": (_attribute({"kvlistValue": {"values": "x"}}),
+                              f"got `str` - at `{SPAN}.attributes[5].value.kvlistValue.values`"),
     "number as link trace id": (_set("span.links", [{"traceId": 5, "spanId": "00000000000000aa"}]),
-                                "links[].traceId must be text"),
+                                f"got `int` - at `{SPAN}.links[0].traceId`"),
     # out of range
     "start time in the year 50000": (_set("span.startTimeUnixNano", str(YEAR_50000_NS)), "year 50,000"),
     "start time before 1970": (_set("span.startTimeUnixNano", "-5"), "before 1970"),
-    "start time NaN": (_set("span.startTimeUnixNano", math.nan), "finite"),
+    "start time NaN": (_set("span.startTimeUnixNano", math.nan), "NaN"),  # Python writes NaN, no JSON parser reads it
     "start time that is text": (_set("span.startTimeUnixNano", "soon"), "must be an integer"),
     "end time above int64": (_set("span.endTimeUnixNano", str(2**64)), "2262"),
     "event time in the year 50000": (_set("span.events", [{"timeUnixNano": str(YEAR_50000_NS), "name": "e"}]),
                                      "events[].timeUnixNano"),
     # not an export request at all
-    "a JSON list": ([1, 2], "no resourceSpans"),
-    "JSON null": (None, "no resourceSpans"),
-    "logs, not traces": ({"resourceLogs": []}, "no resourceSpans"),
-    "nesting deeper than the parser goes": ("[" * 100_000 + "]" * 100_000, "not JSON"),
-    # valid to the parser, refused by the database: found by splitting the batch
-    "a lone surrogate in the span name": (_set("span.name", "\ud800"), "the database rejected it"),
+    "a JSON list": ([1, 2], "Expected `object`, got `array`"),
+    "JSON null": (None, "Expected `object`, got `null`"),
+    "logs, not traces": ({"resourceLogs": []}, "missing required field `resourceSpans`"),
+    "nesting deeper than the parser goes": ("[" * 100_000 + "]" * 100_000, "Expected `object`, got `array`"),
+    # valid to Python's parser, but not storable text (ClickHouse rejects it): one line, not its neighbours
+    "a lone surrogate in the span name": (_set("span.name", "\ud800"), "a lone surrogate"),
 }
 
 

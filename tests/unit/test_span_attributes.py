@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvtrace.collectors.otlp_rows import MalformedSpan, span_attributes, value_as_string
+import json
+
+import msgspec
+
+from kvtrace.collectors.otlp_rows import AnyValue, KeyValue, MalformedSpan, rows_from_request, span_attributes, \
+    value_as_string
 
 SHAPES = {
     "run": {"stringValue": "bench"},
@@ -27,19 +32,21 @@ SHAPES = {
 
 
 def test_every_attribute_shape_reads_as_the_general_conversion_writes_it():
-    attributes = [{"key": key, "value": value} for key, value in SHAPES.items()]
+    attributes = msgspec.convert([{"key": key, "value": value} for key, value in SHAPES.items()], list[KeyValue])
     text = span_attributes(attributes)
-    assert text == {key: value_as_string(value) for key, value in SHAPES.items()}
+    assert text == {key: value_as_string(msgspec.convert(value, AnyValue)) for key, value in SHAPES.items()}
     assert text["hashes"] == '["1a35b63f","x\\"\\\\y é"]'
     assert text["big"] == "9223372036854775807" and text["leading zeros"] == "7"
 
 
 @pytest.mark.parametrize("value, complaint", [
-    ({"stringValue": 5}, "stringValue must be text"),
+    ({"stringValue": 5}, r"Expected `str \| null`, got `int` - at `\$.*\.attributes\[0\]\.value\.stringValue`"),
     ({"intValue": str(2**63)}, "outside the 64-bit integer range"),
     ({"intValue": "seven"}, "is not an integer"),
-    ({"intValue": True}, "intValue must be an integer"),
+    ({"intValue": True}, r"Expected `int \| str \| null`, got `bool`"),
 ])
-def test_a_malformed_attribute_is_refused_with_what_is_wrong(value, complaint):
+def test_a_malformed_attribute_is_refused_with_what_is_wrong_and_where(value, complaint):
+    line = {"resourceSpans": [{"scopeSpans": [{"spans": [{"name": "s", "attributes": [
+        {"key": "kvtrace.turn", "value": value}]}]}]}]}
     with pytest.raises(MalformedSpan, match=complaint):
-        span_attributes([{"key": "kvtrace.turn", "value": value}])
+        rows_from_request(json.dumps(line))
