@@ -9,11 +9,11 @@ shared: wall time is printed next to it, never instead of it):
   blocks (ABBA, each block flushed before its clocks stop, so drift hits both alike), and a
   two-point fit splits the cost into per request and per token;
 * ingest: ``kvtrace db ingest`` of a spool of >= 1M token rows into a fresh embedded chDB, until
-  ``kvtrace_tokens`` answers a count as the queries read it (FINAL; end to end: spool file → rows a
-  query sees), process CPU (chDB runs in this process) next to wall time;
-* the ceiling: the database's own ``INSERT INTO … SELECT … FROM numbers(N)`` of as many rows into a
-  table with ``kvtrace_tokens``' columns and engine, counted the same way — what chDB itself stores
-  on this machine, with no client in between.
+  ``kvtrace_tokens`` (a view of ``kvtrace_requests`` read FINAL) answers a count (end to end: spool
+  file → rows a query sees), process CPU (chDB runs in this process) next to wall time;
+* the ceiling: the database's own ``INSERT INTO … SELECT … FROM numbers(N)`` of as many token rows, as
+  request rows with their per-token arrays, into a table with ``kvtrace_requests``' columns and engine,
+  counted the same way — what chDB itself stores on this machine, with no client in between.
 
 Rounds alternate; best and median of each figure are printed.
 
@@ -100,37 +100,42 @@ def ingest_round(spool: Path, db: Path) -> tuple[float, float, int, int]:
     init_schema(client)
     wall, cpu = time.perf_counter(), time.process_time()
     report = ingest_paths(client, [spool], quarantine_dir=db.parent / "quarantine")
-    rows = client.query("SELECT count() FROM kvtrace_tokens FINAL").result_rows[0][0]
+    rows = client.query("SELECT count() FROM kvtrace_tokens").result_rows[0][0]  # a view: kvtrace_requests FINAL
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     client.close()
     return wall, cpu, rows, report.spans
 
 
 CEILING_SQL = """
-INSERT INTO tokens_ceiling
-SELECT now64(9) + toIntervalMicrosecond(intDiv(number, {per_request:UInt64})) AS Timestamp,
-    lower(hex(toFixedString(reinterpretAsString(intDiv(number, {per_request:UInt64}) * 2654435761), 16))) AS TraceId,
-    substring(TraceId, 1, 16) AS SpanId, 'bench' AS run_id, concat('ep', toString(intDiv(number, 800))) AS episode_id,
-    toInt32(intDiv(number, {per_request:UInt64}) % 8) AS turn, SpanId AS request_id, 'bench' AS engine,
-    '' AS weight_format, '' AS arm, 'e33e7d2e7f7a6443' AS prompt_hash, 'none' AS cache_layer,
-    toUInt32(0) AS reused_tokens, toUInt32(number % {per_request:UInt64}) AS position,
-    toInt64(bitShiftRight(cityHash64(number), 2)) AS token_id, toInt64(bitShiftRight(cityHash64(number, 1), 2)) AS top1_id,
-    toInt64(bitShiftRight(cityHash64(number, 2), 2)) AS runner_up_id, (number % 997) / 125. AS margin, -(number % 991) / 330. AS logprob
-FROM numbers({rows:UInt64})
+INSERT INTO requests_ceiling (Timestamp, TraceId, SpanId, run_id, episode_id, turn, request_id, engine, prompt_hash,
+                              prompt_tokens, output_tokens, output_hash, token_ids, top1_ids, runner_up_ids, margins,
+                              logprobs)
+SELECT now64(9) + toIntervalMicrosecond(number) AS Timestamp,
+    lower(hex(cityHash64(number, 1))) || lower(hex(cityHash64(number, 2))) AS TraceId, lower(hex(cityHash64(number))) AS SpanId,
+    'bench' AS run_id, concat('ep', toString(intDiv(number, 8))) AS episode_id, toInt32(number % 8) AS turn,
+    SpanId AS request_id, 'bench' AS engine, lower(hex(cityHash64(number, 3))) AS prompt_hash, toUInt32(300) AS prompt_tokens,
+    toUInt32({tokens:UInt64}) AS output_tokens, lower(hex(cityHash64(number, 4))) AS output_hash,
+    arrayMap(i -> toInt64(bitShiftRight(cityHash64(number, i), 1)), range({tokens:UInt64})) AS token_ids,
+    arrayMap(i -> toInt64(bitShiftRight(cityHash64(number, i, 1), 1)), range({tokens:UInt64})) AS top1_ids,
+    arrayMap(i -> toInt64(bitShiftRight(cityHash64(number, i, 2), 1)), range({tokens:UInt64})) AS runner_up_ids,
+    arrayMap(i -> (cityHash64(number, i, 3) % 997) / 125., range({tokens:UInt64})) AS margins,
+    arrayMap(i -> -(cityHash64(number, i, 4) % 991) / 330., range({tokens:UInt64})) AS logprobs
+FROM numbers({requests:UInt64})
 """
 
 
 def ceiling_round(rows: int, per_request: int, db: Path) -> tuple[float, float]:
-    """Wall and CPU seconds for the database's own INSERT … SELECT of ``rows`` token rows into a table
-    like kvtrace_tokens (its columns and engine), until it answers the count (FINAL); with the insert
-    settings ingest's typed inserts use (no fold at insert time), so the ratio compares like with like."""
+    """Wall and CPU seconds for the database's own INSERT … SELECT of the same token rows into the same table:
+    ``rows / per_request`` requests of ``per_request`` tokens each into a table like kvtrace_requests (its
+    columns and engine; kvtrace_tokens is a view of it), until kvtrace_tokens' count answers (FINAL); with
+    the insert settings ingest's typed inserts use (no fold at insert time), so the ratio compares like with like."""
     client = connect(f"chdb://{db}")
     init_schema(client)
-    client.command("CREATE TABLE tokens_ceiling AS kvtrace_tokens")
+    client.command("CREATE TABLE requests_ceiling AS kvtrace_requests")
     wall, cpu = time.perf_counter(), time.process_time()
-    client.command(CEILING_SQL, parameters={"rows": rows, "per_request": per_request},
+    client.command(CEILING_SQL, parameters={"requests": rows // per_request, "tokens": per_request},
                    settings={"optimize_on_insert": 0})
-    assert client.query("SELECT count() FROM tokens_ceiling FINAL").result_rows[0][0] == rows
+    assert client.query("SELECT sum(length(token_ids)) FROM requests_ceiling FINAL").result_rows[0][0] == rows
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     client.close()
     return wall, cpu
@@ -191,7 +196,7 @@ def main() -> None:
               f"{size / 1e6:.1f} MB of spool ({size / rows:.0f} bytes/token)")
         print(f"  token rows/s by wall time  : {_best_median(rates, higher_is_better=True)}")
         print(f"  token rows/s by CPU time   : {_best_median(cpu_rates, higher_is_better=True)}")
-        print("chDB's own INSERT … SELECT FROM numbers() into a table like kvtrace_tokens (columns, engine):")
+        print("chDB's own INSERT … SELECT FROM numbers() of the same rows into a table like kvtrace_requests:")
         print(f"  token rows/s by wall time  : {_best_median(ceiling, higher_is_better=True)}")
         print(f"  token rows/s by CPU time   : {_best_median(ceiling_cpu, higher_is_better=True)}")
         print(f"  ingest / ceiling (medians) : wall {statistics.median(rates) / statistics.median(ceiling):.2f}, "

@@ -149,15 +149,10 @@ def find_files(paths: Iterable[Path], passed_over: Optional[list[str]] = None) -
 
 
 def _is_pretty_printed(first_line: bytes) -> bool:
-    """A multi-line JSON document starts with a line that is not a JSON value by itself."""
+    """A multi-line JSON document starts with a line that is not a JSON value by itself: an object's first
+    line that does not end it (a whole object ends with its closing brace)."""
     stripped = first_line.strip()
-    if not stripped.startswith(b"{"):
-        return False
-    try:
-        json.loads(stripped)
-    except ValueError:
-        return stripped == b"{" or not stripped.endswith(b"}")
-    return False
+    return stripped.startswith(b"{") and (stripped == b"{" or not stripped.endswith(b"}"))
 
 
 def _digest(data: bytes) -> str:

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvtrace import semconv as sc
 from kvtrace.recording.packed_arrays import INT64, PACKED_ARRAYS, TOKEN_ARRAYS
-from kvtrace.timestamps import ImplausibleTime, unix_nanos
+from kvtrace.timestamps import LATEST_NS, ImplausibleTime, unix_nanos
 
 COLUMNS = [
     "Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState", "SpanName", "SpanKind",
@@ -48,7 +48,8 @@ class OutOfRange(MalformedSpan):
     elements): with a ``dropped`` list the attribute is left out, the span kept."""
 
 
-class AnyValue(msgspec.Struct):
+# gc=False: the decoded structs hold no reference cycles, and untracked objects are cheaper to make.
+class AnyValue(msgspec.Struct, gc=False):
     stringValue: Optional[str] = None
     boolValue: Optional[bool] = None
     intValue: Union[int, str, None] = None
@@ -58,38 +59,38 @@ class AnyValue(msgspec.Struct):
     kvlistValue: Optional[KeyValueList] = None
 
 
-class KeyValue(msgspec.Struct):
+class KeyValue(msgspec.Struct, gc=False):
     key: str
     value: AnyValue = msgspec.field(default_factory=AnyValue)
 
 
-class ArrayValue(msgspec.Struct):
+class ArrayValue(msgspec.Struct, gc=False):
     values: list[AnyValue] = []
 
 
-class KeyValueList(msgspec.Struct):
+class KeyValueList(msgspec.Struct, gc=False):
     values: list[KeyValue] = []
 
 
-class Event(msgspec.Struct):
+class Event(msgspec.Struct, gc=False):
     timeUnixNano: Optional[Number] = None
     name: str = ""
     attributes: list[KeyValue] = []
 
 
-class Link(msgspec.Struct):
+class Link(msgspec.Struct, gc=False):
     traceId: str = ""
     spanId: str = ""
     traceState: str = ""
     attributes: list[KeyValue] = []
 
 
-class Status(msgspec.Struct):
+class Status(msgspec.Struct, gc=False):
     code: Union[int, str] = 0
     message: str = ""
 
 
-class Span(msgspec.Struct):
+class Span(msgspec.Struct, gc=False):
     traceId: str = ""
     spanId: str = ""
     parentSpanId: str = ""
@@ -104,28 +105,28 @@ class Span(msgspec.Struct):
     status: Status = msgspec.field(default_factory=Status)
 
 
-class Scope(msgspec.Struct):
+class Scope(msgspec.Struct, gc=False):
     name: str = ""
     version: str = ""
 
 
-class ScopeSpans(msgspec.Struct):
+class ScopeSpans(msgspec.Struct, gc=False):
     scope: Optional[Scope] = None
     instrumentationLibrary: Optional[Scope] = None  # the name before OTLP 0.15
     spans: list[Span] = []
 
 
-class Resource(msgspec.Struct):
+class Resource(msgspec.Struct, gc=False):
     attributes: list[KeyValue] = []
 
 
-class ResourceSpans(msgspec.Struct):
+class ResourceSpans(msgspec.Struct, gc=False):
     resource: Resource = msgspec.field(default_factory=Resource)
     scopeSpans: list[ScopeSpans] = []
     instrumentationLibrarySpans: list[ScopeSpans] = []
 
 
-class ExportRequest(msgspec.Struct):
+class ExportRequest(msgspec.Struct, gc=False):
     resourceSpans: list[ResourceSpans]
 
 
@@ -236,38 +237,45 @@ def numbers(value: AnyValue, typecode: str) -> np.ndarray:
         raise OutOfRange(f"a per-token array holds a value that is not {dtype}: {exc}") from None
 
 
+_LEFT_OUT = object()
+"""What ``_text_of`` gives for an attribute that is not text of the span (a typed array, a dropped value)."""
+
+
 def span_attributes(attributes: list[KeyValue], arrays: Optional[dict] = None,
                     dropped: Optional[list[str]] = None) -> dict[str, str]:
     """Attributes as text by key (a repeated key: the last counts); with ``arrays`` (a request span read
     typed), its per-token arrays go there by column instead. ``dropped``: see ``rows_from_request``."""
-    out: dict[str, str] = {}
-    for kv in attributes:
-        key, value = kv.key, kv.value
-        if (text := value.stringValue) is not None:  # the common shapes first: per span they add up
-            out[key] = text
-            continue
-        if type(number := value.intValue) is str and number.isascii() and number.isdigit() and len(number) < 19:
-            out[key] = str(int(number))  # below 10**18: inside int64
-            continue
-        out.pop(key, None)
-        try:
-            typecode = PACKED_ARRAYS.get(key)
-            if typecode is None:
-                out[key] = value_as_string(value)
-            elif arrays is not None and key in TOKEN_ARRAYS:
-                arrays[TOKEN_ARRAYS[key]] = numbers(value, typecode)
-            elif value.bytesValue is not None:  # e.g. packed prompt ids: the Collector's JSON text
-                out[key] = "[" + ",".join(map(str if typecode == INT64 else _double_text,
-                                              numbers(value, typecode).tolist())) + "]"
-            else:
-                out[key] = value_as_string(value)
-        except OutOfRange:
-            if dropped is None:
-                raise
-            dropped.append(key)
-            if arrays is not None:
-                arrays.pop(TOKEN_ARRAYS.get(key, ""), None)
+    # One comprehension with text inline: per span this loop is most of ingest's Python time.
+    out = {kv.key: text if (text := kv.value.stringValue) is not None else _text_of(kv, arrays, dropped)
+           for kv in attributes}
+    if _LEFT_OUT in out.values():
+        out = {key: text for key, text in out.items() if text is not _LEFT_OUT}
     return out
+
+
+def _text_of(kv: KeyValue, arrays: Optional[dict], dropped: Optional[list[str]]):
+    """A value that is not ``stringValue``: its text, or ``_LEFT_OUT`` when it went to ``arrays`` or was dropped."""
+    key, value = kv.key, kv.value
+    if type(number := value.intValue) is str and number.isascii() and number.isdigit() and len(number) < 19:
+        return number if number[0] != "0" or len(number) == 1 else str(int(number))  # below 10**18: inside int64
+    try:
+        typecode = PACKED_ARRAYS.get(key)
+        if typecode is None:
+            return value_as_string(value)
+        if arrays is not None and key in TOKEN_ARRAYS:
+            arrays[TOKEN_ARRAYS[key]] = numbers(value, typecode)
+            return _LEFT_OUT
+        if value.bytesValue is not None:  # e.g. packed prompt ids: the Collector's JSON text
+            return "[" + ",".join(map(str if typecode == INT64 else _double_text,
+                                      numbers(value, typecode).tolist())) + "]"
+        return value_as_string(value)
+    except OutOfRange:
+        if dropped is None:
+            raise
+        dropped.append(key)
+        if arrays is not None:
+            arrays.pop(TOKEN_ARRAYS.get(key, ""), None)
+        return _LEFT_OUT
 
 
 def _hex_id(value: str, nbytes: int, what: str) -> str:
@@ -296,6 +304,8 @@ def _enum(value: Union[int, str], names: tuple[str, ...]) -> str:
 
 
 def _nanos(value: Optional[Number], what: str) -> int:
+    if type(value) is str and value.isascii() and value.isdigit() and (number := int(value)) <= LATEST_NS:
+        return number  # proto3 JSON's decimal text, the common case
     try:
         return unix_nanos(value, what)
     except ImplausibleTime as exc:
