@@ -297,21 +297,22 @@ def init_schema(client, database: str | None = None, cluster: str | None = None)
 
 
 def distributed_column_additions(client, database: str, cluster: str) -> list[str]:
-    """``ADD COLUMN`` for each column a local table has and its Distributed table in front lacks."""
+    """``ADD COLUMN`` for each column a local table has and its Distributed table in front lacks (a MATERIALIZED
+    one with its expression: the Distributed table computes it on insert, as the local table would)."""
     columns: dict[str, list[tuple[str, str]]] = {}
-    for table, name, type_ in client.query(
-            "SELECT table, name, type FROM system.columns WHERE database = {db:String} ORDER BY table, position",
-            parameters={"db": database}).result_rows:
-        columns.setdefault(table, []).append((name, type_))
+    for table, name, type_, kind, expression in client.query(
+            "SELECT table, name, type, default_kind, default_expression FROM system.columns "
+            "WHERE database = {db:String} ORDER BY table, position", parameters={"db": database}).result_rows:
+        columns.setdefault(table, []).append((name, f"{type_} {kind} {expression}" if kind else type_))
     additions = []
     for table in DISTRIBUTED:
         present = {name for name, _ in columns.get(table, [])}
         local = columns.get(f"{table}_local", [])
-        for index, (name, type_) in enumerate(local):
+        for index, (name, definition) in enumerate(local):
             if name not in present:
                 after = f" AFTER `{local[index - 1][0]}`" if index else " FIRST"
                 additions.append(f"ALTER TABLE `{database}`.`{table}` ON CLUSTER `{cluster}` "
-                                 f"ADD COLUMN IF NOT EXISTS `{name}` {type_}{after}")
+                                 f"ADD COLUMN IF NOT EXISTS `{name}` {definition}{after}")
     return additions
 
 

@@ -33,14 +33,15 @@ ${shared_wilson_interval}
 ${shared_cluster_interval}
 ${shared_request_scope}
 scoped AS (
-    SELECT Timestamp, run_id, episode_id, turn, prompt_hash, output_hash, token_ids, reused_tokens, engine,
+    SELECT Timestamp, run_id, episode_id, turn, SpanId, prompt_hash, output_hash, notEmpty(token_ids) AS has_ids,
+           token_digest, reused_tokens, engine,
            model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings
     FROM requests_once AS q
     WHERE startsWith(run_id, {run_prefix:String}) AND episode_id != ''
       AND in_request_scope(q.Timestamp, q.engine, q.model, q.weight_format)  -- columns, not the aggregates' aliases
 ),
 requests AS (
-    SELECT run_id, episode_id, turn, Timestamp, prompt_hash, output_hash, token_ids
+    SELECT run_id, episode_id, turn, Timestamp, prompt_hash, output_hash, has_ids, token_digest, SpanId
     FROM scoped
     ORDER BY run_id, episode_id, turn, Timestamp
     LIMIT 1 BY run_id, episode_id, turn
@@ -48,12 +49,15 @@ requests AS (
 -- ClickHouse plans a WITH subquery again wherever it is referenced, and planning, not reading, is what
 -- this query spends its time on: each subquery below is referenced once (scoped aside: requests,
 -- run_config and cached read it), the runs are paired per episode with arrays instead of self-joins,
--- and each run's turns ride along with its trajectory rather than being joined in again.
--- One row per (run, episode): its turns in order and its trajectory.
+-- and each run's turns ride along with its trajectory rather than being joined in again. A turn's
+-- output rides as its token_digest (queries/shared/output_divergence.sql); the token arrays are read
+-- again only for the turns where samples fork, for the position.
+-- One row per (run, episode): its turns in order (turn, prompt hash, output hash, has ids, token digest,
+-- span id) and its trajectory (the turns without their span ids).
 trajectories AS (
     SELECT run_id, episode_id,
-           arraySort(groupArray((turn, prompt_hash, output_hash, token_ids))) AS turns,
-           cityHash64(turns) AS trajectory
+           arraySort(groupArray((turn, prompt_hash, output_hash, has_ids, token_digest, SpanId))) AS turns,
+           cityHash64(arrayMap(t -> (t.1, t.2, t.3, t.5), turns)) AS trajectory
     FROM requests
     GROUP BY run_id, episode_id
 ),
@@ -122,25 +126,43 @@ samples AS (
                               arrayEnumerate(seen)))) AS pair
 ),
 -- Per sample, every turn both sides reached (both sorted by turn, so the common turns line up), in order:
--- whether it differs (prompt or output, as forks.sql), and at the first that does, the turn and position.
--- A sample without a common turn is not one.
+-- whether it differs (prompt or output, as forks.sql), and at the first that does, the turn and both sides'
+-- requests. A sample without a common turn is not one.
 sample_forks AS (
     SELECT * EXCEPT (turns_a, turns_b, numbers_a, numbers_b, common_a, common_b, differs),
            toUInt8(arrayExists(d -> d, differs)) AS forked,
            arrayFirstIndex(d -> d, differs) AS first,
            common_a[first].1 AS fork_turn,
-           fork_position(common_a[first].2, common_b[first].2, common_a[first].4, common_b[first].4,
-                         common_a[first].3, common_b[first].3) AS first_fork_position
+           (common_a[first].2, common_b[first].2, common_a[first].3, common_b[first].3) AS fork_hashes,
+           if(forked = 1, common_a[first].6, '') AS fork_span_a,
+           if(forked = 1, common_b[first].6, '') AS fork_span_b
     FROM (
         SELECT *,
                arrayMap(t -> t.1, turns_a) AS numbers_a,
                arrayMap(t -> t.1, turns_b) AS numbers_b,
                arrayFilter((t, n) -> has(numbers_b, n), turns_a, numbers_a) AS common_a,
                arrayFilter((t, n) -> has(numbers_a, n), turns_b, numbers_b) AS common_b,
-               arrayMap((a, b) -> a.2 != b.2 OR outputs_differ(a.4, b.4, a.3, b.3), common_a, common_b) AS differs
+               arrayMap((a, b) -> a.2 != b.2 OR digests_differ(a.4, b.4, a.5, b.5, a.3, b.3), common_a, common_b)
+                   AS differs
         FROM samples
     )
     WHERE notEmpty(common_a)
+),
+-- The forking turns' token arrays (each scoped request's, streamed past the samples) and the position there.
+sample_positions AS (
+    SELECT * EXCEPT (ids_a, ids_b),
+           fork_position(fork_hashes.1, fork_hashes.2, ids_a, ids_b, fork_hashes.3, fork_hashes.4)
+               AS first_fork_position
+    FROM (
+        SELECT s.*, x.token_ids AS ids_b
+        FROM (SELECT SpanId, token_ids FROM kvtrace_requests FINAL WHERE startsWith(run_id, {run_prefix:String})) AS x
+        RIGHT JOIN (
+            SELECT s.*, x.token_ids AS ids_a
+            FROM (SELECT SpanId, token_ids FROM kvtrace_requests FINAL
+                  WHERE startsWith(run_id, {run_prefix:String})) AS x
+            RIGHT JOIN sample_forks AS s ON x.SpanId = s.fork_span_a
+        ) AS s ON x.SpanId = s.fork_span_b
+    )
 ),
 episodes AS (
     SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
@@ -153,7 +175,7 @@ episodes AS (
            groupArrayIf(first_fork_position, forked = 1) AS fork_positions,
            any(configuration_runs) AS configuration_runs,
            any(compared_arm_runs) AS compared_arm_runs
-    FROM sample_forks
+    FROM sample_positions
     GROUP BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
              compared_with, episode_id
 ),
@@ -201,3 +223,5 @@ LEFT JOIN cached AS c
    AND c.kv_cache_type = r.kv_cache_type AND c.numerics_settings = r.numerics_settings AND c.arm = r.arm
    AND c.cache_settings = r.cache_settings
 ORDER BY engine, weight_format, kv_cache_type, numerics_settings, arm, cache_settings
+-- a missing array from the joins that fetch the forking turns' tokens reads as empty, as the lambdas expect
+SETTINGS join_use_nulls = 0

@@ -34,3 +34,5 @@ SELECT
     if(f.found = 1, f.output_tokens_b, 0) AS output_tokens_b
 FROM episode_forks AS f
 ORDER BY episode_id
+-- a missing array from the joins that fetch the forking turns' tokens reads as empty, as the lambdas expect
+SETTINGS join_use_nulls = 0

@@ -84,11 +84,11 @@ def source_columns(client, run_id: str) -> list[tuple]:
 
 
 def schema_shape(client) -> dict:
-    """Every column (name, type, position, default) and every view's definition."""
-    columns = client.query("SELECT table, name, type, position, default_kind, default_expression FROM system.columns "
-                           "WHERE database = currentDatabase() ORDER BY table, position").result_rows
-    views = client.query("SELECT name, create_table_query FROM system.tables "
-                         "WHERE database = currentDatabase() AND engine = 'MaterializedView' ORDER BY name").result_rows
+    """Every column (name, type, position, default, codec) and every view's definition."""
+    columns = client.query("SELECT table, name, type, position, default_kind, default_expression, compression_codec "
+                           "FROM system.columns WHERE database = currentDatabase() ORDER BY table, position").result_rows
+    views = client.query("SELECT name, create_table_query FROM system.tables WHERE database = currentDatabase() "
+                         "AND engine IN ('MaterializedView', 'View') ORDER BY name").result_rows
     return {"columns": columns, "views": views}
 
 
@@ -153,7 +153,7 @@ def test_an_upgraded_database_has_exactly_the_schema_of_a_new_one(open_db):
     change = schema.init_schema(upgraded)
     assert (change.version_before, change.version, change.applied) == (
         1, 6, ("0002_outside_recording_sources", "0003_typed_request_arrays", "0004_request_spans_text_in_database",
-               "0005_typed_tables_fold_copies", "0006_tokens_view"))
+               "0005_typed_tables_fold_copies", "0006_tokens_view_and_array_codecs"))
     upgraded_shape = schema_shape(upgraded)
     upgraded.close()
 
@@ -176,7 +176,7 @@ def test_a_version_3_database_stores_request_spans_once_after_its_upgrade(open_d
     assert schema.schema_version(client) == 3
 
     assert schema.init_schema(client).applied == ("0004_request_spans_text_in_database", "0005_typed_tables_fold_copies",
-                                                  "0006_tokens_view")
+                                                  "0006_tokens_view_and_array_codecs")
     names = {row[0] for row in client.query("SELECT name FROM system.tables WHERE database = currentDatabase()")
              .result_rows}
     assert not names & {"kvtrace_request_arrays", "kvtrace_request_arrays_mv"}
@@ -211,7 +211,7 @@ def test_an_interrupted_upgrade_is_finished_by_the_next_open_and_a_double_record
     assert schema.schema_version(client) == 1
     assert schema.init_schema(client).applied == ("0002_outside_recording_sources",  # runs it again, harmlessly
                                                   "0003_typed_request_arrays", "0004_request_spans_text_in_database",
-                                                  "0005_typed_tables_fold_copies", "0006_tokens_view")
+                                                  "0005_typed_tables_fold_copies", "0006_tokens_view_and_array_codecs")
     # ... then it records the versions as well: the same versions twice.
     client.insert(schema.VERSIONS_TABLE, [[m.version, m.name] for m in schema.migrations()],
                   column_names=["version", "name"])
@@ -257,8 +257,10 @@ def test_distributed_tables_get_the_columns_their_local_tables_gained(open_db):
     # chDB has no cluster; plain tables stand in for a Distributed table and the local table behind it.
     client = open_db()
     client.command("CREATE DATABASE otel")
-    client.command("CREATE TABLE otel.kvtrace_requests_local (a String, b String, c UInt32) "
-                   "ENGINE = MergeTree ORDER BY a")
+    client.command("CREATE TABLE otel.kvtrace_requests_local (a String, b String, c UInt32, "
+                   "d UInt64 MATERIALIZED cityHash64(a)) ENGINE = MergeTree ORDER BY a")
     client.command("CREATE TABLE otel.kvtrace_requests (a String, c UInt32) ENGINE = MergeTree ORDER BY a")
     assert schema.distributed_column_additions(client, "otel", "prod") == [
-        "ALTER TABLE `otel`.`kvtrace_requests` ON CLUSTER `prod` ADD COLUMN IF NOT EXISTS `b` String AFTER `a`"]
+        "ALTER TABLE `otel`.`kvtrace_requests` ON CLUSTER `prod` ADD COLUMN IF NOT EXISTS `b` String AFTER `a`",
+        "ALTER TABLE `otel`.`kvtrace_requests` ON CLUSTER `prod` ADD COLUMN IF NOT EXISTS `d` UInt64 MATERIALIZED "
+        "cityHash64(a) AFTER `c`"]

@@ -1,6 +1,7 @@
 -- CTEs `side_a` / `side_b`: the first request per (episode, turn) of runs A and B (optionally one
--- episode), with everything forks and fork_attribution read, and episode_turns: how many turns of
--- the episode the side holds (compared with the other side or not). Needs shared_requests_once
+-- episode), with everything forks and fork_attribution read but the per-token arrays (has_ids and
+-- the stored token_digest stand for them: queries/shared/output_divergence.sql), and episode_turns: how many
+-- turns of the episode the side holds (compared with the other side or not). Needs shared_requests_once
 -- before it and params run_a, run_b, episode, turn_a, turn_b. With turn_a and turn_b (>= 0; -1 =
 -- every turn) side A is run A's turn turn_a and side B run B's turn turn_b of each episode, compared
 -- as one turn numbered turn_b; the two runs may then be one (a probe's cold turn 0 against a warm
@@ -8,7 +9,8 @@
 -- reads only its own run; reference each side once per query, as every reference reads it again.
 sides AS (
     SELECT run_id, episode_id, turn, SpanId AS span_id, request_id, capture_mode, prompt_hash, output_hash,
-           token_ids, runner_up_ids, margins, output_tokens, cache_layer, reused_tokens, prompt_tokens,
+           notEmpty(token_ids) AS has_ids, token_digest, output_tokens, cache_layer,
+           reused_tokens, prompt_tokens,
            state_key, hit_block_hashes, source_span_id, source_request_id, source_run_id, source_episode_id,
            source_turn
     FROM requests_once

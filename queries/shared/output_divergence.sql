@@ -5,6 +5,9 @@
 --     length, 0 when one is a prefix of the other (or both are equal)
 --   outputs_compared_by_ids(ids_a, ids_b): both sides captured token ids (else hashes are compared)
 --   outputs_differ(ids_a, ids_b, hash_a, hash_b): by ids when both captured them, else by output hash
+--   digests_differ(has_a, has_b, digest_a, digest_b, hash_a, hash_b): outputs_differ decided on each side's
+--     notEmpty(token_ids) and token_digest (kvtrace_requests' cityHash64(token_ids)), so that finding which
+--     turns differ reads and joins no array; the arrays are read again only where a position is needed
 --   first_divergent_position(ids_a, ids_b, hash_a, hash_b): 0-based position of the first differing
 --     token, the shorter length when one output is a prefix of the other; -1 when the outputs agree
 --     or only hashes were compared
@@ -17,6 +20,8 @@
 (ids_a, ids_b) -> notEmpty(ids_a) AND notEmpty(ids_b) AS outputs_compared_by_ids,
 (ids_a, ids_b, hash_a, hash_b) -> if(outputs_compared_by_ids(ids_a, ids_b), ids_a != ids_b, hash_a != hash_b)
     AS outputs_differ,
+(has_a, has_b, digest_a, digest_b, hash_a, hash_b) -> if(has_a AND has_b, digest_a != digest_b, hash_a != hash_b)
+    AS digests_differ,
 (ids_a, ids_b, hash_a, hash_b) -> toInt64(multiIf(
     NOT outputs_differ(ids_a, ids_b, hash_a, hash_b) OR NOT outputs_compared_by_ids(ids_a, ids_b), -1,
     first_mismatch_index(ids_a, ids_b) > 0, first_mismatch_index(ids_a, ids_b) - 1,

@@ -8,7 +8,7 @@
 -- read FINAL, so a span stored twice is one request; the subqueries only test membership, where a copy
 -- changes nothing.
 requests_once AS (
-    SELECT *
+    SELECT *, token_digest  -- a MATERIALIZED column: not in *
     FROM kvtrace_requests FINAL
     WHERE reused_tokens_source = ''
        OR (TraceId, SpanId) NOT IN (
