@@ -133,7 +133,7 @@ sample_forks AS (
            toUInt8(arrayExists(d -> d, differs)) AS forked,
            arrayFirstIndex(d -> d, differs) AS first,
            common_a[first].1 AS fork_turn,
-           (common_a[first].2, common_b[first].2, common_a[first].3, common_b[first].3) AS fork_hashes,
+           (common_a[first].2, common_b[first].2) AS fork_prompts,
            if(forked = 1, common_a[first].6, '') AS fork_span_a,
            if(forked = 1, common_b[first].6, '') AS fork_span_b
     FROM (
@@ -149,10 +149,13 @@ sample_forks AS (
     WHERE notEmpty(common_a)
 ),
 -- The forking turns' token arrays (each scoped request's, streamed past the samples) and the position there.
+-- configuration: the grouping key as one tuple (the analyzer resolves a key of nine columns through these
+-- subqueries at several times the cost of one).
 sample_positions AS (
     SELECT * EXCEPT (ids_a, ids_b),
-           fork_position(fork_hashes.1, fork_hashes.2, ids_a, ids_b, fork_hashes.3, fork_hashes.4)
-               AS first_fork_position
+           fork_position(fork_prompts.1, fork_prompts.2, ids_a, ids_b) AS first_fork_position,
+           (engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings)
+               AS configuration
     FROM (
         SELECT s.*, x.token_ids AS ids_b
         FROM (SELECT SpanId, token_ids FROM kvtrace_requests FINAL WHERE startsWith(run_id, {run_prefix:String})) AS x
@@ -165,8 +168,7 @@ sample_positions AS (
     )
 ),
 episodes AS (
-    SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
-           compared_with, episode_id,
+    SELECT configuration, compared_with, episode_id,
            count() AS samples,
            -- repeats: one yes/no per episode (do any two differ?); arms: the share of samples that forked
            if({baseline_arm:String} = '', toFloat64(max(forked)), avg(forked)) AS forked_share,
@@ -176,12 +178,10 @@ episodes AS (
            any(configuration_runs) AS configuration_runs,
            any(compared_arm_runs) AS compared_arm_runs
     FROM sample_positions
-    GROUP BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
-             compared_with, episode_id
+    GROUP BY configuration, compared_with, episode_id
 ),
 rates AS (
-    SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
-           compared_with,
+    SELECT configuration, compared_with,
            count() AS episodes_compared,
            sum(samples) AS samples,
            sum(any_forked) AS episodes_forked,
@@ -192,21 +192,21 @@ rates AS (
            any(configuration_runs) AS runs,
            any(compared_arm_runs) AS compared_arm_runs
     FROM episodes
-    GROUP BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
-             compared_with
+    GROUP BY configuration, compared_with
 ),
 cached AS (
-    SELECT engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings,
-           avg(reused_tokens) AS mean_cached_tokens
-    FROM scoped
-    GROUP BY engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings
+    SELECT configuration, avg(reused_tokens) AS mean_cached_tokens
+    FROM (SELECT (engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings)
+                     AS configuration, reused_tokens
+          FROM scoped)
+    GROUP BY configuration
 )
 SELECT
-    r.engine AS engine, r.weight_format AS weight_format, r.kv_cache_type AS kv_cache_type,
-    r.numerics_settings AS numerics_settings, r.arm AS arm, r.cache_settings AS cache_settings,
+    r.configuration.1 AS engine, r.configuration.3 AS weight_format, r.configuration.4 AS kv_cache_type,
+    r.configuration.5 AS numerics_settings, r.configuration.6 AS arm, r.configuration.7 AS cache_settings,
     r.compared_with AS compared_with,
     r.runs AS runs,
-    if(r.compared_with = r.arm, r.runs, r.compared_arm_runs) AS compared_runs,
+    if(r.compared_with = r.configuration.6, r.runs, r.compared_arm_runs) AS compared_runs,
     r.episodes_compared AS episodes_compared,
     r.samples AS samples,
     r.episodes_forked AS episodes_forked,
@@ -218,10 +218,7 @@ SELECT
     r.median_fork_position AS median_fork_position,
     c.mean_cached_tokens AS mean_cached_tokens
 FROM rates AS r
-LEFT JOIN cached AS c
-    ON c.engine = r.engine AND c.model_fingerprint = r.model_fingerprint AND c.weight_format = r.weight_format
-   AND c.kv_cache_type = r.kv_cache_type AND c.numerics_settings = r.numerics_settings AND c.arm = r.arm
-   AND c.cache_settings = r.cache_settings
+LEFT JOIN cached AS c ON c.configuration = r.configuration
 ORDER BY engine, weight_format, kv_cache_type, numerics_settings, arm, cache_settings
 -- a missing array from the joins that fetch the forking turns' tokens reads as empty, as the lambdas expect
 SETTINGS join_use_nulls = 0

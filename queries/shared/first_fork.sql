@@ -68,8 +68,7 @@ episode_forks AS (
            at_position(margins_a, position, nan) AS margin_a,
            at_position(margins_b, position, nan) AS margin_b
     FROM (
-        SELECT *, fork_position(prompt_hash_a, prompt_hash_b, token_ids_a, token_ids_b, output_hash_a, output_hash_b)
-                  AS position
+        SELECT *, fork_position(prompt_hash_a, prompt_hash_b, token_ids_a, token_ids_b) AS position
         FROM (
             SELECT f.*, x.token_ids AS token_ids_b, x.runner_up_ids AS runner_up_ids_b, x.margins AS margins_b
             FROM (SELECT SpanId, token_ids, runner_up_ids, margins FROM kvtrace_requests FINAL
