@@ -68,17 +68,15 @@ episode_forks AS (
            at_position(margins_a, position, nan) AS margin_a,
            at_position(margins_b, position, nan) AS margin_b
     FROM (
-        SELECT *, fork_position(prompt_hash_a, prompt_hash_b, token_ids_a, token_ids_b) AS position
-        FROM (
-            SELECT f.*, x.token_ids AS token_ids_b, x.runner_up_ids AS runner_up_ids_b, x.margins AS margins_b
+        SELECT f.*, x.token_ids AS token_ids_b, x.runner_up_ids AS runner_up_ids_b, x.margins AS margins_b,
+               fork_position(f.prompt_hash_a, f.prompt_hash_b, f.token_ids_a, x.token_ids) AS position
+        FROM (SELECT SpanId, token_ids, runner_up_ids, margins FROM kvtrace_requests FINAL
+              WHERE run_id = {run_b:String} AND ({episode:String} = '' OR episode_id = {episode:String})) AS x
+        RIGHT JOIN (
+            SELECT f.*, x.token_ids AS token_ids_a, x.runner_up_ids AS runner_up_ids_a, x.margins AS margins_a
             FROM (SELECT SpanId, token_ids, runner_up_ids, margins FROM kvtrace_requests FINAL
-                  WHERE run_id = {run_b:String} AND ({episode:String} = '' OR episode_id = {episode:String})) AS x
-            RIGHT JOIN (
-                SELECT f.*, x.token_ids AS token_ids_a, x.runner_up_ids AS runner_up_ids_a, x.margins AS margins_a
-                FROM (SELECT SpanId, token_ids, runner_up_ids, margins FROM kvtrace_requests FINAL
-                      WHERE run_id = {run_a:String} AND ({episode:String} = '' OR episode_id = {episode:String})) AS x
-                RIGHT JOIN first_turns AS f ON x.SpanId = f.span_id_a
-            ) AS f ON x.SpanId = f.span_id_b
-        )
+                  WHERE run_id = {run_a:String} AND ({episode:String} = '' OR episode_id = {episode:String})) AS x
+            RIGHT JOIN first_turns AS f ON x.SpanId = f.span_id_a
+        ) AS f ON x.SpanId = f.span_id_b
     )
 ),
