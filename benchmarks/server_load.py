@@ -1,7 +1,8 @@
 """What kvtrace costs a server under concurrent load: throughput, latency, CPU, spans kept, RSS over a soak.
 
     .venv/bin/python -P benchmarks/server_load.py [--servers vllm,llama-cpp,llama-server]
-        [--concurrency 1,8,32] [--requests 96] [--tokens 16] [--minutes 0] [--vllm-python .venv-vllm/bin/python]
+        [--concurrency 1,8,32] [--requests 96] [--tokens 16] [--size tiny|small|base] [--minutes 0]
+        [--vllm-python .venv-vllm/bin/python]
 
 Three servers, each on a model kvtrace generates (nothing is downloaded), each as a traced and an
 untraced arm that the client alternates block by block, ABBA (a block is twice the concurrency's
@@ -81,6 +82,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=positive_integers, default=[1, 8, 32])
     parser.add_argument("--requests", type=int, default=96, help="requests per arm, concurrency and streaming mode")
     parser.add_argument("--tokens", type=int, default=16, help="max_tokens per request")
+    parser.add_argument("--size", choices=("tiny", "small", "base"), default="tiny",
+                        help="the generated GGUF model of the llama.cpp servers: tiny (~1M parameters: the server's "
+                             "own work is a few ms, so fixed costs show at their largest), small (~20M) or base "
+                             "(~100M, a few hundred ms per request: closer to what a served model costs)")
     parser.add_argument("--minutes", type=float, default=0.0, help="soak of traced load for RSS growth (0: none)")
     parser.add_argument("--vllm-python", type=Path, default=Path(sys.executable),
                         help="the interpreter of the environment with vLLM (default: this one)")
@@ -221,15 +226,15 @@ def vllm_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm, Arm]]:
         yield arms[0], arms[1]
 
 
-def gguf_model(tmp: Path) -> Path:
+def gguf_model(tmp: Path, size: str) -> Path:
     from kvtrace.testmodels.llama_gguf import make_model
 
-    return make_model(tmp / "tiny.gguf")
+    return make_model(tmp / f"{size}.gguf", size=size)
 
 
 @contextlib.contextmanager
 def llama_cpp_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm, Arm]]:
-    model = gguf_model(tmp)
+    model = gguf_model(tmp, args.size)
     python = args.llama_python
     with contextlib.ExitStack() as stack:
         arms = []
@@ -256,7 +261,7 @@ def llama_server_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm
     binary = cached_llama_server()
     if binary is None:
         raise SystemExit("llama-server is not built; run `python -m kvtrace.outside.llama_server_build` first")
-    model = gguf_model(tmp)
+    model = gguf_model(tmp, args.size)
     root = tmp / "llama-server"
     root.mkdir()
     port, proxy_port = free_port(), free_port()
