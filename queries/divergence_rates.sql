@@ -148,7 +148,8 @@ sample_forks AS (
     )
     WHERE notEmpty(common_a)
 ),
--- The forking turns' token arrays (each scoped request's, streamed past the samples) and the position there.
+-- The forking turns' token arrays (each request's in scope, streamed past the samples; a span by its run
+-- and id) and the position there.
 -- configuration: the grouping key as one tuple (the analyzer resolves a key of nine columns through these
 -- subqueries at several times the cost of one).
 sample_positions AS (
@@ -158,13 +159,14 @@ sample_positions AS (
                AS configuration
     FROM (
         SELECT s.*, x.token_ids AS ids_b
-        FROM (SELECT SpanId, token_ids FROM kvtrace_requests FINAL WHERE startsWith(run_id, {run_prefix:String})) AS x
+        FROM (SELECT run_id, SpanId, token_ids FROM kvtrace_requests FINAL
+              WHERE startsWith(run_id, {run_prefix:String})) AS x
         RIGHT JOIN (
             SELECT s.*, x.token_ids AS ids_a
-            FROM (SELECT SpanId, token_ids FROM kvtrace_requests FINAL
+            FROM (SELECT run_id, SpanId, token_ids FROM kvtrace_requests FINAL
                   WHERE startsWith(run_id, {run_prefix:String})) AS x
-            RIGHT JOIN sample_forks AS s ON x.SpanId = s.fork_span_a
-        ) AS s ON x.SpanId = s.fork_span_b
+            RIGHT JOIN sample_forks AS s ON x.run_id = s.run_a AND x.SpanId = s.fork_span_a
+        ) AS s ON x.run_id = s.run_b AND x.SpanId = s.fork_span_b
     )
 ),
 episodes AS (
