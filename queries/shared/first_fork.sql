@@ -58,23 +58,24 @@ first_turns AS (
     ORDER BY episode_id, found DESC, turn
     LIMIT 1 BY episode_id
 ),
--- The per-episode rows are the hash join's small side; each run's arrays stream past them.
+-- The per-episode rows are the hash join's small side; each run's arrays stream past them, as one tuple a
+-- side. The position is bound once through a one-element arrayMap and the values there read in the same
+-- expression: naming each array column in an outer SELECT cost the analyzer as much again.
 episode_forks AS (
-    SELECT * EXCEPT (token_ids_a, token_ids_b, runner_up_ids_a, runner_up_ids_b, margins_a, margins_b),
-           at_position(token_ids_a, position, toInt64(-1)) AS token_a,
-           at_position(token_ids_b, position, toInt64(-1)) AS token_b,
-           at_position(runner_up_ids_a, position, toInt64(-1)) AS runner_up_a,
-           at_position(runner_up_ids_b, position, toInt64(-1)) AS runner_up_b,
-           at_position(margins_a, position, nan) AS margin_a,
-           at_position(margins_b, position, nan) AS margin_b
+    SELECT * EXCEPT (at),
+           at.1 AS position, at.2 AS token_a, at.3 AS token_b, at.4 AS runner_up_a, at.5 AS runner_up_b,
+           at.6 AS margin_a, at.7 AS margin_b
     FROM (
-        SELECT f.*, x.token_ids AS token_ids_b, x.runner_up_ids AS runner_up_ids_b, x.margins AS margins_b,
-               fork_position(f.prompt_hash_a, f.prompt_hash_b, f.token_ids_a, x.token_ids) AS position
-        FROM (SELECT SpanId, token_ids, runner_up_ids, margins FROM kvtrace_requests FINAL
+        SELECT f.* EXCEPT (arrays_a),
+               arrayMap(p -> (p, at_position(f.arrays_a.1, p, toInt64(-1)), at_position(x.arrays.1, p, toInt64(-1)),
+                              at_position(f.arrays_a.2, p, toInt64(-1)), at_position(x.arrays.2, p, toInt64(-1)),
+                              at_position(f.arrays_a.3, p, nan), at_position(x.arrays.3, p, nan)),
+                        [fork_position(f.prompt_hash_a, f.prompt_hash_b, f.arrays_a.1, x.arrays.1)])[1] AS at
+        FROM (SELECT SpanId, (token_ids, runner_up_ids, margins) AS arrays FROM kvtrace_requests FINAL
               WHERE run_id = {run_b:String} AND ({episode:String} = '' OR episode_id = {episode:String})) AS x
         RIGHT JOIN (
-            SELECT f.*, x.token_ids AS token_ids_a, x.runner_up_ids AS runner_up_ids_a, x.margins AS margins_a
-            FROM (SELECT SpanId, token_ids, runner_up_ids, margins FROM kvtrace_requests FINAL
+            SELECT f.*, x.arrays AS arrays_a
+            FROM (SELECT SpanId, (token_ids, runner_up_ids, margins) AS arrays FROM kvtrace_requests FINAL
                   WHERE run_id = {run_a:String} AND ({episode:String} = '' OR episode_id = {episode:String})) AS x
             RIGHT JOIN first_turns AS f ON x.SpanId = f.span_id_a
         ) AS f ON x.SpanId = f.span_id_b
