@@ -83,22 +83,26 @@ attributed AS (
     )
 ),
 -- The event that served the culprit's prefix: an integrity violation (naming the foreign state's
--- origin) beats a restore beats a reuse beats a lookup hit. Picked for every span of both runs and
--- matched to the culprit by the join: restricting it to the culprits' spans (IN attributed) would
--- plan and run the whole fork search a second time.
-serving_events AS (
-    SELECT SpanId, event, event_index, layer, key_hash, block_hashes,
-           source_span_id, source_request_id, source_run_id, source_episode_id, source_turn
-    FROM kvtrace_cache_events FINAL
-    WHERE run_id IN ({run_a:String}, {run_b:String})
-      AND ({episode:String} = '' OR episode_id = {episode:String})
-      AND (event IN ('${EVENT_CACHE_INTEGRITY_VIOLATION}', '${EVENT_CACHE_RESTORE}', '${EVENT_CACHE_REUSE}')
-           OR (event = '${EVENT_CACHE_LOOKUP}' AND outcome = '${OUTCOME_HIT}'))
-    ORDER BY SpanId,
-             multiIf(event = '${EVENT_CACHE_INTEGRITY_VIOLATION}', 0, event = '${EVENT_CACHE_RESTORE}', 1,
-                     event = '${EVENT_CACHE_REUSE}', 2, 3),
-             event_index
-    LIMIT 1 BY SpanId
+-- origin) beats a restore beats a reuse beats a lookup hit. Both runs' serving events stream past the
+-- forks (the hash join's small side) and each fork keeps its culprit span's best one (event columns
+-- prefixed e_; a fork whose culprit has no event keeps its row, e_SpanId empty).
+culprits AS (
+    SELECT f.*, e.SpanId AS e_SpanId, e.event AS e_event, e.event_index AS e_event_index, e.layer AS e_layer,
+           e.key_hash AS e_key_hash, e.block_hashes AS e_block_hashes, e.source_span_id AS e_source_span_id,
+           e.source_request_id AS e_source_request_id, e.source_run_id AS e_source_run_id,
+           e.source_episode_id AS e_source_episode_id, e.source_turn AS e_source_turn, e.serving_rank AS e_rank
+    FROM (SELECT SpanId, event, event_index, layer, key_hash, block_hashes, source_span_id, source_request_id,
+                 source_run_id, source_episode_id, source_turn,
+                 multiIf(event = '${EVENT_CACHE_INTEGRITY_VIOLATION}', 0, event = '${EVENT_CACHE_RESTORE}', 1,
+                         event = '${EVENT_CACHE_REUSE}', 2, 3) AS serving_rank
+          FROM kvtrace_cache_events FINAL
+          WHERE run_id IN ({run_a:String}, {run_b:String})
+            AND ({episode:String} = '' OR episode_id = {episode:String})
+            AND (event IN ('${EVENT_CACHE_INTEGRITY_VIOLATION}', '${EVENT_CACHE_RESTORE}', '${EVENT_CACHE_REUSE}')
+                 OR (event = '${EVENT_CACHE_LOOKUP}' AND outcome = '${OUTCOME_HIT}'))) AS e
+    RIGHT JOIN attributed AS f ON e.SpanId = f.culprit_span_id
+    ORDER BY episode_id, e_rank, e_event_index
+    LIMIT 1 BY episode_id
 ),
 -- The finite margins of kvtrace_tokens, read as kvtrace_requests' per-request arrays (the tokens
 -- table is their expansion, every record included, so not requests_once): the same values, without
@@ -155,34 +159,33 @@ SELECT
     f.culprit_side AS culprit_side,
     multiIf(f.culprit_side = 'a', {run_a:String}, f.culprit_side = 'b', {run_b:String}, '') AS culprit_run,
     f.culprit_span_id AS culprit_span_id,
-    e.event AS culprit_event,
-    if(e.SpanId != '', toInt64(e.event_index), toInt64(-1)) AS culprit_event_index,
-    if(e.layer != '', e.layer, if(f.culprit_side = 'a', f.layer_a, if(f.culprit_side = 'b', f.layer_b, '')))
+    f.e_event AS culprit_event,
+    if(f.e_SpanId != '', toInt64(f.e_event_index), toInt64(-1)) AS culprit_event_index,
+    if(f.e_layer != '', f.e_layer, if(f.culprit_side = 'a', f.layer_a, if(f.culprit_side = 'b', f.layer_b, '')))
         AS culprit_layer,
     multiIf(f.culprit_side = 'a', f.reused_tokens_a, f.culprit_side = 'b', f.reused_tokens_b, 0)
         AS culprit_reused_tokens,
-    if(e.key_hash != '', e.key_hash, multiIf(f.culprit_side = 'a', f.state_key_a, f.culprit_side = 'b', f.state_key_b, ''))
+    if(f.e_key_hash != '', f.e_key_hash, multiIf(f.culprit_side = 'a', f.state_key_a, f.culprit_side = 'b', f.state_key_b, ''))
         AS culprit_key_hash,
-    if(notEmpty(e.block_hashes), e.block_hashes,
+    if(notEmpty(f.e_block_hashes), f.e_block_hashes,
        multiIf(f.culprit_side = 'a', f.hit_block_hashes_a, f.culprit_side = 'b', f.hit_block_hashes_b, []))
         AS culprit_block_hashes,
-    if(e.source_span_id != '', e.source_request_id,
+    if(f.e_source_span_id != '', f.e_source_request_id,
        multiIf(f.culprit_side = 'a', f.source_request_id_a, f.culprit_side = 'b', f.source_request_id_b, ''))
         AS culprit_source_request_id,
-    if(e.source_span_id != '', e.source_run_id,
+    if(f.e_source_span_id != '', f.e_source_run_id,
        multiIf(f.culprit_side = 'a', f.source_run_id_a, f.culprit_side = 'b', f.source_run_id_b, ''))
         AS culprit_source_run_id,
-    if(e.source_span_id != '', e.source_episode_id,
+    if(f.e_source_span_id != '', f.e_source_episode_id,
        multiIf(f.culprit_side = 'a', f.source_episode_id_a, f.culprit_side = 'b', f.source_episode_id_b, ''))
         AS culprit_source_episode_id,
-    toInt64(if(e.source_span_id != '', e.source_turn,
+    toInt64(if(f.e_source_span_id != '', f.e_source_turn,
        multiIf(f.culprit_side = 'a', f.source_turn_a, f.culprit_side = 'b', f.source_turn_b, -1)))
         AS culprit_source_turn,
-    if(e.source_span_id != '', e.source_span_id,
+    if(f.e_source_span_id != '', f.e_source_span_id,
        multiIf(f.culprit_side = 'a', f.source_span_id_a, f.culprit_side = 'b', f.source_span_id_b, ''))
         AS culprit_source_span_id
-FROM attributed AS f
-LEFT JOIN serving_events AS e ON e.SpanId = f.culprit_span_id
+FROM culprits AS f
 CROSS JOIN margin_levels AS m
 ORDER BY episode_id
 SETTINGS join_use_nulls = 0
