@@ -41,50 +41,52 @@ scoped AS (
       AND in_request_scope(q.Timestamp, q.engine, q.model, q.weight_format)  -- columns, not the aggregates' aliases
 ),
 requests AS (
-    SELECT run_id, episode_id, turn, Timestamp, prompt_hash, output_hash, has_ids, token_digest, SpanId
+    SELECT run_id, episode_id, turn, Timestamp, prompt_hash, output_hash, has_ids, token_digest, SpanId,
+           (engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings)
+               AS configuration
     FROM scoped
     ORDER BY run_id, episode_id, turn, Timestamp
     LIMIT 1 BY run_id, episode_id, turn
 ),
 -- ClickHouse plans a WITH subquery again wherever it is referenced, and planning, not reading, is what
--- this query spends its time on: each subquery below is referenced once (scoped aside: requests,
--- run_config and cached read it), the runs are paired per episode with arrays instead of self-joins,
--- and each run's turns ride along with its trajectory rather than being joined in again. A turn's
+-- this query spends its time on: each subquery below is referenced once (scoped aside: requests and
+-- cached read it), the runs are paired per episode with arrays instead of self-joins, each run's turns
+-- ride along with its trajectory rather than being joined in again, and what a run is (its configuration,
+-- the order it served its episodes in) comes from its episodes' rows by window functions. A turn's
 -- output rides as its token_digest (queries/shared/output_divergence.sql); the token arrays are read
 -- again only for the turns where samples fork, for the position.
 -- One row per (run, episode): its turns in order (turn, prompt hash, output hash, has ids, token digest,
--- span id) and its trajectory (the turns without their span ids).
+-- span id), its trajectory (the turns without their span ids) and when the run first served it.
 trajectories AS (
     SELECT run_id, episode_id,
            arraySort(groupArray((turn, prompt_hash, output_hash, has_ids, token_digest, SpanId))) AS turns,
-           cityHash64(arrayMap(t -> (t.1, t.2, t.3, t.5), turns)) AS trajectory
+           cityHash64(arrayMap(t -> (t.1, t.2, t.3, t.5), turns)) AS trajectory,
+           min(Timestamp) AS first_served,
+           any(configuration) AS episode_configuration
     FROM requests
     GROUP BY run_id, episode_id
 ),
-run_config AS (
-    SELECT run_id, any(engine) AS engine, any(model_fingerprint) AS model_fingerprint,
-           any(weight_format) AS weight_format, any(kv_cache_type) AS kv_cache_type,
-           any(numerics_settings) AS numerics_settings, any(arm) AS arm, any(cache_settings) AS cache_settings,
-           -- The order the run served its episodes in (by each one's first request): runs in the same
-           -- order are repeats of each other.
-           minMap([episode_id], [Timestamp]) AS first_seen,
-           cityHash64(arrayMap(x -> x.2, arraySort(arrayZip(first_seen.2, first_seen.1)))) AS episode_order
-    FROM scoped
-    GROUP BY run_id
+-- The run's configuration, and the order it served its episodes in (by each one's first request: runs in
+-- the same order are repeats of each other) as a sum of hashes of (rank, episode).
+run_observations AS (
+    SELECT run_id, episode_id, trajectory, turns,
+           any(episode_configuration) OVER run AS configuration,
+           sum(cityHash64(served_rank, episode_id)) OVER run AS episode_order
+    FROM (SELECT *, row_number() OVER (PARTITION BY run_id ORDER BY first_served, episode_id) AS served_rank
+          FROM trajectories)
+    WINDOW run AS (PARTITION BY run_id)
 ),
--- configuration_runs / arm_runs: how many runs the configuration / its arm has.
+-- configuration_runs / arm_runs: how many runs the configuration / its arm (cache settings aside) has.
 observed AS (
-    SELECT c.engine AS engine, c.model_fingerprint AS model_fingerprint, c.weight_format AS weight_format,
-           c.kv_cache_type AS kv_cache_type, c.numerics_settings AS numerics_settings, c.arm AS arm,
-           c.cache_settings AS cache_settings,
-           c.episode_order AS episode_order,
-           uniqExact(t.run_id) OVER (PARTITION BY c.engine, c.model_fingerprint, c.weight_format, c.kv_cache_type,
-                                     c.numerics_settings, c.arm, c.cache_settings) AS configuration_runs,
-           uniqExact(t.run_id) OVER (PARTITION BY c.engine, c.model_fingerprint, c.weight_format, c.kv_cache_type,
-                                     c.numerics_settings, c.arm) AS arm_runs,
-           t.run_id AS run_id, t.episode_id AS episode_id, t.trajectory AS trajectory, t.turns AS turns
-    FROM trajectories AS t
-    INNER JOIN run_config AS c ON c.run_id = t.run_id
+    SELECT configuration.1 AS engine, configuration.2 AS model_fingerprint, configuration.3 AS weight_format,
+           configuration.4 AS kv_cache_type, configuration.5 AS numerics_settings, configuration.6 AS arm,
+           configuration.7 AS cache_settings, episode_order,
+           uniqExact(run_id) OVER (PARTITION BY configuration) AS configuration_runs,
+           uniqExact(run_id) OVER (PARTITION BY tupleElement(configuration, 1), tupleElement(configuration, 2),
+                                   tupleElement(configuration, 3), tupleElement(configuration, 4),
+                                   tupleElement(configuration, 5), tupleElement(configuration, 6)) AS arm_runs,
+           run_id, episode_id, trajectory, turns
+    FROM run_observations
 ),
 -- Per episode and configuration (arms aside), every run's observation, sorted:
 -- seen (arm, cache_settings, trajectory, run_id, episode_order, configuration_runs, arm_runs) and, at the
