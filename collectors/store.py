@@ -16,6 +16,7 @@ import hashlib
 import json
 import re
 from itertools import chain
+from typing import Callable, NamedTuple
 
 import msgspec
 import numpy as np
@@ -28,64 +29,80 @@ _SIGNED, _UNSIGNED = re.compile(r"[+-]?\d+"), re.compile(r"\+?\d+")
 _STRINGS = msgspec.json.Decoder(list[str]).decode
 
 
-def _integer(text: str, pattern: re.Pattern, low: int, high: int, default: int) -> int:
-    """``toInt32OrDefault`` / ``toUInt32OrZero`` / ``toUInt64OrZero``: the text's integer in the type, else default."""
-    value = int(text) if (text.isascii() and text.isdigit()) or pattern.fullmatch(text) else default
-    return value if low <= value <= high else default
+class Conversion(NamedTuple):
+    """An attribute's text → a typed column (``arrow``'s kind), as ClickHouse's function of the same name does."""
+
+    convert: Callable[[str], object]
+    kind: object
 
 
-def _json_array(text: str, element: type, default) -> list:
-    """``JSONExtract(text, 'Array(String)')`` / ``'Array(Int64)'``: elements of another type as default."""
-    if element is str:
+def _integer(pattern: re.Pattern, low: int, high: int, default: int) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        value = int(text) if (text.isascii() and text.isdigit()) or pattern.fullmatch(text) else default
+        return value if low <= value <= high else default
+    return convert
+
+
+def _json_array(element: type, default) -> Callable[[str], list]:
+    def convert(text: str) -> list:
+        if element is str:  # the common case (block hashes), decoded in C; other shapes as below
+            try:
+                return _STRINGS(text) if text else []
+            except msgspec.MsgspecError:
+                pass
         try:
-            return _STRINGS(text) if text else []
-        except msgspec.MsgspecError:
-            pass
-    try:
-        values = json.loads(text) if text else []
-    except ValueError:
-        return []
-    return [v if type(v) is element else default for v in values] if isinstance(values, list) else []
+            values = json.loads(text) if text else []
+        except ValueError:
+            return []
+        return [v if type(v) is element else default for v in values] if isinstance(values, list) else []
+    return convert
 
 
-TEXT, INT32, UINT32, UINT64, STRINGS, INT64S, LAYER = "s", "i32", "u32", "u64", ("list", "s"), ("list", "i64"), "layer"
-_CONVERT = {
-    INT32: lambda t: _integer(t, _SIGNED, -2**31, 2**31 - 1, -1), UINT32: lambda t: _integer(t, _UNSIGNED, 0, 2**32 - 1, 0),
-    UINT64: lambda t: _integer(t, _UNSIGNED, 0, 2**64 - 1, 0), STRINGS: lambda t: _json_array(t, str, ""),
-    INT64S: lambda t: _json_array(t, int, 0), LAYER: lambda t: t or sc.LAYER_NONE,
-}
-REQUEST_ATTRIBUTES = [
-    ("run_id", sc.RUN_ID, TEXT), ("episode_id", sc.EPISODE_ID, TEXT), ("turn", sc.TURN, INT32),
-    ("request_id", sc.REQUEST_ID, TEXT), ("operation", sc.GEN_AI_OPERATION, TEXT), ("engine", sc.ENGINE_NAME, TEXT),
-    ("engine_version", sc.ENGINE_VERSION, TEXT), ("model", sc.GEN_AI_REQUEST_MODEL, TEXT),
-    ("model_fingerprint", sc.MODEL_FINGERPRINT, TEXT), ("weight_format", sc.MODEL_WEIGHT_FORMAT, TEXT),
-    ("kv_cache_type", sc.KV_CACHE_TYPE, TEXT), ("arm", sc.ARM, TEXT), ("capture_mode", sc.CAPTURE_MODE, TEXT),
-    ("cache_settings", sc.CACHE_SETTINGS, TEXT), ("numerics_settings", sc.NUMERICS_SETTINGS, TEXT),
-    ("sampling_settings", sc.SAMPLING_SETTINGS, TEXT), ("prompt_tokens", sc.GEN_AI_USAGE_INPUT_TOKENS, UINT32),
-    ("prompt_hash", sc.PROMPT_HASH, TEXT), ("prompt_hash_source", sc.PROMPT_HASH_SOURCE, TEXT),
+TEXT = Conversion(str, "s")
+INT32_OR_MINUS_1 = Conversion(_integer(_SIGNED, -2**31, 2**31 - 1, -1), "i32")  # toInt32OrDefault(…, -1)
+UINT32_OR_ZERO = Conversion(_integer(_UNSIGNED, 0, 2**32 - 1, 0), "u32")
+UINT64_OR_ZERO = Conversion(_integer(_UNSIGNED, 0, 2**64 - 1, 0), "u64")
+STRINGS = Conversion(_json_array(str, ""), ("list", "s"))  # JSONExtract(…, 'Array(String)')
+INT64S = Conversion(_json_array(int, 0), ("list", "i64"))
+LAYER = Conversion(lambda text: text or sc.LAYER_NONE, "s")
+
+
+def _text(columns: dict[str, str]) -> list[tuple[str, str, Conversion]]:
+    return [(column, key, TEXT) for column, key in columns.items()]
+
+
+REQUEST_ATTRIBUTES = [*_text({
+    "run_id": sc.RUN_ID, "episode_id": sc.EPISODE_ID, "request_id": sc.REQUEST_ID, "operation": sc.GEN_AI_OPERATION,
+    "engine": sc.ENGINE_NAME, "engine_version": sc.ENGINE_VERSION, "model": sc.GEN_AI_REQUEST_MODEL,
+    "model_fingerprint": sc.MODEL_FINGERPRINT, "weight_format": sc.MODEL_WEIGHT_FORMAT, "kv_cache_type": sc.KV_CACHE_TYPE,
+    "arm": sc.ARM, "capture_mode": sc.CAPTURE_MODE, "cache_settings": sc.CACHE_SETTINGS,
+    "numerics_settings": sc.NUMERICS_SETTINGS, "sampling_settings": sc.SAMPLING_SETTINGS, "prompt_hash": sc.PROMPT_HASH,
+    "prompt_hash_source": sc.PROMPT_HASH_SOURCE, "reused_tokens_source": sc.CACHE_REUSED_TOKENS_SOURCE,
+    "state_key": sc.CACHE_STATE_KEY, "source_span_id": sc.CACHE_SOURCE_SPAN_ID, "source_trace_id": sc.CACHE_SOURCE_TRACE_ID,
+    "source_request_id": sc.CACHE_SOURCE_REQUEST_ID, "source_run_id": sc.CACHE_SOURCE_RUN_ID,
+    "source_episode_id": sc.CACHE_SOURCE_EPISODE_ID, "output_hash": sc.OUTPUT_HASH,
+    "token_id_source": sc.OUTPUT_TOKEN_ID_SOURCE, "finish_reason": sc.OUTPUT_FINISH_REASON}),
+    ("turn", sc.TURN, INT32_OR_MINUS_1), ("source_turn", sc.CACHE_SOURCE_TURN, INT32_OR_MINUS_1),
+    ("prompt_tokens", sc.GEN_AI_USAGE_INPUT_TOKENS, UINT32_OR_ZERO), ("reused_tokens", sc.CACHE_REUSED_TOKENS, UINT32_OR_ZERO),
+    ("recomputed_tokens", sc.CACHE_RECOMPUTED_TOKENS, UINT32_OR_ZERO),
+    ("replayed_tokens", sc.CACHE_REPLAYED_TOKENS, UINT32_OR_ZERO),
+    ("output_tokens", sc.GEN_AI_USAGE_OUTPUT_TOKENS, UINT32_OR_ZERO), ("cache_layer", sc.CACHE_LAYER, LAYER),
     ("prompt_block_hashes", sc.PROMPT_BLOCK_HASHES, STRINGS), ("block_layers", sc.PROMPT_BLOCK_LAYERS, STRINGS),
-    ("cache_layer", sc.CACHE_LAYER, LAYER), ("reused_tokens", sc.CACHE_REUSED_TOKENS, UINT32),
-    ("recomputed_tokens", sc.CACHE_RECOMPUTED_TOKENS, UINT32), ("replayed_tokens", sc.CACHE_REPLAYED_TOKENS, UINT32),
-    ("reused_tokens_source", sc.CACHE_REUSED_TOKENS_SOURCE, TEXT), ("state_key", sc.CACHE_STATE_KEY, TEXT),
-    ("source_span_id", sc.CACHE_SOURCE_SPAN_ID, TEXT), ("source_trace_id", sc.CACHE_SOURCE_TRACE_ID, TEXT),
-    ("source_request_id", sc.CACHE_SOURCE_REQUEST_ID, TEXT), ("source_run_id", sc.CACHE_SOURCE_RUN_ID, TEXT),
-    ("source_episode_id", sc.CACHE_SOURCE_EPISODE_ID, TEXT), ("source_turn", sc.CACHE_SOURCE_TURN, INT32),
-    ("hit_block_hashes", sc.CACHE_HIT_BLOCK_HASHES, STRINGS), ("output_tokens", sc.GEN_AI_USAGE_OUTPUT_TOKENS, UINT32),
-    ("output_hash", sc.OUTPUT_HASH, TEXT), ("token_id_source", sc.OUTPUT_TOKEN_ID_SOURCE, TEXT),
-    ("finish_reason", sc.OUTPUT_FINISH_REASON, TEXT)]
-"""``kvtrace_requests``' columns read from a request span's attributes: (column, attribute, kind)."""
-EVENT_SPAN_ATTRIBUTES = [("run_id", sc.RUN_ID, TEXT), ("episode_id", sc.EPISODE_ID, TEXT), ("turn", sc.TURN, INT32),
-                         ("request_id", sc.REQUEST_ID, TEXT), ("engine", sc.ENGINE_NAME, TEXT)]
-EVENT_ATTRIBUTES = [
-    ("layer", sc.EVENT_LAYER, TEXT), ("outcome", sc.EVENT_OUTCOME, TEXT), ("key_hash", sc.EVENT_KEY_HASH, TEXT),
-    ("tokens", sc.EVENT_TOKENS, UINT32), ("prefix_tokens", sc.EVENT_PREFIX_TOKENS, UINT32),
-    ("entries_scanned", sc.EVENT_ENTRIES_SCANNED, UINT32), ("size_bytes", sc.EVENT_SIZE_BYTES, UINT64),
-    ("reason", sc.EVENT_REASON, TEXT), ("block_hashes", sc.EVENT_BLOCK_HASHES, STRINGS),
-    ("block_ids", sc.EVENT_BLOCK_IDS, INT64S), ("parent_hash", sc.EVENT_PARENT_HASH, TEXT),
-    ("source_span_id", sc.EVENT_SOURCE_SPAN_ID, TEXT), ("source_trace_id", sc.EVENT_SOURCE_TRACE_ID, TEXT),
-    ("source_request_id", sc.EVENT_SOURCE_REQUEST_ID, TEXT), ("source_run_id", sc.EVENT_SOURCE_RUN_ID, TEXT),
-    ("source_episode_id", sc.EVENT_SOURCE_EPISODE_ID, TEXT), ("source_turn", sc.EVENT_SOURCE_TURN, INT32),
-    ("source_time_unix_nano", sc.EVENT_SOURCE_TIME, UINT64)]
+    ("hit_block_hashes", sc.CACHE_HIT_BLOCK_HASHES, STRINGS)]
+"""``kvtrace_requests``' columns read from a request span's attributes: (column, attribute, conversion)."""
+
+EVENT_SPAN_ATTRIBUTES = [*_text({"run_id": sc.RUN_ID, "episode_id": sc.EPISODE_ID, "request_id": sc.REQUEST_ID,
+                                 "engine": sc.ENGINE_NAME}), ("turn", sc.TURN, INT32_OR_MINUS_1)]
+EVENT_ATTRIBUTES = [*_text({
+    "layer": sc.EVENT_LAYER, "outcome": sc.EVENT_OUTCOME, "key_hash": sc.EVENT_KEY_HASH, "reason": sc.EVENT_REASON,
+    "parent_hash": sc.EVENT_PARENT_HASH, "source_span_id": sc.EVENT_SOURCE_SPAN_ID,
+    "source_trace_id": sc.EVENT_SOURCE_TRACE_ID, "source_request_id": sc.EVENT_SOURCE_REQUEST_ID,
+    "source_run_id": sc.EVENT_SOURCE_RUN_ID, "source_episode_id": sc.EVENT_SOURCE_EPISODE_ID}),
+    ("tokens", sc.EVENT_TOKENS, UINT32_OR_ZERO), ("prefix_tokens", sc.EVENT_PREFIX_TOKENS, UINT32_OR_ZERO),
+    ("entries_scanned", sc.EVENT_ENTRIES_SCANNED, UINT32_OR_ZERO), ("size_bytes", sc.EVENT_SIZE_BYTES, UINT64_OR_ZERO),
+    ("block_hashes", sc.EVENT_BLOCK_HASHES, STRINGS), ("block_ids", sc.EVENT_BLOCK_IDS, INT64S),
+    ("source_turn", sc.EVENT_SOURCE_TURN, INT32_OR_MINUS_1),
+    ("source_time_unix_nano", sc.EVENT_SOURCE_TIME, UINT64_OR_ZERO)]
 """``kvtrace_cache_events``' columns read from the span (``EVENT_SPAN_ATTRIBUTES``) and from the event."""
 
 _ARRAY_TYPES = {"token_ids": "i64", "top1_ids": "i64", "runner_up_ids": "i64", "margins": "f64", "logprobs": "f64"}
@@ -131,12 +148,8 @@ def _list_column(arrays: list[np.ndarray], kind: str) -> pa.Array:
 
 
 def _columns(spec, attributes: list[dict]) -> dict[str, pa.Array]:
-    columns = {}
-    for column, key, kind in spec:
-        texts = [a.get(key, "") for a in attributes]
-        convert = _CONVERT.get(kind)
-        columns[column] = arrow(texts if convert is None else list(map(convert, texts)), TEXT if kind == LAYER else kind)
-    return columns
+    return {column: arrow([a.get(key, "") for a in attributes] if how is TEXT else
+                          [how.convert(a.get(key, "")) for a in attributes], how.kind) for column, key, how in spec}
 
 
 def _table(columns: dict[str, pa.Array]) -> pa.Table:
