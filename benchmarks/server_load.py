@@ -53,6 +53,7 @@ from typing import Iterator, Optional
 import httpx
 
 from kvtrace.semconv import SPAN_REQUEST
+from kvtrace.testmodels.llama_gguf import SIZES as GGUF_SIZES, make_model as make_gguf_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arguments import positive_integers  # noqa: E402  (what the benchmark scripts share)
@@ -82,7 +83,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=positive_integers, default=[1, 8, 32])
     parser.add_argument("--requests", type=int, default=96, help="requests per arm, concurrency and streaming mode")
     parser.add_argument("--tokens", type=int, default=16, help="max_tokens per request")
-    parser.add_argument("--size", choices=("tiny", "small", "base"), default="tiny",
+    parser.add_argument("--size", choices=tuple(GGUF_SIZES), default="tiny",
                         help="the generated GGUF model of the llama.cpp servers: tiny (~1M parameters: the server's "
                              "own work is a few ms, so fixed costs show at their largest), small (~20M) or base "
                              "(~100M, a few hundred ms per request: closer to what a served model costs)")
@@ -227,9 +228,7 @@ def vllm_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm, Arm]]:
 
 
 def gguf_model(tmp: Path, size: str) -> Path:
-    from kvtrace.testmodels.llama_gguf import make_model
-
-    return make_model(tmp / f"{size}.gguf", size=size)
+    return make_gguf_model(tmp / f"{size}.gguf", size=size)
 
 
 @contextlib.contextmanager
