@@ -3,14 +3,13 @@ the quick path for the common shapes (text, integers, arrays of text) and the ge
 
 from __future__ import annotations
 
-import pytest
-
 import json
 
 import msgspec
+import pytest
 
-from kvtrace.collectors.otlp_rows import AnyValue, KeyValue, MalformedSpan, rows_from_request, span_attributes, \
-    value_as_string
+from kvtrace.collectors.otlp_rows import (AnyValue, KeyValue, MalformedSpan, rows_from_request, span_attributes,
+                                          value_as_string)
 
 SHAPES = {
     "run": {"stringValue": "bench"},
