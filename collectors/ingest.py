@@ -17,51 +17,27 @@ from __future__ import annotations
 import errno
 import gc
 import hashlib
-import io
 import json
 import os
-import stat
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from kvtrace.collectors.checkpoints import Checkpoint, IngestLog, digest
 from kvtrace.collectors.otlp_rows import MalformedSpan, SpanRow, rows_from_request
+from kvtrace.collectors.quarantine import Quarantine
+from kvtrace.collectors.span_files import find_files, passed_over_message, writer_is_gone
 from kvtrace.collectors.store import batch_token, store_rows
 from kvtrace.config import default_spool_dir
 from kvtrace.errors import IngestStopped, UnreadableInput, UnusableInput
-from kvtrace.recording.exporters.spool import SPOOL_SUFFIX, spool_host, writer_of
-from kvtrace.safe_files import append_private, open_regular, private_dir, regular_entries
+from kvtrace.safe_files import open_regular
 
 CHUNK_BYTES = 32 * 1024 * 1024
 """Bytes read, parsed and stored at a time (one insert per table): fewer inserts are cheaper."""
 MAX_LINE_BYTES = 256 * 1024 * 1024
 """A longer line (a spool line is one batch, far smaller) is quarantined by its first bytes and passed over."""
 QUARANTINED_PREFIX_BYTES = 64 * 1024
-SPAN_FILE_SUFFIXES = (SPOOL_SUFFIX, ".json")
-LOG_TABLE = "kvtrace_ingest_files"
-LOG_COLUMNS = ["file_key", "path", "offset", "lines", "spans", "quarantined", "complete", "updated"]
 KNOWN_LINES_SQL = "SELECT line_hash FROM kvtrace_ingest_lines WHERE line_hash IN {hashes:Array(String)}"
-PASSED_OVER_NAMED = 5
-"""Entries a passed-over message names before it gives the count of the rest."""
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """One row of ``kvtrace_ingest_files``: a file's bytes [0, offset) are stored, with running totals.
-    ``prefix`` hashes those bytes (rows of older versions have none: trusted by their first line alone)."""
-
-    head: str
-    prefix: str = ""
-    offset: int = 0
-    complete: bool = False
-    lines: int = 0
-    spans: int = 0
-    quarantined: int = 0
-
-    @property
-    def key(self) -> str:
-        return f"{self.head}:{self.prefix}" if self.prefix else self.head
 
 
 @dataclass
@@ -98,14 +74,6 @@ class IngestReport:
         return passed + [m for f in self.files for m in f.messages]
 
 
-def passed_over_message(passed_over: list[str]) -> str:
-    """One line for the entries of a span directory that were not read (links, FIFOs, devices)."""
-    named = ", ".join(passed_over[:PASSED_OVER_NAMED])
-    rest = f" and {len(passed_over) - PASSED_OVER_NAMED} more" if len(passed_over) > PASSED_OVER_NAMED else ""
-    return (f"{len(passed_over)} entr{'y' if len(passed_over) == 1 else 'ies'} passed over, never read: "
-            f"only regular files are ingested from a directory ({named}{rest})")
-
-
 @dataclass
 class _Line:
     number: int
@@ -114,63 +82,11 @@ class _Line:
     hash: str = ""
 
 
-def find_files(paths: Iterable[Path], passed_over: Optional[list[str]] = None) -> list[Path]:
-    """Span files named by ``paths`` (files as given, through a link too; directories: their regular
-    *.jsonl / *.json files, every other entry with such a name added to ``passed_over``).  A path that
-    names nothing or no regular file or directory is ``UnusableInput``; one that cannot be read or
-    listed ``UnreadableInput``."""
-    found: list[Path] = []
-    for path in map(Path, paths):
-        try:
-            mode = path.stat().st_mode
-        except FileNotFoundError:
-            raise UnusableInput(f"{path}: no such file or directory") from None
-        except OSError as exc:
-            raise UnreadableInput(f"{path}: cannot read it: {exc.strerror or exc}") from None
-        if stat.S_ISDIR(mode):
-            try:
-                regular, others = regular_entries(path, SPAN_FILE_SUFFIXES)
-            except OSError as exc:
-                raise UnreadableInput(f"{path}: cannot list the directory: {exc.strerror or exc}") from None
-            found.extend(regular)
-            if passed_over is not None:
-                passed_over.extend(f"{entry} ({what})" for entry, what in others)
-        elif stat.S_ISREG(mode):
-            path = Path(os.path.realpath(path)) if path.is_symlink() else path
-            try:
-                open_regular(path).close()
-            except OSError as exc:
-                raise UnreadableInput(f"{path}: cannot read it: {exc.strerror or exc}") from None
-            found.append(path)
-        else:
-            raise UnusableInput(f"{path} is not a regular file or a directory; ingest reads OTLP/JSON span "
-                                "files (.jsonl, .json) or directories of them")
-    return found
-
-
 def _is_pretty_printed(first_line: bytes) -> bool:
     """A multi-line JSON document starts with a line that is not a JSON value by itself: an object's first
     line that does not end it (a whole object ends with its closing brace)."""
     stripped = first_line.strip()
     return stripped.startswith(b"{") and (stripped == b"{" or not stripped.endswith(b"}"))
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:32]
-
-
-def _writer_is_gone(path: Path) -> bool:
-    """True when ``path`` is a kvtrace spool file of this host whose writer process has ended."""
-    writer = writer_of(path)
-    if writer is None or writer[0] != spool_host() or writer[1] == os.getpid():
-        return False  # not a spool file, another machine's (we cannot tell), or our own
-    try:
-        os.kill(writer[1], 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, OverflowError):
-        pass
-    return False
 
 
 _REFUSAL_MARKERS = ("no space left", "not_enough_space", "not enough space", "cannot reserve", "disk quota",
@@ -194,96 +110,10 @@ def first_line(exc: BaseException) -> str:
     return (lines[0] if lines else type(exc).__name__)[:300]
 
 
-class IngestLog:
-    """Checkpoints in ``kvtrace_ingest_files``, grouped by the hash of each file's first line."""
-
-    def __init__(self, client):
-        self.client = client
-        self._by_head: dict[str, dict[str, Checkpoint]] = {}
-        for key, *numbers in client.query(
-                f"SELECT file_key, offset, complete, lines, spans, quarantined FROM {LOG_TABLE} FINAL").result_rows:
-            head, _, prefix = str(key).partition(":")
-            self._remember(Checkpoint(head, prefix, int(numbers[0]), bool(numbers[1]), *map(int, numbers[2:])))
-
-    def _remember(self, checkpoint: Checkpoint) -> None:
-        self._by_head.setdefault(checkpoint.head, {})[checkpoint.key] = checkpoint
-
-    def checkpoints(self, head: str) -> list[Checkpoint]:
-        """This first line's checkpoints, furthest first."""
-        return sorted(self._by_head.get(head, {}).values(), key=lambda c: -c.offset)
-
-    def save(self, checkpoint: Checkpoint, path: Path) -> None:
-        c = checkpoint
-        self.client.insert(LOG_TABLE, [[c.key, str(path), c.offset, c.lines, c.spans, c.quarantined, int(c.complete),
-                                        time.time_ns() // 1000]], column_names=LOG_COLUMNS)
-        self._remember(checkpoint)
-
-
-class _Quarantine:
-    """Copies of rejected lines, one JSON record each, in ``<dir>/<file name>.quarantine.jsonl``; a line
-    copied before (a pass that re-reads after a stop) is not copied twice.  A copy that cannot be written
-    (a full disk) is still reported and counted: the line stays in its own file, which ingest never changes."""
-
-    def __init__(self, directory: Path):
-        self.directory = Path(directory)
-        self._recorded: dict[Path, set[tuple[str, int]]] = {}
-
-    def add(self, source: Path, line_no: int, text: bytes, reason: str) -> str:
-        """Copy the line; returns where it went (or why it could not be copied), for the message."""
-        target = self.directory / f"{source.name}.quarantine.jsonl"
-        try:
-            if target not in self._recorded:
-                self._recorded[target] = {(r.get("file"), r.get("line")) for r in read_quarantine_file(target)}
-            if (str(source), line_no) not in self._recorded[target]:
-                private_dir(self.directory, link_ok=False)
-                record = {"file": str(source), "line": line_no, "error": reason,
-                          "text": text.decode("utf-8", errors="replace")}
-                with os.fdopen(append_private(target), "a", encoding="utf-8") as out:
-                    out.write(json.dumps(record) + "\n")
-                self._recorded[target].add((str(source), line_no))
-        except OSError as exc:
-            return f"line kept only in {source.name}: the quarantine copy failed: {exc.strerror or exc}"
-        return f"line moved to {target}"
-
-
-def read_quarantine_file(path: Path) -> list[dict]:
-    """The records of one quarantine file (unreadable records and files, and anything but a regular file,
-    are passed over)."""
-    records = []
-    try:
-        with io.TextIOWrapper(open_regular(path), encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(record, dict):
-                    records.append(record)
-    except OSError:
-        pass
-    return records
-
-
-def quarantined_lines(quarantine_dir: Path, problems: Optional[list[str]] = None) -> list[dict]:
-    """Every quarantined line under ``quarantine_dir``: {file, line, error} (text left out).  What cannot be
-    read (the directory, a link or FIFO in it) is added to ``problems``."""
-    problems = [] if problems is None else problems
-    try:
-        targets, others = regular_entries(Path(quarantine_dir), (".quarantine.jsonl",), link_ok=False)
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        problems.append(f"{quarantine_dir}: cannot list it: {exc.strerror or exc}")
-        return []
-    problems.extend(f"{entry} ({what}): not read" for entry, what in others)
-    return [{"file": str(r.get("file", "")), "line": r.get("line"), "error": str(r.get("error", ""))}
-            for target in targets for r in read_quarantine_file(target)]
-
-
 class Ingestor:
     def __init__(self, client, quarantine_dir: Path, progress: Optional[Callable[[str], None]] = None):
         self.client = client
-        self.quarantine = _Quarantine(quarantine_dir)
+        self.quarantine = Quarantine(quarantine_dir)
         self.progress = progress or (lambda message: None)
         self.log = IngestLog(client)
 
@@ -313,11 +143,11 @@ class Ingestor:
                 pass  # not one document after all: take it line by line, quarantining what is bad
             else:
                 return self._ingest_single_document(path, data, result)
-        head_key = _digest(head)
+        head_key = digest(head)
         start, hasher = self._resume_point(f, size, head_key)
         if start is not None and start.offset == size:
             # Nothing new since the last pass.  A spool file whose writer has ended since is finished.
-            if not start.complete and _writer_is_gone(path):
+            if not start.complete and writer_is_gone(path):
                 self.log.save(replace(start, complete=True), path)
             result.skipped = True
             return
@@ -355,7 +185,7 @@ class Ingestor:
             offset += cut + 1
             self._save(path, head_key, hasher, offset, before, result, complete=False)
             self.progress(f"{path.name}: {result.spans} spans")
-        complete = _writer_is_gone(path)
+        complete = writer_is_gone(path)
         if data and complete:
             self._quarantine(path, line_no + 1, data, "truncated last line (its writer ended before finishing it)",
                              result)
@@ -413,14 +243,14 @@ class Ingestor:
     def _ingest_single_document(self, path: Path, data: bytes, result: FileResult) -> None:
         """A file without newlines: either one pretty-printed request, or a first line still being written."""
         document = hashlib.sha256(data)
-        key = document.hexdigest()[:32]  # _digest(data): the first line is the whole document
+        key = document.hexdigest()[:32]  # digest(data): the first line is the whole document
         if not data.strip() or any(c.offset == len(data) and c.complete for c in self.log.checkpoints(key)):
             result.skipped = bool(data.strip())
             return
         try:
             json.loads(data)
         except ValueError:
-            if not _writer_is_gone(path):
+            if not writer_is_gone(path):
                 result.pending_bytes = len(data)
                 return
             self._quarantine(path, 1, data, "truncated line (its writer ended before finishing it)", result)
@@ -443,7 +273,7 @@ class Ingestor:
                                    "64-bit range: left out of its span, which is stored (every such value is "
                                    "counted in `repaired`)")
         result.repaired += len(dropped)
-        parsed.append(_Line(line_no, line, rows, _digest(line)))
+        parsed.append(_Line(line_no, line, rows, digest(line)))
 
     def _quarantine(self, path: Path, line_no: int, text: bytes, reason: str, result: FileResult) -> None:
         where = self.quarantine.add(path, line_no, text, reason)
@@ -531,7 +361,7 @@ def pending_files(spool_dir: Path, client, problems: Optional[list[str]] = None)
         except OSError as exc:
             problems.append(f"{path}: cannot read it: {exc.strerror or exc}")
             continue
-        done = max((c.offset for c in log.checkpoints(_digest(head)) if c.offset <= size), default=0)
+        done = max((c.offset for c in log.checkpoints(digest(head)) if c.offset <= size), default=0)
         if size > done:
             out.append((path, size - done))
     return out

@@ -7,8 +7,9 @@ import os
 import sys
 from pathlib import Path
 
-from kvtrace.collectors.ingest import (IngestReport, find_files, ingest_paths, passed_over_message, pending_files,
-                                       quarantined_lines)
+from kvtrace.collectors.ingest import IngestReport, ingest_paths, pending_files
+from kvtrace.collectors.quarantine import quarantined_lines
+from kvtrace.collectors.span_files import find_files, passed_over_message
 from kvtrace.collectors.schema import SPAN_TABLES, TABLES, init_schema, latest_version, render_ddl, schema_version
 from kvtrace.commands.common import open_database, progress_printer
 from kvtrace.config import default_database_url, default_spool_dir

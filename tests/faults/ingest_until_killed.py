@@ -16,7 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-from kvtrace.collectors import ingest
+from kvtrace.collectors import ingest, quarantine
 from kvtrace.collectors.schema import init_schema
 from kvtrace.db import connect
 
@@ -42,14 +42,14 @@ def main() -> None:
             return result
 
         setattr(client, method, insert)
-    real_add = ingest._Quarantine.add
+    real_add = quarantine.Quarantine.add
 
     def add(self, *args, **kwargs):
         where = real_add(self, *args, **kwargs)
         step("after a quarantine copy")
         return where
 
-    ingest._Quarantine.add = add
+    quarantine.Quarantine.add = add
     report = ingest.ingest_paths(client, [Path(p) for p in paths], quarantine_dir=Path(quarantine_dir))
     for message in report.messages:
         print(f"message: {message}", flush=True)

@@ -20,7 +20,7 @@ import pytest
 from sink_faults import tmpfs
 from span_lines import dead_writer_name, request, spoiled, write_lines
 
-from kvtrace.collectors.ingest import quarantined_lines
+from kvtrace.collectors.quarantine import quarantined_lines
 
 
 def kvtrace(*args: str, unprivileged: bool = False, timeout: float = 120) -> subprocess.CompletedProcess:
