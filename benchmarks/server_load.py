@@ -323,7 +323,9 @@ class Client:
                 else:
                     self.http.post(base + "/v1/completions", json=body, headers=headers).raise_for_status()
                 return time.perf_counter() - start
-            except httpx.RemoteProtocolError:
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                # a kept-alive connection the server closed, seen as a protocol error or, when the pool
+                # had already closed its socket, as a read or write error (EBADF)
                 if attempt == 2:
                     raise
                 # Resent: its latency includes the lost try, and the proxy may record the cut-off one too.
