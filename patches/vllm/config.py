@@ -7,6 +7,7 @@ The engine configuration is read once, when the engine core makes its scheduler
 from __future__ import annotations
 
 import functools
+import operator
 import os
 from typing import Any
 
@@ -88,25 +89,31 @@ def _on_scheduler_init(result: Any, scheduler: Any, args: tuple, kwargs: dict) -
 scheduler_init = observing(FAILURES, "scheduler init", _on_scheduler_init)
 
 
+_read_sampling_settings = operator.attrgetter(*_SAMPLING_SETTINGS)
+
+
 def sampling_attributes(params: Any) -> dict[str, Any]:
-    """A request's ``SamplingParams`` as span attributes."""
+    """A request's ``SamplingParams`` as span attributes (a dict shared by every request with the same
+    settings: read, never changed)."""
     if params is None:
         return {}
-    settings = {name: getattr(params, name, None) for name in _SAMPLING_SETTINGS}
-    given = tuple((name, type(value), value) for name, value in settings.items() if value is not None)
     try:
-        text = _sampling_text(given)
+        values = _read_sampling_settings(params)  # one call for every setting: this runs at each admission
+    except AttributeError:  # a vLLM without one of them
+        values = tuple(getattr(params, name, None) for name in _SAMPLING_SETTINGS)
+    try:
+        return _sampling_attributes(values, tuple(map(type, values)))
     except TypeError:  # a value that cannot be a cache key (a list, in some future vLLM)
-        text = settings_text({name: value for name, _, value in given})
-    attributes: dict[str, Any] = {sc.SAMPLING_SETTINGS: text}
-    for key, name in _GEN_AI_REQUEST:
-        if settings.get(name) is not None:
-            attributes[key] = settings[name]
-    return attributes
+        return _sampling_attributes.__wrapped__(values, ())
 
 
 @functools.lru_cache(maxsize=256)
-def _sampling_text(settings: tuple) -> str:
-    """The settings' JSON text, once per distinct settings (the type is part of the key: 1 and 1.0
-    are equal, their texts are not)."""
-    return settings_text({name: value for name, _, value in settings})
+def _sampling_attributes(values: tuple, types: tuple) -> dict[str, Any]:
+    """Once per distinct settings (``types`` is part of the key: 1 and 1.0 are equal, their texts are not)."""
+    settings = dict(zip(_SAMPLING_SETTINGS, values))
+    attributes: dict[str, Any] = {
+        sc.SAMPLING_SETTINGS: settings_text({name: value for name, value in settings.items() if value is not None})}
+    for key, name in _GEN_AI_REQUEST:
+        if settings[name] is not None:
+            attributes[key] = settings[name]
+    return attributes
