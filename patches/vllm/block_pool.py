@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.patches.hooks import observing
@@ -27,9 +26,9 @@ from kvtrace.patches.vllm.live_requests import LIVE
 from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
 
 
-@dataclass(frozen=True)
-class StoredBlock:
-    """Who stored a cached block, so a later hit or eviction can cite it."""
+class StoredBlock(NamedTuple):
+    """Who stored a cached block, so a later hit or eviction can cite it (a tuple: one is made for every
+    block stored, on the engine's thread)."""
 
     origin: StateOrigin
     parent_hash: Optional[str]
@@ -53,7 +52,7 @@ class BlockProvenance:
                 previous = event.parent_hash
                 per_block = (event.tokens or 0) // len(event.block_hashes)
                 for digest in event.block_hashes:
-                    self._stored[digest] = StoredBlock(origin=origin, parent_hash=previous, tokens=per_block)
+                    self._stored[digest] = StoredBlock(origin, previous, per_block)
                     previous = digest
 
     def source_of(self, digest: Optional[str]) -> Optional[StateOrigin]:
