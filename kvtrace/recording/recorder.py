@@ -115,8 +115,9 @@ class Recorder:
         parent = parent_span if parent_span.is_valid else None
         trace_id, span_id = self._new_ids(parent)
         span_hex = "%016x" % span_id
+        bag = baggage.get_all() if baggage_entries is None else baggage_entries  # read once, for both uses
         record = RequestRecord(
-            correlation=self.current_correlation(request_id or span_hex, baggage_entries),
+            correlation=self.current_correlation(request_id or span_hex, bag),
             engine=engine,
             operation=operation,
             model=model,
@@ -126,8 +127,7 @@ class Recorder:
             parent=parent,
         )
         # The arm is a label of the harness, not of the engine: baggage (per request) or KVTRACE_ARM.
-        carried = baggage.get_baggage(sc.ARM) if baggage_entries is None else baggage_entries.get(sc.ARM)
-        arm = str(carried or self.settings.arm or "")
+        arm = str(bag.get(sc.ARM) or self.settings.arm or "")
         if arm:
             record.config[sc.ARM] = arm
         return record
