@@ -39,7 +39,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -431,9 +430,11 @@ def growth(label: str, values: list[float], what: str) -> None:
         print(f"  RSS {label}: {values[0] if values else 0:.0f} MB ({what}: too few samples for a growth)")
         return
     # The first tenth of a soak is warm-up (llama-server's KV cache and prompt cache page in): growth from there.
-    first, last = values[len(values) // 10], values[-1]
+    first, middle, last = values[len(values) // 10], values[(len(values) // 10 + len(values)) // 2], values[-1]
+    halves = (f"; {middle:.0f} MB half-way: {100 * (middle / first - 1):+.1f} % then {100 * (last / middle - 1):+.1f} %"
+              if len(values) > 2 else "")  # a plateau (bounded caches filled) reads apart from a steady climb
     print(f"  RSS {label}: {first:.0f} -> {last:.0f} MB over {what}, growth {100 * (last / first - 1):+.1f} % "
-          f"(target < {TARGET_RSS_PCT:g} % over a 20-minute soak)")
+          f"(target < {TARGET_RSS_PCT:g} % over a 20-minute soak){halves}")
 
 
 def run_server(name: str, args: argparse.Namespace, tmp: Path) -> None:
