@@ -287,7 +287,8 @@ class LogParser:
                 self._cache.remove(gone[0])
         if [entry.length for entry in self._cache] == [length for _, length in listed]:
             for entry, (address, _) in zip(self._cache, listed):
-                entry.address = address
+                if entry.address != address:  # an equal one stays: a listing's strings are short-lived
+                    entry.address = address
             return
         # The entry last restored counts among the model's: a listing that still shows it (a log that
         # contradicts itself) keeps its origin.
@@ -302,7 +303,8 @@ class LogParser:
                 entry = alike[0] if len(alike) == 1 else _CachedPrompt(length, None)
                 if entry in unlisted:
                     unlisted.remove(entry)
-            entry.address = address
+            if entry.address != address:
+                entry.address = address
             rebuilt.append(entry)
         self._cache = rebuilt
 
