@@ -98,7 +98,7 @@ class LiveRequests:
             live_requests = self._live
             for internal_id, row in zip(req_ids, rows):
                 live = live_requests.get(internal_id)
-                if live is not None and row.sampled > 0.5:  # SampledRow.sampled_a_token, without its call
+                if live is not None and row.sampled > 0.5:  # read in place: this runs once per generated token
                     live.sampled_rows.append(row)
 
     def finish(self, internal_id: str) -> Optional[LiveRequest]:

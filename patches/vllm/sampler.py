@@ -52,11 +52,7 @@ class SampledRow(NamedTuple):
     runner_up: float  # second-highest raw-logit token id
     margin: float  # top-1 minus top-2 raw logit
     chosen_logprob: float  # log-probability of the chosen token under the raw logits
-    sampled: float  # 1.0 when the row sampled a token; 0.0 for a partial or chunked prefill
-
-    @property
-    def sampled_a_token(self) -> bool:
-        return self.sampled > 0.5
+    sampled: float  # 1.0 when the row sampled a token (read as ``sampled > 0.5``); 0.0 for a partial or chunked prefill
 
 
 def top2_stats(logits: Any, chosen: Any, valid: Any) -> Any:
