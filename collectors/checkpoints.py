@@ -13,9 +13,13 @@ LOG_TABLE = "kvtrace_ingest_files"
 LOG_COLUMNS = ["file_key", "path", "offset", "lines", "spans", "quarantined", "complete", "updated"]
 
 
+def key_of(hasher) -> str:
+    """The key a SHA-256 of some bytes gives: what checkpoints and stored lines are keyed by."""
+    return hasher.hexdigest()[:32]
+
+
 def digest(data: bytes) -> str:
-    """The hash checkpoints and stored lines are keyed by."""
-    return hashlib.sha256(data).hexdigest()[:32]
+    return key_of(hashlib.sha256(data))
 
 
 @dataclass(frozen=True)

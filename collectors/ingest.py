@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from kvtrace.collectors.checkpoints import Checkpoint, IngestLog, digest
+from kvtrace.collectors.checkpoints import Checkpoint, IngestLog, digest, key_of
 from kvtrace.collectors.otlp_rows import MalformedSpan, SpanRow, rows_from_request
 from kvtrace.collectors.quarantine import Quarantine
 from kvtrace.collectors.span_files import find_files, passed_over_message, writer_is_gone
@@ -216,7 +216,7 @@ class Ingestor:
             if position != checkpoint.offset:
                 break
             # An old first-line-only checkpoint is trusted at a line end.
-            if hasher.hexdigest()[:32] == checkpoint.prefix if checkpoint.prefix else last_byte == b"\n":
+            if key_of(hasher) == checkpoint.prefix if checkpoint.prefix else last_byte == b"\n":
                 best, best_hasher = checkpoint, hasher.copy()
         return best, best_hasher
 
@@ -237,13 +237,13 @@ class Ingestor:
     def _save(self, path: Path, head: str, hasher, offset: int, before: tuple[int, int, int], result: FileResult,
               complete: bool) -> None:
         lines, spans, quarantined = before
-        self.log.save(Checkpoint(head, hasher.hexdigest()[:32], offset, complete, lines + result.lines,
+        self.log.save(Checkpoint(head, key_of(hasher), offset, complete, lines + result.lines,
                                  spans + result.spans, quarantined + result.quarantined), path)
 
     def _ingest_single_document(self, path: Path, data: bytes, result: FileResult) -> None:
         """A file without newlines: either one pretty-printed request, or a first line still being written."""
         document = hashlib.sha256(data)
-        key = document.hexdigest()[:32]  # digest(data): the first line is the whole document
+        key = key_of(document)  # digest(data): the first line is the whole document
         if not data.strip() or any(c.offset == len(data) and c.complete for c in self.log.checkpoints(key)):
             result.skipped = bool(data.strip())
             return
