@@ -218,15 +218,16 @@ def report(batch: int, untraced: list[Sample], traced: list[Sample], timer_overh
     figure("traced: process CPU", traced, lambda s: s.process_ns)
     figure("traced: wall", traced, lambda s: s.wall_ns)
     figure("traced: hooks' own time (timers)", traced, lambda s: s.hook_ns)
+    tokens = sum(s.tokens for s in traced)
     for name in sorted({name for s in traced for name in s.by_hook}, key=lambda n: n == SPAN_BUILD):
         label = f"  of which {name}" if name != SPAN_BUILD else f"  in _free_request: {name}"
         calls = sum(s.by_hook[name].calls + s.by_hook[name].preempted for s in traced if name in s.by_hook)
-        label += f" ({calls / sum(s.tokens for s in traced):.2f}/token)"
-        figure(label, traced, lambda s, name=name: s.by_hook[name].total_ns() if name in s.by_hook else 0)
+        figure(f"{label} ({calls / tokens:.2f}/token)", traced,
+               lambda s, name=name: s.by_hook[name].total_ns() if name in s.by_hook else 0)
     calls = sum(t.calls + t.preempted for s in traced for t in s.by_hook.values())
     preempted = sum(t.preempted for s in traced for t in s.by_hook.values())
     stray = sum(s.hook_calls for s in untraced)
-    print(f"  (timed calls: {calls} ({calls / sum(s.tokens for s in traced):.1f} per token), {preempted} interrupted "
+    print(f"  (timed calls: {calls} ({calls / tokens:.1f} per token), {preempted} interrupted "
           f"by the scheduler and left out; warm, a timer adds {timer_overhead_ns / 1e3:.2f} µs per call; "
           f"hook calls in the untraced arm: {stray})")
 
