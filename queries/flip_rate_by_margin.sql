@@ -12,7 +12,9 @@
 --   episode holds a single position; requests without an episode are their own cluster).
 --   Rows per weight format, KV cache type, numerics settings and bin, plus weight_format '(all)'
 --   (KV type and numerics '') per bin.
--- params: run_prefix String = ''
+--   reference_arm: only recompute references of this arm ('' = any; 'shadow' = the proxy's cold twins
+--   of live requests, `kvtrace proxy --shadow`).
+-- params: run_prefix String = '', reference_arm String = ''
 -- columns: weight_format, kv_cache_type, numerics_settings, margin_bin, episodes, positions, flips,
 --   flip_rate, ci_low, ci_high, interval_method
 WITH

@@ -11,9 +11,9 @@
 --   reference recompute may be older than the window.
 -- params: run_prefix String = '', since DateTime64(3) = '1970-01-01 00:00:00',
 --   until DateTime64(3) = '2200-01-01 00:00:00', engine String = '', model String = '',
---   weight_format String = ''
+--   weight_format String = '', reference_arm String = ''
 -- columns: weight_format, request_pairs, positions, mean_shift, mean_abs_shift, p50_abs_shift,
---   p95_abs_shift, max_abs_shift
+--   p95_abs_shift, max_abs_shift, shadow_pairs, shadow_episodes
 WITH
 ${shared_requests_once}
 ${shared_output_divergence}
@@ -21,7 +21,8 @@ ${shared_recompute_reference}
 ${shared_request_scope}
 ${shared_matched_positions}
 hit_shifts AS (
-    SELECT format, matched_positions, arrayMap((x, y) -> x - y, hit_margins, recompute_margins) AS shifts
+    SELECT format, matched_positions, arrayMap((x, y) -> x - y, hit_margins, recompute_margins) AS shifts,
+           reference_arm, if(episode_id != '', episode_id, prompt_hash) AS cluster
     FROM matched
     WHERE in_request_scope(hit_time, engine, model, format)
 )
@@ -34,7 +35,9 @@ SELECT
     -- both levels from one selection over the shifts; NaN when there are none, as a single level gives
     if(positions > 0, quantilesExactArray(0.5, 0.95)(arrayMap(x -> abs(x), shifts))[1], nan) AS p50_abs_shift,
     if(positions > 0, quantilesExactArray(0.5, 0.95)(arrayMap(x -> abs(x), shifts))[2], nan) AS p95_abs_shift,
-    maxArray(arrayMap(x -> abs(x), shifts)) AS max_abs_shift
+    maxArray(arrayMap(x -> abs(x), shifts)) AS max_abs_shift,
+    countIf(reference_arm = '${ARM_SHADOW}') AS shadow_pairs,
+    uniqExactIf(cluster, reference_arm = '${ARM_SHADOW}') AS shadow_episodes
 FROM hit_shifts
 GROUP BY GROUPING SETS ((format), ())
 ORDER BY grouping(format), weight_format

@@ -2,10 +2,12 @@
 --   One row per run id: engine, model, weight formats and arms seen, how many episodes (requests
 --   with no episode id are not one), requests (each once: a probed request the engine also
 --   recorded counts once), generated tokens and cache-served prompt tokens, first and last request time,
---   and how many cache integrity violations its requests met (states not their prompt's own prefix).
+--   how many cache integrity violations its requests met (states not their prompt's own prefix), and
+--   shadow_twins: of its requests, the cold twins `kvtrace proxy --shadow` sent of live cache hits
+--   (arm shadow; the live sample margin_shift's shadow_pairs rest on).
 -- params: none
 -- columns: run_id, engine, model, weight_formats, arms, episodes, requests, output_tokens,
---   cached_prompt_tokens, prompt_tokens, first_seen, last_seen, integrity_violations
+--   cached_prompt_tokens, prompt_tokens, first_seen, last_seen, shadow_twins, integrity_violations
 WITH
 ${shared_requests_once}
 per_run AS (
@@ -21,7 +23,8 @@ per_run AS (
         sum(reused_tokens) AS cached_prompt_tokens,
         sum(prompt_tokens) AS prompt_tokens,
         min(Timestamp) AS first_seen,
-        max(Timestamp) AS last_seen
+        max(Timestamp) AS last_seen,
+        countIf(arm = '${ARM_SHADOW}') AS shadow_twins
     FROM requests_once
     GROUP BY run_id
 ),

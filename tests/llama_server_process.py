@@ -7,6 +7,7 @@ does it before the tests); a test that finds none skips, which fails under CI.
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import subprocess
 from pathlib import Path
@@ -22,6 +23,14 @@ SERVER_ARGS = (*SIZING,
                # The CPU repack of quantized weights (AMX) crashes decode on some Xeons; off here, as in
                # kvtrace's own llama.cpp loads, so every machine runs the same kernels.
                "--no-repack")
+
+
+PER_CALL_BYTES = re.compile(rb'"(id|created)":("[^"]*"|\d+)|"timings":\{[^{}]*\}')
+
+
+def same_bytes(raw: bytes) -> bytes:
+    """The server's own bytes with the per-call values blanked (not re-encoded: every other byte counts)."""
+    return PER_CALL_BYTES.sub(rb'"\1":_', raw)
 
 
 def free_port() -> int:

@@ -36,6 +36,9 @@ REFERENCE = [1.0, 0.5, 0.3, 2.0]
 HIT = CachePath(sc.LAYER_KV_REUSE, 8, event=sc.EVENT_CACHE_REUSE)
 RULE = {"name": "margin-shift-p95", "metric": "margin_shift_p95_abs", "threshold": 0.1, "window": "30m",
         "min_samples": 4}
+SHADOW_RULE = {"name": "live-margin-shift-p95", "metric": "shadow_margin_shift_p95_abs", "threshold": 0.1,
+               "window": "30m", "min_samples": 3}
+"""On live traffic: hits against the cold twins `kvtrace proxy --shadow` sent of them, over 3 episodes."""
 TWO_HOURS_AGO = time.time() - 7200
 STARTUP_S = 30
 NOTIFY_S = 30
@@ -126,8 +129,32 @@ def recorded(tmp_path_factory):
     return {"url": f"chdb://{root / 'db'}", "spool": str(root / "spool")}
 
 
-def active_alerts(alertmanager) -> list[dict]:
-    query = urllib.parse.urlencode({"filter": f'alertname="{RULE["name"]}"'})
+@pytest.fixture(scope="module")
+def shadowed(tmp_path_factory):
+    """Live Q4_K_M cache hits two hours ago, each followed by its shadow twin (arm ``shadow``, recomputed),
+    the hits 0.25 logits off their twins; an earlier canary recomputed the same prompts with the hits'
+    very margins (the reference plain ``margin_shift`` takes: the earliest recompute)."""
+    from kvtrace.collectors.schema import init_schema
+    from kvtrace.db import connect
+
+    root = tmp_path_factory.mktemp("shadowed")
+    book = ScenarioBook(root / "spool")
+    for e in range(3):
+        book.turn("canary", f"e{e}", 0, PROMPT + [e], TOKENS, [m + 0.25 for m in REFERENCE], arm="canary",
+                  weight_format="Q4_K_M", at=TWO_HOURS_AGO - 60)
+        book.turn("live", f"e{e}", 0, PROMPT + [e], TOKENS, [m + 0.25 for m in REFERENCE], cache=HIT, arm="",
+                  weight_format="Q4_K_M", at=TWO_HOURS_AGO)
+        book.turn("live", f"e{e}", 0, PROMPT + [e], TOKENS, REFERENCE, arm=sc.ARM_SHADOW, weight_format="Q4_K_M",
+                  at=TWO_HOURS_AGO + 1)
+    client = connect(f"chdb://{root / 'db'}")
+    init_schema(client)
+    book.ingest(client)
+    client.close()
+    return {"url": f"chdb://{root / 'db'}", "spool": str(root / "spool")}
+
+
+def active_alerts(alertmanager, rule=RULE) -> list[dict]:
+    query = urllib.parse.urlencode({"filter": f'alertname="{rule["name"]}"'})
     return get_json(f"{alertmanager['url']}/api/v2/alerts?{query}")
 
 
@@ -143,10 +170,28 @@ def notification(oncall, status: str) -> dict:
     return body
 
 
-def test_a_real_alertmanager_shows_the_alert_firing_then_resolved(recorded, alertmanager, oncall, tmp_path,
-                                                                   capsys):
+def test_the_shadow_metric_compares_live_hits_with_their_twins_and_counts_their_episodes(shadowed):
+    from kvtrace.alerts.evaluation import evaluate
+    from kvtrace.alerts.rules import parse_config
+    from kvtrace.db import connect
+
+    client = connect(shadowed["url"])
+    try:
+        canary, live = evaluate(client, parse_config({"rules": [RULE, SHADOW_RULE]}), TWO_HOURS_AGO + 60).outcomes
+    finally:
+        client.close()
+    assert canary.firing == [] and canary.rows == 1  # against the canary's recompute: no shift
+    (alert,) = live.firing
+    assert alert.value == pytest.approx(0.25) and alert.samples == 3  # 3 episodes, each one pair
+    assert "over 3 shadow_episodes" in alert.annotations["description"]
+
+
+@pytest.mark.parametrize("data, rule", [("recorded", RULE), ("shadowed", SHADOW_RULE)], ids=["canary", "shadow"])
+def test_a_real_alertmanager_shows_the_alert_firing_then_resolved(data, rule, alertmanager, oncall, tmp_path, capsys,
+                                                                   request):
+    recorded = request.getfixturevalue(data)
     rules = tmp_path / "rules.yaml"
-    rules.write_text(yaml.safe_dump({"rules": [RULE], "delivery": {"alertmanager": {"url": alertmanager["url"]}}}))
+    rules.write_text(yaml.safe_dump({"rules": [rule], "delivery": {"alertmanager": {"url": alertmanager["url"]}}}))
 
     def kvtrace_alert(*args: str) -> int:
         return main(["--db", recorded["url"], "--spool-dir", recorded["spool"], "-q", "alert", "--rules", str(rules),
@@ -154,8 +199,8 @@ def test_a_real_alertmanager_shows_the_alert_firing_then_resolved(recorded, aler
 
     # The window ending just after the shifted hits: firing.
     assert kvtrace_alert("--at", str(TWO_HOURS_AGO + 60)) == 1
-    assert "FIRING   margin-shift-p95" in capsys.readouterr().out
-    (alert,) = active_alerts(alertmanager)
+    assert f"FIRING   {rule['name']}" in capsys.readouterr().out
+    (alert,) = active_alerts(alertmanager, rule)
     assert alert["status"]["state"] == "active"
     assert alert["labels"]["source"] == "kvtrace" and alert["labels"]["weight_format"] == "Q4_K_M"
     assert [r["name"] for r in alert["receivers"]] == [alertmanager["receiver"]]  # the example's route
@@ -164,13 +209,13 @@ def test_a_real_alertmanager_shows_the_alert_firing_then_resolved(recorded, aler
 
     # Still firing a minute later: the Alertmanager keeps the one alert alive.
     assert kvtrace_alert("--at", str(TWO_HOURS_AGO + 120)) == 1
-    (again,) = active_alerts(alertmanager)
+    (again,) = active_alerts(alertmanager, rule)
     assert again["fingerprint"] == alert["fingerprint"] and again["startsAt"] == alert["startsAt"]
 
     # Now: no shifted hits in the last 30 minutes. Resolved, in the Alertmanager's own words.
     assert kvtrace_alert() == 0
-    assert "RESOLVED margin-shift-p95" in capsys.readouterr().out
-    assert active_alerts(alertmanager) == []
+    assert f"RESOLVED {rule['name']}" in capsys.readouterr().out
+    assert active_alerts(alertmanager, rule) == []
     resolved = notification(oncall, "resolved")
     assert [(a["labels"], a["status"]) for a in resolved["alerts"]] == [(alert["labels"], "resolved")]
     assert oncall.posts == []

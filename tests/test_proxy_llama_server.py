@@ -23,7 +23,7 @@ from integrity_readback import assert_counted_and_alerted, store
 from kvtrace import queries, semconv as sc
 from kvtrace.recording.counters import SpanCounters
 from llama_server_process import (SIZING, free_port, llama_server_binary, running_llama_server, running_proxy,
-                                  sse_payloads, started_llama_server)
+                                  same_bytes, sse_payloads, started_llama_server)
 from readme_commands import readme_command
 
 pytest.importorskip("h11")
@@ -38,14 +38,6 @@ SERVE = "llama-server -m MODEL.gguf --port 8080 --no-repack -lv 4 --log-file ser
 PROXY = "kvtrace proxy --upstream http://127.0.0.1:8080 --llama-server-log server.log"
 PER_CALL = ("id", "created", "timings")
 """Fields that differ between any two calls of the same request (ids, clocks)."""
-PER_CALL_BYTES = re.compile(rb'"(id|created)":("[^"]*"|\d+)|"timings":\{[^{}]*\}')
-
-
-def same_bytes(raw: bytes) -> bytes:
-    """The server's own bytes with the per-call values blanked (not re-encoded: every other byte counts)."""
-    return PER_CALL_BYTES.sub(rb'"\1":_', raw)
-
-
 def same_call(document):
     """A document without its per-call fields, as an order-sensitive string (the server's key order counts)."""
     if isinstance(document, dict):

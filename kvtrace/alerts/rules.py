@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 import yaml
 
+from kvtrace import semconv as sc
 from kvtrace.credentials import read_secret_env, read_secret_file
 from kvtrace.errors import ConfigError
 
@@ -55,6 +56,8 @@ class Metric:
     row_filters: tuple[str, ...] = ()
     """Filters the query answers row by row (grouping columns that each request falls in by itself): a
     rule's filter on one of them picks rows of the shared answer rather than changing the query."""
+    params: tuple[tuple[str, str], ...] = ()
+    """Query parameters the metric fixes (the shadow metrics: references of arm ``shadow`` only)."""
 
 
 METRICS: dict[str, Metric] = {
@@ -66,6 +69,16 @@ METRICS: dict[str, Metric] = {
         "margin_shift", "p95_abs_shift", "positions", ("weight_format",),
         "p95 |Δ margin| between cache-hit and recompute paths at matched positions", rollup_label="weight_format",
         row_filters=("weight_format",)),
+    # Live traffic: cache hits against the cold twins `kvtrace proxy --shadow` sent of them; the samples
+    # are the episodes the pairs come from (the independent ones), not their positions.
+    "shadow_margin_shift_mean_abs": Metric(
+        "margin_shift", "mean_abs_shift", "shadow_episodes", ("weight_format",),
+        "mean |Δ margin| between live cache hits and their shadow twins at matched positions",
+        rollup_label="weight_format", row_filters=("weight_format",), params=(("reference_arm", sc.ARM_SHADOW),)),
+    "shadow_margin_shift_p95_abs": Metric(
+        "margin_shift", "p95_abs_shift", "shadow_episodes", ("weight_format",),
+        "p95 |Δ margin| between live cache hits and their shadow twins at matched positions",
+        rollup_label="weight_format", row_filters=("weight_format",), params=(("reference_arm", sc.ARM_SHADOW),)),
     # No row filters: a configuration is a whole run's, so a filter changes which requests make up a run.
     "divergence_rate": Metric(
         "divergence_rates", "fork_rate", "episodes_compared", ("engine", "weight_format", "arm", "compared_with"),
@@ -122,6 +135,7 @@ class Rule:
         """The saved query's parameters for the window [since, until) (epoch seconds), every filter in them."""
         params: dict[str, Any] = {"run_prefix": self.run_prefix, "since": f"{since:.3f}", "until": f"{until:.3f}"}
         params.update({key: self.filters.get(key, "") for key in FILTER_KEYS})
+        params.update(self.measure.params)
         if self.metric == "divergence_rate":
             params["baseline_arm"] = self.baseline_arm
         if self.metric == "near_tie_share":

@@ -40,6 +40,14 @@ def positive_number(text: str) -> float:
     return value
 
 
+def share(text: str) -> float:
+    """A number in (0, 1] (a sampling rate)."""
+    value = _finite(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share: write a number above 0 and at most 1, e.g. 0.01")
+    return value
+
+
 def non_negative_number(text: str) -> float:
     """A finite number >= 0 (a margin in logits)."""
     value = _finite(text)

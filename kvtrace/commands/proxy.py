@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from kvtrace.commands.arguments import count, input_file, listen_address, positive_number, upstream_url
+from kvtrace.commands.arguments import count, input_file, listen_address, positive_number, share, upstream_url
 from kvtrace.errors import ConfigError
-from kvtrace.outside.limits import Limits
+from kvtrace.outside.limits import Limits, ShadowBudget
 from kvtrace.preflight import check_settings
 
 DEFAULTS = Limits()
@@ -27,6 +27,17 @@ def add_arguments(p) -> None:
                    help="llama-server's log (its --log-file, or standard error in a file; start it with -lv 4): "
                         "its prompt-cache decisions become cache events naming the request whose state was restored")
     p.add_argument("--run-id", default=None, help="run id for requests without baggage (env KVTRACE_RUN_ID)")
+    shadow = p.add_argument_group("shadow twins (docs/proxy.md#shadow-twins): margin shift measured on live traffic")
+    shadow.add_argument("--shadow", type=share, default=None, metavar="RATE",
+                        help="after a cache-hit request is answered, send this share of them again with the "
+                             "server's cache bypass (llama-server, vLLM) and record the answer as its cold twin, "
+                             "arm 'shadow' (e.g. 0.01; default: none)")
+    shadow.add_argument("--shadow-in-flight", type=count, default=ShadowBudget.in_flight, metavar="N",
+                        help=f"twins upstream at once (default {ShadowBudget.in_flight}); with llama-server only "
+                             "while one of its slots is idle. A twin beyond the budget is dropped and counted")
+    shadow.add_argument("--shadow-tokens-per-minute", type=count, default=ShadowBudget.tokens_per_minute,
+                        metavar="N", help=f"prompt plus generated tokens of twins per minute "
+                                          f"(default {ShadowBudget.tokens_per_minute})")
     limits = p.add_argument_group("limits per client (docs/proxy-limits.md; each refusal is counted)")
     limits.add_argument("--max-header-bytes", type=count, default=DEFAULTS.max_header_bytes, metavar="N",
                         help=f"a request's line and headers (default {DEFAULTS.max_header_bytes}; over it: 431)")
@@ -64,8 +75,10 @@ def run(args) -> int:
         limits = Limits(max_header_bytes=args.max_header_bytes, max_body_bytes=args.max_body_bytes,
                         max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
                         request_timeout_s=args.request_timeout)
+        shadow = ShadowBudget(args.shadow, args.shadow_in_flight, args.shadow_tokens_per_minute) \
+            if args.shadow else None
         serve(args.upstream, host, port, llama_server_log=args.llama_server_log, on_listening=listening,
-              limits=limits)
+              limits=limits, shadow=shadow)
     except OSError as exc:  # the address is taken or not this machine's
         raise ConfigError(f"--listen {host}:{port}: {exc.strerror or exc}") from None
     return 0

@@ -9,8 +9,8 @@ from kvtrace.commands.common import open_database
 
 def add_arguments(p) -> None:
     p.description = ("One line per run: engine, model, weight formats, arms, episodes, "
-                     "requests, generated and cache-served tokens, first and last request, cache integrity "
-                     "violations.")
+                     "requests, generated and cache-served tokens, first and last request, shadow twins "
+                     "(kvtrace proxy --shadow), cache integrity violations.")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
     p.set_defaults(func=run)
 

@@ -1,4 +1,5 @@
-"""What one client may take of ``kvtrace proxy``, and the defaults (docs/proxy-limits.md).
+"""What one client may take of ``kvtrace proxy``, and the defaults (docs/proxy-limits.md); what
+shadow twins may take of the upstream (docs/proxy.md#shadow-twins).
 
 Kept apart from :mod:`http1` so that the command's options read the defaults without h11 (the
 optional ``proxy`` extra).
@@ -24,3 +25,15 @@ class Limits:
     to the client (a streamed chunk, a whole answer) may take this long (then the client is cut off)."""
     request_timeout_s: float = 60.0
     """A request's head and body must arrive within this time of its first byte (408)."""
+
+
+@dataclass(frozen=True)
+class ShadowBudget:
+    """``kvtrace proxy --shadow``: how many twins, and how much of the upstream they may take."""
+
+    rate: float
+    """The share of cache-hit requests that get a twin (0 < rate <= 1)."""
+    in_flight: int = 1
+    """Twins upstream at once (with llama-server, also only while one of its slots is idle)."""
+    tokens_per_minute: int = 20_000
+    """Prompt plus generated tokens of the twins sent in a minute."""

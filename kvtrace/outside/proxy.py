@@ -46,10 +46,11 @@ from opentelemetry import propagate
 
 from kvtrace import semconv as sc
 from kvtrace.credentials import without_password
+from kvtrace.errors import ConfigError
 from kvtrace.outside import answers
 from kvtrace.outside.background import Background
 from kvtrace.outside.http1 import ClientGone, Headers, Request, Responder, Server
-from kvtrace.outside.limits import Limits
+from kvtrace.outside.limits import Limits, ShadowBudget
 from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
 from kvtrace.outside.llama_server_tasks import (MARKER_FIELD, TaskProvenance, fingerprint, json_post,
                                                 server_tokenizer)
@@ -57,6 +58,7 @@ from kvtrace.outside.margin_request import (ENDPOINTS, NATIVE, MarginPlan, Upstr
                                             plan_request, with_marker)
 from kvtrace.outside.openai_exchange import TextHasher, fill_record, parse_exchange
 from kvtrace.outside.recorder import trace_headers
+from kvtrace.outside.shadow import Shadows, refuse_without_bypass
 from kvtrace.outside.upstream import Upstream, UpstreamBrokeOff, UpstreamResponse, UpstreamUnreachable
 from kvtrace.outside.upstream_profile import UpstreamProfiles
 from kvtrace.recording.recorder import Recorder, get_recorder
@@ -87,6 +89,8 @@ class Traced:
     request: dict[str, Any]
     plan: MarginPlan
     profile: UpstreamProfile
+    path: str = ""
+    """The path the client posted to (a shadow twin goes to the same one)."""
     task: Optional[TaskDecision] = None
     """llama-server's task for this request, from its log (``--llama-server-log``)."""
     match: Optional[str] = None
@@ -105,7 +109,7 @@ class ProxyApp:
     """The proxy: :meth:`handle` answers one client request (served by :class:`http1.Server`)."""
 
     def __init__(self, upstream: str, recorder: Callable[[], Optional[Recorder]] = get_recorder,
-                 llama_server_log: Optional[Path] = None):
+                 llama_server_log: Optional[Path] = None, shadow: Optional[ShadowBudget] = None):
         self.upstream_url = upstream.rstrip("/")
         self.upstream = Upstream(self.upstream_url)
         self.provenance = TaskProvenance(LogFollower(llama_server_log), server_tokenizer(json_post(self.upstream))) \
@@ -114,6 +118,7 @@ class ProxyApp:
         self.profiles = UpstreamProfiles(self.upstream)
         self._hasher: Optional[TextHasher] = None
         self.background = Background()
+        self.shadows = Shadows(shadow, self.upstream, self.handle, self.count) if shadow else None
 
     def handle(self, request: Request, responder: Responder) -> None:
         endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
@@ -292,7 +297,7 @@ class ProxyApp:
                 record = recorder.start_request(profile.engine, model=str(body.get("model") or ""))
             finally:
                 otel_context.detach(token)
-            return Traced(record, body, plan, profile, marker=marker)
+            return Traced(record, body, plan, profile, path=request.target, marker=marker)
         except ValueError:
             return None  # not JSON: forwarded as it is, the upstream answers it
         except Exception:
@@ -329,6 +334,12 @@ class ProxyApp:
                                str(exc)[:200])
             return
         recorder.finish(record)  # never raises
+        if self.shadows is not None:
+            try:
+                self.shadows.offer(traced.request, traced.path, traced.profile, record)
+            except Exception:
+                self.count("instrumentation_errors")
+                log.warning("kvtrace proxy: a shadow twin could not be sent", exc_info=True)
 
     def _filled(self, traced: Traced, recorder: Recorder, status: int, answer: answers.UpstreamAnswer,
                 cancelled: bool, broken: Optional[str]) -> RequestRecord:
@@ -418,6 +429,8 @@ class ProxyApp:
             pass
 
     def close(self) -> None:
+        if self.shadows is not None:
+            self.shadows.close()
         self.background.close()
         self.upstream.close()
         try:
@@ -492,15 +505,15 @@ def _error_message(body: bytes) -> str:
 
 
 @contextlib.contextmanager
-def proxy_in_thread(upstream: str, recorder: Optional[Recorder] = None,
-                    llama_server_log: Optional[Path] = None, limits: Limits = Limits()) -> Iterator[str]:
+def proxy_in_thread(upstream: str, recorder: Optional[Recorder] = None, llama_server_log: Optional[Path] = None,
+                    limits: Limits = Limits(), shadow: Optional[ShadowBudget] = None) -> Iterator[str]:
     """The proxy on a free local port, served by threads of this process; yields its base URL.
 
     ``recorder``: the recorder to use (default: the process recorder, as ``kvtrace proxy`` does).
     Used by ``kvtrace experiment --server``, the tests and the benchmark.
     """
     app = ProxyApp(upstream, recorder=(lambda: recorder) if recorder is not None else get_recorder,
-                   llama_server_log=llama_server_log)
+                   llama_server_log=llama_server_log, shadow=shadow)
     server = Server(app.handle, "127.0.0.1", 0, limits, app.count).start()
     try:
         yield f"http://127.0.0.1:{server.port}"
@@ -510,9 +523,18 @@ def proxy_in_thread(upstream: str, recorder: Optional[Recorder] = None,
 
 
 def serve(upstream: str, host: str, port: int, llama_server_log: Optional[Path] = None,
-          on_listening: Optional[Callable[[int], None]] = None, limits: Limits = Limits()) -> None:
-    """Run the proxy until SIGINT or SIGTERM (both a normal stop: the spans are flushed, exit 0)."""
-    app = ProxyApp(upstream, llama_server_log=llama_server_log)
+          on_listening: Optional[Callable[[int], None]] = None, limits: Limits = Limits(),
+          shadow: Optional[ShadowBudget] = None) -> None:
+    """Run the proxy until SIGINT or SIGTERM (both a normal stop: the spans are flushed, exit 0).
+
+    With ``shadow``, an upstream known to have no cache bypass is refused (``ConfigError``)."""
+    app = ProxyApp(upstream, llama_server_log=llama_server_log, shadow=shadow)
+    if shadow is not None:
+        try:
+            refuse_without_bypass(app.profiles.detected())
+        except ConfigError:
+            app.close()
+            raise
     server = Server(app.handle, host, port, limits, app.count)
     stop = threading.Event()
     for number in (signal.SIGINT, signal.SIGTERM):

@@ -14,6 +14,10 @@ from kvtrace.outside.upstream import Upstream, UpstreamBrokeOff, UpstreamUnreach
 log = logging.getLogger("kvtrace.proxy")
 
 
+class _NotYet(Exception):
+    """The upstream answered, but not yet as itself (a server error while it starts)."""
+
+
 class UpstreamProfiles:
     """What kind of server the upstream is (asked once: ``/props`` answers only on llama-server)."""
 
@@ -23,16 +27,22 @@ class UpstreamProfiles:
         self._lock = threading.Lock()
 
     def get(self) -> UpstreamProfile:
+        return self.detected() or OPENAI_COMPATIBLE
+
+    def detected(self) -> Optional[UpstreamProfile]:
+        """The upstream's kind; ``None`` while it cannot be told (unreachable: asked again next time)."""
         if self._known is not None:
             return self._known
         with self._lock:
             if self._known is None:
                 self._known = self._detect()
-        return self._known or OPENAI_COMPATIBLE
+        return self._known
 
     def _get_json(self, path: str) -> Any:
         answer = self._upstream.request("GET", path, [], b"", timeout=10.0)
         body = answer.read()
+        if answer.status >= 500:  # llama-server loading its model answers 503 on every path
+            raise _NotYet(f"{path} answered {answer.status}")
         return json.loads(body) if answer.status == 200 else None
 
     def _detect(self) -> Optional[UpstreamProfile]:
@@ -45,7 +55,7 @@ class UpstreamProfiles:
                 data = (models.get("data") or [{}])[0]
                 owner = str(data.get("owned_by", "")).lower()
                 return UpstreamProfile(engine="vllm" if owner == "vllm" else OPENAI_COMPATIBLE.engine)
-        except (UpstreamUnreachable, UpstreamBrokeOff, ValueError, AttributeError,
+        except (UpstreamUnreachable, UpstreamBrokeOff, _NotYet, ValueError, AttributeError,
                 IndexError, TypeError):
             log.debug("kvtrace proxy: the upstream's kind could not be told yet", exc_info=True)
             return None  # asked again with the next request

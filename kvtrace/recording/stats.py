@@ -65,9 +65,14 @@ COUNTERS = (
     "proxy_refused_headers",      # 431: a head over the proxy's limit
     "proxy_refused_busy",         # 503: as many client connections open as the proxy takes
     "proxy_accept_errors",        # accept() or a connection's thread failed (EMFILE ...): retried
+    # `kvtrace proxy --shadow`: cold twins of sampled cache-hit requests (each sent one is a span)
+    "shadow_twins_sent",          # sent upstream
+    "shadow_twins_dropped",       # sampled, but the budget had no room (in flight, tokens per minute, no idle slot)
+    "shadow_twins_unsupported",   # sampled, but the upstream has no cache bypass
 )
 (PROXY_BAD_REQUESTS, PROXY_CLIENT_TIMEOUTS, PROXY_REFUSED_BODY, PROXY_REFUSED_HEADERS, PROXY_REFUSED_BUSY,
- PROXY_ACCEPT_ERRORS) = COUNTERS[-6:]
+ PROXY_ACCEPT_ERRORS) = COUNTERS[-9:-3]
+SHADOW_TWINS_SENT, SHADOW_TWINS_DROPPED, SHADOW_TWINS_UNSUPPORTED = COUNTERS[-3:]
 LOST_COUNTERS = ("spans_dropped_queue_full", "spans_failed_export", "spans_dropped_at_shutdown")
 
 SLOT_BYTES = 2048

@@ -3,10 +3,12 @@
 -- where the two are compared. A position is matched while the chosen tokens agree (same chosen
 -- prefix), up to and including the first differing position, and only where both requests have a
 -- margin. Shared by margin_shift and flip_rate_by_margin, which must compare the same positions.
--- Needs shared_requests_once, shared_output_divergence and shared_recompute_reference before it, and param run_prefix.
+-- Needs shared_requests_once, shared_output_divergence and shared_recompute_reference before it, and params
+-- run_prefix and reference_arm.
 --   format, hit_time, engine, model: the cache-hit request's (for grouping and scope filters)
 --   kv_cache_type, numerics_settings, episode_id, turn, prompt_hash: the cache-hit request's (to count
 --     each distinct position once, and to cluster positions by episode)
+--   reference_arm: the recompute reference's arm ('shadow': a proxy's cold twin of a live request)
 --   matched_positions: how many positions are matched (from the first)
 --   hit_margins, recompute_margins: both margins per matched position (raw logits)
 --   hit_top_ids, recompute_top_ids: raw-logit arg-max per matched position (chosen ids when absent)
@@ -21,6 +23,7 @@ matched AS (
         h.episode_id AS episode_id,
         h.turn AS turn,
         h.prompt_hash AS prompt_hash,
+        r.arm AS reference_arm,
         first_mismatch_index(h.token_ids, r.token_ids) AS first_mismatch,
         least(if(first_mismatch > 0, first_mismatch, least(length(h.token_ids), length(r.token_ids))),
               length(h.margins), length(r.margins)) AS matched_positions,

@@ -1,0 +1,175 @@
+"""Shadow twins (``kvtrace proxy --shadow RATE``): the cold recompute of a sampled share of live requests.
+
+``margin_shift`` and its alerts compare a request served from cache with a recompute of the same
+prompt, and live traffic rarely sends one prompt both ways. So once a request that reused cached
+state has been answered, the proxy may send its twin: the same request with the server's own cache
+bypass, recorded as a request of arm ``shadow``, a child of the original's span, with the same
+prompt hash. The twin and its answer never reach a client. docs/proxy.md#shadow-twins says what
+twins cost and how to size the rate.
+
+The budget keeps twins off the critical path: at most ``in_flight`` at once, only while llama-server
+has an idle slot (its ``/slots``; other servers: the in-flight bound alone), and at most
+``tokens_per_minute`` prompt plus generated tokens. A twin the budget has no room for is dropped
+and counted, never queued.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import secrets
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from kvtrace import semconv as sc
+from kvtrace.errors import ConfigError
+from kvtrace.outside.http1 import Request
+from kvtrace.outside.limits import ShadowBudget
+from kvtrace.outside.margin_request import UpstreamProfile
+from kvtrace.outside.recorder import correlation_headers, trace_headers
+from kvtrace.outside.upstream import Upstream, UpstreamBrokeOff, UpstreamUnreachable
+from kvtrace.recording.records import RequestRecord
+from kvtrace.recording.stats import SHADOW_TWINS_DROPPED, SHADOW_TWINS_SENT, SHADOW_TWINS_UNSUPPORTED
+
+log = logging.getLogger("kvtrace.proxy")
+
+
+def cache_bypass(profile: UpstreamProfile) -> Optional[dict[str, Any]]:
+    """The request members that make this server recompute the prompt; ``None``: it has no bypass."""
+    if profile.llama_server:
+        return {"cache_prompt": False}
+    if profile.engine == "vllm":
+        return {"cache_salt": secrets.token_hex(16)}  # a salt no cached block was stored under
+    return None  # llama-cpp-python's server and other OpenAI-compatible servers
+
+
+def refuse_without_bypass(profile: Optional[UpstreamProfile]) -> None:
+    """``kvtrace proxy --shadow`` at start: an upstream known to have no bypass is a ``ConfigError``
+    (one that cannot be reached yet is asked with the first request; its twins then count as unsupported)."""
+    if profile is None:
+        log.warning("kvtrace proxy: the upstream cannot be reached yet; whether it can serve shadow twins "
+                    "is asked with the first request")
+    elif cache_bypass(profile) is None:
+        raise ConfigError(f"--shadow: the upstream ({profile.engine}) has no cache bypass, so a twin could not "
+                          "recompute its prompt; shadow twins need llama-server or vLLM. Run without --shadow")
+
+
+class _Discarded:
+    """Where a twin's answer goes: nowhere (the interface of ``http1.Responder``)."""
+
+    started = committed = finished = client_gone = False
+
+    def start(self, status: int, headers: Any) -> None:
+        self.started = True
+
+    def send(self, data: bytes) -> None:
+        pass
+
+    def end(self, data: bytes = b"") -> None:
+        self.finished = True
+
+
+class _TokenBucket:
+    def __init__(self, per_minute: int):
+        self._capacity = float(per_minute)
+        self._level = float(per_minute)
+        self._at = time.monotonic()
+
+    def take(self, n: int) -> bool:
+        now = time.monotonic()
+        self._level = min(self._capacity, self._level + (now - self._at) * self._capacity / 60.0)
+        self._at = now
+        if n > self._level:
+            return False
+        self._level -= n
+        return True
+
+
+class Shadows:
+    """Decides, sends and counts twins; ``send(request, responder)`` is the proxy's own request handler."""
+
+    def __init__(self, budget: ShadowBudget, upstream: Upstream, send: Callable[[Request, Any], None],
+                 count: Callable[[str], None], rng: Optional[random.Random] = None):
+        self.budget = budget
+        self._upstream = upstream
+        self._send = send
+        self._count = count
+        self._rng = rng or random.Random()
+        self._room = threading.BoundedSemaphore(budget.in_flight)
+        self._lock = threading.Lock()
+        self._tokens = _TokenBucket(budget.tokens_per_minute)
+        self._running: set[threading.Thread] = set()
+        self._warned_unsupported = False
+
+    def offer(self, request: dict[str, Any], path: str, profile: UpstreamProfile, record: RequestRecord) -> None:
+        """After the original's record is made: send its twin if it is sampled and the budget has room."""
+        if record.config.get(sc.ARM) == sc.ARM_SHADOW or record.reused_tokens <= 0 or record.error:
+            return  # a twin, or a request with no cache path to compare
+        if self._rng.random() >= self.budget.rate:
+            return
+        bypass = cache_bypass(profile)
+        if bypass is None:
+            self._unsupported(profile)
+            return
+        if not self._room.acquire(blocking=False):
+            self._count(SHADOW_TWINS_DROPPED)
+            return
+        with self._lock:
+            affordable = self._tokens.take(record.prompt_tokens + len(record.output_token_ids))
+        if not affordable:
+            self._room.release()
+            self._count(SHADOW_TWINS_DROPPED)
+            return
+        twin = {**request, **bypass, "stream": False}
+        twin.pop("stream_options", None)
+        headers = {**trace_headers(record), **correlation_headers(
+            record.correlation.run_id, record.correlation.episode_id, record.correlation.turn, sc.ARM_SHADOW)}
+        shadow = Request("POST", path, path, [(b"content-type", b"application/json")] + [
+            (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()],
+            json.dumps(twin, ensure_ascii=False).encode("utf-8"))
+        thread = threading.Thread(target=self._run, args=(shadow, profile), name="kvtrace-shadow", daemon=True)
+        with self._lock:
+            self._running.add(thread)
+        thread.start()
+
+    def _run(self, shadow: Request, profile: UpstreamProfile) -> None:
+        try:
+            if profile.llama_server and not self._idle_slot():
+                self._count(SHADOW_TWINS_DROPPED)
+                return
+            self._count(SHADOW_TWINS_SENT)
+            self._send(shadow, _Discarded())
+        except Exception:
+            log.warning("kvtrace proxy: a shadow twin failed", exc_info=True)
+        finally:
+            with self._lock:
+                self._running.discard(threading.current_thread())
+            self._room.release()
+
+    def _idle_slot(self) -> bool:
+        """Whether llama-server has a slot processing nothing (its ``/slots``; unanswered: assumed so)."""
+        try:
+            answer = self._upstream.request("GET", "/slots", [], b"", timeout=5.0)
+            body = answer.read()
+            if answer.status != 200:
+                return True  # started with --no-slots: the in-flight bound alone holds twins back
+            slots = json.loads(body)
+            return any(isinstance(s, dict) and not s.get("is_processing") for s in slots)
+        except (UpstreamUnreachable, UpstreamBrokeOff, ValueError, TypeError):
+            return False
+
+    def _unsupported(self, profile: UpstreamProfile) -> None:
+        self._count(SHADOW_TWINS_UNSUPPORTED)
+        if not self._warned_unsupported:
+            self._warned_unsupported = True
+            log.warning("kvtrace proxy: the upstream (%s) has no cache bypass: no shadow twins are sent",
+                        profile.engine)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Wait for the twins in flight (their records go out before the proxy's recorder flushes)."""
+        with self._lock:
+            running = list(self._running)
+        for thread in running:
+            thread.join(timeout_s)

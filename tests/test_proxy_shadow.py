@@ -1,0 +1,156 @@
+"""``kvtrace proxy --shadow`` in front of a real llama-server.
+
+The story: an operator wants the margin-shift alert to watch live traffic, not a canary. The proxy
+sends a cold twin of each sampled cache-hit request after its client has the answer; the twin is
+recorded as a recompute of the same prompt (arm ``shadow``), so ``margin_shift`` pairs the two.
+Clients see exactly what they would see without shadowing, and a full budget drops twins (counted)
+rather than queueing them.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from integrity_readback import store
+from kvtrace import queries, semconv as sc
+from kvtrace.outside.limits import ShadowBudget
+from kvtrace.recording.stats import SHADOW_TWINS_DROPPED, SHADOW_TWINS_SENT
+from llama_server_process import running_llama_server, same_bytes
+from kvtrace.outside.proxy import proxy_in_thread
+
+pytest.importorskip("h11")
+
+OPENING = "The lighthouse keeper climbed the stairs and"
+FOLLOW_UPS = (" Then the storm", " At dawn the boats")
+SPANS_WAIT_S = 120
+
+
+def spans_finished(recorder, expected: int) -> None:
+    """Wait until the recorder has finished ``expected`` spans (a twin's comes after its client's answer)."""
+    deadline = time.monotonic() + SPANS_WAIT_S
+    while recorder.pipeline.counters["spans_finished"] < expected:
+        assert time.monotonic() < deadline, f"{recorder.pipeline.counters['spans_finished']} of {expected} spans"
+        time.sleep(0.05)
+
+
+def conversation(proxy: str, recorder, run: str, logprobs: bool, twins: bool) -> list[bytes]:
+    """Three turns, each prompt the last one plus its answer and more text; the raw answers.
+
+    Each turn waits for the spans before it (with ``twins``, the twin of every turn that reused
+    state), so a twin never shares an engine step with the next turn."""
+    prompt, answers, done = OPENING, [], recorder.pipeline.counters["spans_finished"]
+    for number, more in enumerate(("",) + FOLLOW_UPS):
+        prompt += more
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, **({"n_probs": 2} if logprobs else {})}
+        raw = httpx.post(proxy + "/v1/completions", json=body, timeout=120,
+                         headers={"baggage": f"kvtrace.run_id={run},kvtrace.episode_id=e,kvtrace.turn={number}"}).content
+        answers.append(raw)
+        done += 1 + (twins and reused(raw) > 0)
+        spans_finished(recorder, done)
+        prompt += httpx.Response(200, content=raw).json()["choices"][0]["text"]
+    return answers
+
+
+def reused(raw: bytes) -> int:
+    """The prompt tokens the server says it served from cache."""
+    return httpx.Response(200, content=raw).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def matched_shift(hit: list[dict], cold: list[dict]) -> list[float]:
+    """hit − cold margin per position while the chosen tokens agree, and at the first that differs."""
+    shifts = []
+    for a, b in zip(hit, cold):
+        margin = lambda p: p["top_logprobs"][0]["logprob"] - p["top_logprobs"][1]["logprob"]  # noqa: E731
+        shifts.append(margin(a) - margin(b))
+        if a["id"] != b["id"]:
+            break
+    return shifts
+
+
+def test_a_shadowed_clients_answers_are_unchanged_and_each_hit_is_paired_with_its_cold_twin(
+        tiny_gguf, tmp_path, spool_recorder, spool_dir, db):
+    with running_llama_server(tiny_gguf, log_path=tmp_path / "a.log", slots=2) as shadowed_server, \
+            running_llama_server(tiny_gguf, log_path=tmp_path / "b.log", slots=2) as plain_server:
+        with proxy_in_thread(shadowed_server, spool_recorder, shadow=ShadowBudget(1.0)) as proxy:
+            shadowed = {logprobs: conversation(proxy, spool_recorder, f"shadowed-{logprobs}", logprobs, twins=True)
+                        for logprobs in (False, True)}
+        with proxy_in_thread(plain_server, spool_recorder) as proxy:
+            plain = {logprobs: conversation(proxy, spool_recorder, f"plain-{logprobs}", logprobs, twins=False)
+                     for logprobs in (False, True)}
+        # The hits' cold answers, asked of the server that sent no twins, independently of kvtrace.
+        hit_turns = [n for n, raw in enumerate(shadowed[True]) if reused(raw) > 0]
+        hits = [httpx.Response(200, content=shadowed[True][n]).json()["choices"][0] for n in hit_turns]
+        cold = [httpx.post(plain_server + "/v1/completions", timeout=120, json={
+            "prompt": prompts_of(shadowed[True])[n], "max_tokens": 8, "temperature": 0, "n_probs": 2,
+            "cache_prompt": False}).json()["choices"][0] for n in hit_turns]
+    all_hits = {(f"shadowed-{p}", n) for p in (False, True) for n, raw in enumerate(shadowed[p]) if reused(raw) > 0}
+    assert {("shadowed-False", 1), ("shadowed-False", 2)} <= all_hits  # each follow-up reuses the turn before
+    counters = spool_recorder.pipeline.counters.snapshot()
+    assert (counters[SHADOW_TWINS_SENT], counters[SHADOW_TWINS_DROPPED]) == (len(all_hits), 0)
+
+    # Clients: the same bytes with and without twins (ids and clocks aside), with and without logprobs.
+    for logprobs in (False, True):
+        assert [same_bytes(raw) for raw in shadowed[logprobs]] == [same_bytes(raw) for raw in plain[logprobs]]
+
+    store(spool_recorder, spool_dir, db)
+    rows = db.query(
+        f"SELECT SpanAttributes['{sc.RUN_ID}'], toInt32(SpanAttributes['{sc.TURN}']), SpanAttributes['{sc.ARM}'], "
+        f"toInt64(SpanAttributes['{sc.CACHE_REUSED_TOKENS}']), SpanAttributes['{sc.PROMPT_HASH}'], SpanId, "
+        f"ParentSpanId FROM otel_traces WHERE startsWith(SpanAttributes['{sc.RUN_ID}'], 'shadowed') "
+        "ORDER BY Timestamp").result_rows
+    originals = {(run, number): row for run, number, arm, *row in rows if arm != sc.ARM_SHADOW}
+    twins = {(run, number): row for run, number, arm, *row in rows if arm == sc.ARM_SHADOW}
+    assert set(twins) == all_hits
+    for key, (twin_reused, prompt_hash, _, parent) in twins.items():
+        original_reused, original_hash, original_span, _ = originals[key]
+        assert original_reused > 0 and twin_reused == 0  # a hit, and its cold twin
+        assert prompt_hash == original_hash and parent == original_span
+
+    # margin_shift over the pairs is the shift computed from the two answers' own logprobs.
+    expected = [s for hit, recomputed in zip(hits, cold)
+                for s in matched_shift(hit["logprobs"]["content"], recomputed["logprobs"]["content"])]
+    columns, answer = queries.run(db, "margin_shift", {"run_prefix": "shadowed-True"})
+    overall = dict(zip(columns, answer[-1]))
+    assert overall["weight_format"] == "(all)" and overall["request_pairs"] == len(hit_turns) >= 2
+    assert overall["positions"] == len(expected)
+    assert overall["mean_shift"] == pytest.approx(sum(expected) / len(expected), rel=1e-9, abs=1e-12)
+    assert overall["max_abs_shift"] == pytest.approx(max(map(abs, expected)), rel=1e-9, abs=1e-12)
+    assert overall["shadow_pairs"] == len(hit_turns)
+
+
+def prompts_of(answers: list[bytes]) -> list[str]:
+    """The prompts of a conversation's turns, rebuilt from its answers as :func:`conversation` built them."""
+    prompt, prompts = OPENING, []
+    for raw, more in zip(answers, ("",) + FOLLOW_UPS):
+        prompt += more
+        prompts.append(prompt)
+        prompt += httpx.Response(200, content=raw).json()["choices"][0]["text"]
+    return prompts
+
+
+def test_a_full_budget_drops_twins_and_counts_them_while_every_client_is_served(tiny_gguf, tmp_path,
+                                                                              memory_recorder, finished_requests):
+    budget = ShadowBudget(1.0, in_flight=1, tokens_per_minute=60)  # room for about one twin a minute
+    with running_llama_server(tiny_gguf, log_path=tmp_path / "server.log", slots=2) as server:
+        with proxy_in_thread(server, memory_recorder, shadow=budget) as proxy:
+            def ask(n: int) -> int:
+                return httpx.post(proxy + "/v1/completions", timeout=120, json={
+                    "prompt": f"{OPENING} {'and then ' * (n % 3)}", "max_tokens": 4, "temperature": 0}).status_code
+
+            assert ask(0) == 200  # the state the others reuse
+            with ThreadPoolExecutor(4) as pool:
+                assert list(pool.map(ask, range(1, 13))) == [200] * 12
+    spans = finished_requests(memory_recorder)
+    clients = [a for a, _, _ in spans if a.get(sc.ARM) != sc.ARM_SHADOW]
+    twins = [a for a, _, _ in spans if a.get(sc.ARM) == sc.ARM_SHADOW]
+    hits = sum(a[sc.CACHE_REUSED_TOKENS] > 0 for a in clients)
+    counters = memory_recorder.pipeline.counters.snapshot()
+    assert len(clients) == 13 and hits > 1
+    # Every hit was sampled (rate 1): a twin sent, or dropped and counted; never queued.
+    assert counters[SHADOW_TWINS_SENT] + counters[SHADOW_TWINS_DROPPED] == hits
+    assert counters[SHADOW_TWINS_DROPPED] >= 1 and len(twins) == counters[SHADOW_TWINS_SENT] >= 1
+    assert all(t[sc.CACHE_REUSED_TOKENS] == 0 for t in twins)
