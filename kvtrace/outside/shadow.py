@@ -105,8 +105,10 @@ class Shadows:
 
     def offer(self, request: dict[str, Any], path: str, profile: UpstreamProfile, record: RequestRecord) -> None:
         """After the original's record is made: send its twin if it is sampled and the budget has room."""
-        if record.config.get(sc.ARM) == sc.ARM_SHADOW or record.reused_tokens <= 0 or record.error:
-            return  # a twin, or a request with no cache path to compare
+        if record.config.get(sc.ARM) == sc.ARM_SHADOW or record.error:
+            return
+        if record.reused_tokens <= 0 and record.config.get(sc.CACHE_REUSED_TOKENS_SOURCE) != sc.REUSED_SOURCE_UNKNOWN:
+            return  # no cache path to compare (a server that does not say what it reused may have hit)
         if self._rng.random() >= self.budget.rate:
             return
         bypass = cache_bypass(profile)
