@@ -31,6 +31,8 @@ class Answer:
     """Written one after another (each its own write)."""
     close: bool = False
     """Close the connection once it is written (whatever the head said)."""
+    close_after_s: float = 0.0
+    """With ``close``: wait this long first (a request sent meanwhile is never read)."""
     pause_s: float = 0.0
     """Between pieces."""
     closed: threading.Event = field(default_factory=threading.Event)
@@ -144,6 +146,7 @@ class ScriptedUpstream:
                 except OSError:
                     return
                 if answer.close:
+                    time.sleep(answer.close_after_s)
                     sock.close()
                     answer.closed.set()
                     return

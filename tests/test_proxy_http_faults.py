@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from kvtrace.outside.limits import Limits
-from scripted_upstream import Answer, ScriptedUpstream, head, json_answer, openai_profile
+from scripted_upstream import Answer, ScriptedUpstream, head, json_answer, openai_profile, sse_answer
 
 h11 = pytest.importorskip("h11")
 from kvtrace.outside.proxy import ProxyApp, proxy_in_thread  # noqa: E402  (needs h11)
@@ -114,6 +114,31 @@ def test_a_kept_alive_connection_the_upstream_closed_meanwhile_is_not_used(memor
             assert answers[0].closed.wait(10)
             assert client.get(proxy + "/v1/models").status_code == 200
         assert len(upstream.received) == 2
+
+
+def test_an_upstream_that_closes_after_each_stream_is_not_sent_requests_into_the_close(memory_recorder):
+    """llama-server closes the connection a moment after every streamed answer, its head saying
+    keep-alive. Once the proxy found such a connection closed, it keeps none after a chunked answer:
+    requests sent back to back, each inside the moment before the close, are all answered."""
+    streams: list[Answer] = []
+
+    def answer(received):
+        if (profile := openai_profile(received)) is not None:
+            return profile
+        stream = sse_answer([json.dumps({**ANSWER, "object": "text_completion"}).encode(), b"[DONE]"])
+        stream.close, stream.close_after_s = True, 0.5
+        streams.append(stream)
+        return stream
+
+    with ScriptedUpstream(answer) as upstream, proxy_in_thread(upstream.url, memory_recorder) as proxy:
+        with httpx.Client(timeout=30) as client:
+            def post() -> int:
+                return client.post(proxy + "/v1/completions", json={**COMPLETION, "stream": True}).status_code
+
+            assert post() == 200
+            assert streams[0].closed.wait(10)  # the next request finds that connection closed
+            assert [post() for _ in range(3)] == [200] * 3
+        assert len(upstream.requests_to("/v1/completions")) == 4  # each once
 
 
 def test_a_connection_idle_past_the_reuse_bound_is_not_reused(memory_recorder, monkeypatch):

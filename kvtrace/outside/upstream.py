@@ -6,6 +6,11 @@ shows the upstream has neither closed it nor sent anything since its last answer
 goes again, on another connection, only when not one of its bytes was taken by the first one:
 once any byte left, a failure is the client's 502, never a second delivery of its POST.
 
+Some servers end a chunked answer by closing the connection a moment later, without saying so in
+the head (llama-server does after every stream). A request sent in that moment crosses the close on
+the wire and cannot be answered, so once a connection is found closed after a chunked answer, the
+upstream's connections are no longer kept after chunked answers.
+
 The upstream's answer is read as it arrives: its head within ``MAX_HEAD_BYTES`` (also the bound on
 a chunk's size line and on trailers), its body in the pieces each read brings, never a whole chunk
 held back.
@@ -53,6 +58,8 @@ class _Connection:
         self.socket = sock
         self.protocol = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.idle_since = 0.0
+        self.after_chunked = False
+        """Its last answer was chunked."""
 
     def alive(self) -> bool:
         """Idle and still open: nothing to read (neither the upstream's close nor stray bytes)."""
@@ -96,6 +103,7 @@ class UpstreamResponse:
         self.status = response.status_code
         self.headers: Headers = list(response.headers)
         self._done = False
+        self._chunked = "chunked" in self.header(b"transfer-encoding").lower()
 
     def header(self, name: bytes) -> str:
         for key, value in self.headers:
@@ -134,7 +142,7 @@ class UpstreamResponse:
         if broken is not None:
             raise UpstreamBrokeOff(broken)
         self._done = True
-        self._upstream._release(self._connection)
+        self._upstream._release(self._connection, self._chunked)
 
     def read(self) -> bytes:
         return b"".join(self.chunks())
@@ -162,6 +170,8 @@ class Upstream:
         self.host_header = (self.host if default_port else f"{self.host}:{self.port}").encode("idna")
         self._idle: list[_Connection] = []
         self._lock = threading.Lock()
+        self.closes_after_chunked = False
+        """A connection was found closed after a chunked answer: such connections are not kept."""
 
     def request(self, method: str, target: str, headers: Headers, body: bytes,
                 timeout: Optional[float] = None) -> UpstreamResponse:
@@ -200,6 +210,8 @@ class Upstream:
                 return UpstreamResponse(self, connection, self._read_head(connection))
             except (OSError, h11.RemoteProtocolError) as exc:
                 connection.close()  # the request may have reached the upstream: it is not sent again
+                if reused and connection.after_chunked:
+                    self.closes_after_chunked = True
                 raise UpstreamUnreachable(str(exc) or type(exc).__name__) from None
 
     @staticmethod
@@ -223,8 +235,11 @@ class Upstream:
                 if not self._idle:
                     return None
                 connection = self._idle.pop()
-            if time.monotonic() - connection.idle_since < MAX_IDLE_S and connection.alive():
-                return connection
+            if time.monotonic() - connection.idle_since < MAX_IDLE_S:
+                if connection.alive():
+                    return connection
+                if connection.after_chunked:
+                    self.closes_after_chunked = True
             connection.close()  # closed by the upstream while it waited, or soon to be
 
     def _connect(self) -> _Connection:
@@ -237,8 +252,12 @@ class Upstream:
             raise UpstreamUnreachable(f"cannot connect to {self.host}:{self.port} ({exc})") from None
         return _Connection(sock)
 
-    def _release(self, connection: _Connection) -> None:
+    def _release(self, connection: _Connection, chunked: bool) -> None:
         protocol = connection.protocol
+        connection.after_chunked = chunked
+        if chunked and self.closes_after_chunked:
+            connection.close()
+            return
         if protocol.our_state is h11.DONE and protocol.their_state is h11.DONE and not protocol.trailing_data[0]:
             protocol.start_next_cycle()
             with self._lock:
