@@ -2,7 +2,7 @@
 
     .venv/bin/python -P benchmarks/server_load.py [--servers vllm,llama-cpp,llama-server]
         [--concurrency 1,8,32] [--requests 96] [--tokens 16] [--size tiny|small|base] [--minutes 0]
-        [--vllm-python .venv-vllm/bin/python]
+        [--vllm-python .venv-vllm/bin/python] [--shadow RATE]
 
 Three servers, each on a model kvtrace generates (nothing is downloaded), each as a traced and an
 untraced arm that the client alternates block by block, ABBA (a block is twice the concurrency's
@@ -26,6 +26,13 @@ it; and the request spans in the traced arm's spool against the requests it comp
 completed - spans, after the spool has had time to catch up).  RSS of the traced server and of the
 proxy is sampled before and after the load and, with ``--minutes M``, over an M-minute soak of
 traced load at the highest concurrency, with its growth in %.
+
+With ``--shadow RATE`` it measures what shadow twins cost clients instead: vLLM's server and
+llama-server, untraced, each behind two ``kvtrace proxy`` processes, one plain and one with
+``--shadow RATE``, alternated the same way; the ratios are shadowed/plain, and the twins the
+shadowed proxy sent are counted beside its client spans. After each block the client waits a
+second (inside the block's CPU window, outside its latencies) so that a block's trailing twins are
+charged to it, not to the next block of the other arm.
 
 Prints a table; asserts nothing (the timings belong to the machine they were taken on).
 """
@@ -51,7 +58,7 @@ from typing import Iterator, Optional
 
 import httpx
 
-from kvtrace.semconv import SPAN_REQUEST
+from kvtrace.semconv import ARM, ARM_SHADOW, SPAN_REQUEST
 from kvtrace.testmodels.llama_gguf import SIZES as GGUF_SIZES, make_model as make_gguf_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,6 +70,9 @@ PREFIX = " ".join(["the agent opens the configuration file and reads each of its
 STARTUP_S = 300
 SPANS_WAIT_S = 30
 TARGET_P50_PCT = 2.0
+SHADOW_SERVERS = ("vllm", "llama-server")
+SHADOW_TARGET_CONCURRENCY = 8
+SETTLE_S = 1.0
 TARGET_RSS_PCT = 5.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -91,9 +101,17 @@ def parse_args() -> argparse.Namespace:
                         help="the interpreter of the environment with vLLM (default: this one)")
     parser.add_argument("--llama-python", type=Path, default=Path(sys.executable),
                         help="the interpreter of the environment with llama-cpp-python[server] (default: this one)")
+    parser.add_argument("--shadow", type=float, default=None, metavar="RATE",
+                        help=f"compare a proxy with --shadow RATE against a plain one ({', '.join(SHADOW_SERVERS)})")
     args = parser.parse_args()
     if args.requests < 1 or args.tokens < 1 or args.minutes < 0:
         parser.error("--requests and --tokens must be at least 1, --minutes at least 0")
+    if args.shadow is not None:
+        if not 0 < args.shadow <= 1:
+            parser.error("--shadow is a share: above 0 and at most 1")
+        if set(args.servers) - set(SHADOW_SERVERS):
+            args.servers = [name for name in args.servers if name in SHADOW_SERVERS]
+            print(f"--shadow: only {', '.join(SHADOW_SERVERS)} have a cache bypass; measuring {', '.join(args.servers)}")
     return args
 
 
@@ -199,19 +217,28 @@ def base_env(root: Path, traced: bool) -> dict:
     return env
 
 
-@contextlib.contextmanager
-def vllm_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm, Arm]]:
-    python = args.vllm_python
+def hf_model(python: Path, tmp: Path) -> Path:
     model = tmp / "hf-tiny"
     # Written by vLLM's interpreter: safetensors comes with vLLM, not necessarily with this one.
     subprocess.run([str(python), "-P", "-c", "import sys; from kvtrace.testmodels.hf_llama import make_model; "
                     "make_model(__import__('pathlib').Path(sys.argv[1]))", str(model)], check=True)
+    return model
+
+
+def vllm_argv(python: Path, model: Path, port: int, *extra: str) -> list[str]:
+    return [str(python), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model),
+            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--max-model-len", "512", "--block-size", "32", "--enforce-eager", "--seed", "0",
+            "--enable-prefix-caching", "--shutdown-timeout", "30", "--max-num-seqs", "32", *extra]
+
+
+@contextlib.contextmanager
+def vllm_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm, Arm]]:
+    python = args.vllm_python
+    model = hf_model(python, tmp)
 
     def argv(port: int, traced: bool) -> list[str]:
-        serve = [str(python), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model),
-                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                 "--max-model-len", "512", "--block-size", "32", "--enforce-eager", "--seed", "0",
-                 "--enable-prefix-caching", "--shutdown-timeout", "30", "--max-num-seqs", "32"]
+        serve = vllm_argv(python, model, port)
         return [str(python.parent / "kvtrace"), "run", "--", *serve] if traced else serve
 
     with contextlib.ExitStack() as stack:
@@ -252,30 +279,64 @@ def llama_cpp_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm, A
         yield arms[0], arms[1]
 
 
-@contextlib.contextmanager
-def llama_server_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm, Arm]]:
+def llama_server_argv(model: Path, port: int, log: Path) -> list[str]:
     from kvtrace.outside.llama_server_build import cached_llama_server
 
     binary = cached_llama_server()
     if binary is None:
         raise SystemExit("llama-server is not built; run `python -m kvtrace.outside.llama_server_build` first")
+    return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", "4",
+            "-c", "4096", "-t", "1", "-tb", "1", "-b", "64", "-ub", "64", "--no-warmup", "--no-repack",
+            "-lv", "4", "--log-file", str(log)]
+
+
+def proxy_argv(upstream: str, port: int, *extra: str) -> list[str]:
+    return [str(Path(sys.executable).parent / "kvtrace"), "proxy", "--upstream", upstream,
+            "--listen", f"127.0.0.1:{port}", *extra]
+
+
+@contextlib.contextmanager
+def llama_server_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm, Arm]]:
     model = gguf_model(tmp, args.size)
     root = tmp / "llama-server"
     root.mkdir()
     port, proxy_port = free_port(), free_port()
     base, proxy_base = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{proxy_port}"
     log = root / "llama-server.log"
-    server_argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", "4",
-                   "-c", "4096", "-t", "1", "-tb", "1", "-b", "64", "-ub", "64", "--no-warmup", "--no-repack",
-                   "-lv", "4", "--log-file", str(log)]
-    proxy_argv = [str(Path(sys.executable).parent / "kvtrace"), "proxy", "--upstream", base,
-                  "--listen", f"127.0.0.1:{proxy_port}", "--llama-server-log", str(log)]
-    with started("llama-server", server_argv, base_env(root, False), root / "llama-server.out",
-                 base + "/health") as server, \
-            started("kvtrace proxy", proxy_argv, base_env(root, True), root / "proxy.out",
-                    proxy_base + "/health") as proxy:
+    with started("llama-server", llama_server_argv(model, port, log), base_env(root, False),
+                 root / "llama-server.out", base + "/health") as server, \
+            started("kvtrace proxy", proxy_argv(base, proxy_port, "--llama-server-log", str(log)),
+                    base_env(root, True), root / "proxy.out", proxy_base + "/health") as proxy:
         yield (Arm(base, [server.pid]),
                Arm(proxy_base, [server.pid, proxy.pid], root / "spool", {"server": server.pid, "proxy": proxy.pid}))
+
+
+@contextlib.contextmanager
+def shadow_arms(name: str, args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm, Arm]]:
+    """The server, untraced, behind a plain proxy and behind one with ``--shadow RATE``."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = tmp / "server.log"
+    if name == "vllm":
+        # The answers say which requests hit the cache: only those are shadowed.
+        argv, health = vllm_argv(args.vllm_python, hf_model(args.vllm_python, tmp), port,
+                                 "--enable-prompt-tokens-details"), base + "/health"
+        log_args: tuple[str, ...] = ()
+    else:
+        argv, health = llama_server_argv(gguf_model(tmp, args.size), port, log), base + "/health"
+        log_args = ("--llama-server-log", str(log))
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(started(name, argv, base_env(tmp, False), tmp / "server.out", health))
+        arms = []
+        for shadowed in (False, True):
+            root, proxy_port = tmp / ("proxy-shadow" if shadowed else "proxy-plain"), free_port()
+            root.mkdir()
+            extra = (*log_args, *(("--shadow", str(args.shadow)) if shadowed else ()))
+            proxy_base = f"http://127.0.0.1:{proxy_port}"
+            proxy = stack.enter_context(started("kvtrace proxy", proxy_argv(base, proxy_port, *extra),
+                                                base_env(root, True), root / "proxy.out", proxy_base + "/health"))
+            arms.append(Arm(proxy_base, [server.pid, proxy.pid], root / "spool", {"proxy": proxy.pid}))
+        yield arms[0], arms[1]
 
 
 ARMS = {"vllm": vllm_arms, "llama-cpp": llama_cpp_arms, "llama-server": llama_server_arms}
@@ -283,8 +344,8 @@ ARMS = {"vllm": vllm_arms, "llama-cpp": llama_cpp_arms, "llama-server": llama_se
 
 # ------------------------------------------------------------------------------------------- load
 
-def request_spans(spool: Path) -> int:
-    """The request spans in a spool's complete lines."""
+def request_spans(spool: Path, twins: bool = False) -> int:
+    """The request spans in a spool's complete lines: the clients' (or, with ``twins``, the shadow twins')."""
     count = 0
     for path in sorted(spool.glob("*.jsonl")) if spool.is_dir() else []:
         text = path.read_text(errors="replace")
@@ -292,8 +353,14 @@ def request_spans(spool: Path) -> int:
             with contextlib.suppress(ValueError):
                 for resource in json.loads(line).get("resourceSpans", []):
                     for scope in resource.get("scopeSpans", []):
-                        count += sum(1 for span in scope.get("spans", []) if span.get("name") == SPAN_REQUEST)
+                        count += sum(1 for span in scope.get("spans", []) if span.get("name") == SPAN_REQUEST
+                                     and is_twin(span) == twins)
     return count
+
+
+def is_twin(span: dict) -> bool:
+    return any(a.get("key") == ARM and a.get("value", {}).get("stringValue") == ARM_SHADOW
+               for a in span.get("attributes", []))
 
 
 class Client:
@@ -331,12 +398,15 @@ class Client:
                 self.resent = next(self.resends) + 1
         raise AssertionError("unreachable")
 
-    def block(self, arm: Arm, concurrency: int, count: int, stream: bool) -> "Block":
+    def block(self, arm: Arm, concurrency: int, count: int, stream: bool, settle_s: float = 0.0) -> "Block":
+        """``settle_s``: a wait after the requests, inside the CPU window (work they left behind counts)."""
         cpu, wall = cpu_seconds(arm.pids), time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
             latencies = list(pool.map(lambda _: self.one(arm.base, stream), range(count)))
+        wall_s = time.perf_counter() - wall
+        time.sleep(settle_s)
         arm.completed += len(latencies)
-        return Block(time.perf_counter() - wall, cpu_seconds(arm.pids) - cpu, latencies)
+        return Block(wall_s, cpu_seconds(arm.pids) - cpu, latencies)
 
 
 @dataclass
@@ -358,22 +428,26 @@ def wait_for_spans(spool: Path, expected: int) -> int:
     return count
 
 
-def measure(client: Client, untraced: Arm, traced: Arm, concurrency: int, requests: int, stream: bool) -> dict:
+def measure(client: Client, untraced: Arm, traced: Arm, concurrency: int, requests: int, stream: bool,
+            settle_s: float = 0.0) -> dict:
     """Both arms, ABBA block by block; the traced arm's spans counted against its completed requests."""
     size = 2 * concurrency
     blocks = max(1, -(-requests // size))
     # Counted against every request so far, so a span of an earlier cell arriving late is not one of this cell's.
     spans_before = wait_for_spans(traced.spool, traced.completed)
+    twins_before = request_spans(traced.spool, twins=True)
     arms: dict[bool, list[Block]] = {False: [], True: []}
     resent_before = client.resent
     for index in range(blocks):
         count = min(size, requests - index * size)
         order = (True, False) if index % 4 in (0, 3) else (False, True)
         for is_traced in order:
-            arms[is_traced].append(client.block(traced if is_traced else untraced, concurrency, count, stream))
+            arms[is_traced].append(client.block(traced if is_traced else untraced, concurrency, count, stream,
+                                                settle_s))
     completed = sum(len(b.latencies) for b in arms[True])
     spans = wait_for_spans(traced.spool, traced.completed) - spans_before
-    out = {"completed": completed, "spans": spans, "resent": client.resent - resent_before}
+    out = {"completed": completed, "spans": spans, "resent": client.resent - resent_before,
+           "twins": request_spans(traced.spool, twins=True) - twins_before}
     for is_traced, name in ((False, "untraced"), (True, "traced")):
         latencies = [x for b in arms[is_traced] for x in b.latencies]
         wall = sum(b.wall_s for b in arms[is_traced])
@@ -409,13 +483,17 @@ def ratio(out: dict, key: str) -> float:
     return out["traced"][key] / out["untraced"][key]
 
 
-def report_cell(server: str, concurrency: int, stream: bool, out: dict) -> None:
+def report_cell(server: str, concurrency: int, stream: bool, out: dict, shadow: bool = False) -> None:
     t, u = out["traced"], out["untraced"]
     lost = out["completed"] - out["spans"]
     resent = f"  resent after a dropped connection: {out['resent']}" if out["resent"] else ""
     p50_pct = 100 * (ratio(out, "p50") - 1)
     target = ""
-    if server == "llama-server" and concurrency == 32:
+    if shadow:
+        target = f"  twins {out['twins']}"
+        if concurrency == SHADOW_TARGET_CONCURRENCY:
+            target += f"  target: twins add <= {TARGET_P50_PCT:g} % to p50"
+    elif server == "llama-server" and concurrency == 32:
         target = f"  target: proxy adds <= {TARGET_P50_PCT:g} % to p50"
     print(f"  c={concurrency:<3} {'stream' if stream else 'whole ':6}  throughput {ratio(out, 'rps'):6.3f}  "
           f"p50 {ratio(out, 'p50'):6.3f} ({u['p50'] * 1e3:.1f} / {t['p50'] * 1e3:.1f} ms, {p50_pct:+.1f} %)  p99 {ratio(out, 'p99'):6.3f}  "
@@ -435,6 +513,20 @@ def growth(label: str, values: list[float], what: str) -> None:
               if len(values) > 2 else "")  # a plateau (bounded caches filled) reads apart from a steady climb
     print(f"  RSS {label}: {first:.0f} -> {last:.0f} MB over {what}, growth {100 * (last / first - 1):+.1f} % "
           f"(target < {TARGET_RSS_PCT:g} % over a 20-minute soak){halves}")
+
+
+def run_shadow(name: str, args: argparse.Namespace, tmp: Path) -> None:
+    print(f"\n{name}: shadowed/plain proxy ratios at --shadow {args.shadow:g} (plain / shadowed absolute figures "
+          f"beside them)")
+    with shadow_arms(name, args, tmp) as (plain, shadowed):
+        client = Client(args.tokens)
+        for arm in (plain, shadowed):
+            client.block(arm, 2, 4, stream=False, settle_s=SETTLE_S)
+        for concurrency in args.concurrency:
+            for stream in (False, True):
+                report_cell(name, concurrency, stream, measure(client, plain, shadowed, concurrency, args.requests,
+                                                               stream, SETTLE_S), shadow=True)
+        client.http.close()
 
 
 def run_server(name: str, args: argparse.Namespace, tmp: Path) -> None:
@@ -466,7 +558,7 @@ def main() -> int:
             root = Path(tmp) / name
             root.mkdir()
             try:
-                run_server(name, args, root)
+                (run_shadow if args.shadow else run_server)(name, args, root)
             except httpx.HTTPError as exc:
                 raise SystemExit(f"{name}: a request failed ({exc}); is the server overloaded?") from None
     return 0

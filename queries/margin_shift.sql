@@ -13,9 +13,11 @@
 --   until DateTime64(3) = '2200-01-01 00:00:00', engine String = '', model String = '',
 --   weight_format String = '', reference_arm String = ''
 -- columns: weight_format, request_pairs, positions, mean_shift, mean_abs_shift, p50_abs_shift,
---   p95_abs_shift, max_abs_shift, shadow_pairs, shadow_episodes
+--   p95_abs_shift, max_abs_shift, shadow_pairs, shadow_episodes, episodes, ci_low, ci_high
 WITH
 ${shared_requests_once}
+${shared_wilson_interval}
+${shared_cluster_interval}
 ${shared_output_divergence}
 ${shared_recompute_reference}
 ${shared_request_scope}
@@ -25,19 +27,44 @@ hit_shifts AS (
            reference_arm, if(episode_id != '', episode_id, prompt_hash) AS cluster
     FROM matched
     WHERE in_request_scope(hit_time, engine, model, format)
+),
+per_format AS (
+    SELECT
+        if(grouping(format) = 1, '(all)', format) AS weight_format,
+        grouping(format) AS rollup,
+        count() AS request_pairs,
+        sum(matched_positions) AS positions,
+        avgArray(shifts) AS mean_shift,
+        avgArray(arrayMap(x -> abs(x), shifts)) AS mean_abs_shift,
+        -- both levels from one selection over the shifts; NaN when there are none, as a single level gives
+        if(positions > 0, quantilesExactArray(0.5, 0.95)(arrayMap(x -> abs(x), shifts))[1], nan) AS p50_abs_shift,
+        if(positions > 0, quantilesExactArray(0.5, 0.95)(arrayMap(x -> abs(x), shifts))[2], nan) AS p95_abs_shift,
+        maxArray(arrayMap(x -> abs(x), shifts)) AS max_abs_shift,
+        countIf(reference_arm = '${ARM_SHADOW}') AS shadow_pairs,
+        uniqExactIf(cluster, reference_arm = '${ARM_SHADOW}') AS shadow_episodes,
+        uniqExact(cluster) AS episodes
+    FROM hit_shifts
+    GROUP BY GROUPING SETS ((format), ())
+),
+per_episode AS (
+    -- each episode once per row of the answer: its |shift| sum over its matched positions
+    SELECT if(grouping(format) = 1, '(all)', format) AS weight_format, cluster,
+           sum(arraySum(arrayMap(x -> abs(x), shifts))) AS abs_sum, sum(matched_positions) AS matched
+    FROM hit_shifts
+    GROUP BY GROUPING SETS ((format, cluster), (cluster))
+    HAVING matched > 0
+),
+intervals AS (
+    SELECT weight_format, cluster_bootstrap_rates(
+               arrayMap(c -> c.2, arraySort(groupArray((cluster, abs_sum)))),
+               arrayMap(c -> c.2, arraySort(groupArray((cluster, matched))))) AS draws
+    FROM per_episode
+    GROUP BY weight_format
 )
-SELECT
-    if(grouping(format) = 1, '(all)', format) AS weight_format,
-    count() AS request_pairs,
-    sum(matched_positions) AS positions,
-    avgArray(shifts) AS mean_shift,
-    avgArray(arrayMap(x -> abs(x), shifts)) AS mean_abs_shift,
-    -- both levels from one selection over the shifts; NaN when there are none, as a single level gives
-    if(positions > 0, quantilesExactArray(0.5, 0.95)(arrayMap(x -> abs(x), shifts))[1], nan) AS p50_abs_shift,
-    if(positions > 0, quantilesExactArray(0.5, 0.95)(arrayMap(x -> abs(x), shifts))[2], nan) AS p95_abs_shift,
-    maxArray(arrayMap(x -> abs(x), shifts)) AS max_abs_shift,
-    countIf(reference_arm = '${ARM_SHADOW}') AS shadow_pairs,
-    uniqExactIf(cluster, reference_arm = '${ARM_SHADOW}') AS shadow_episodes
-FROM hit_shifts
-GROUP BY GROUPING SETS ((format), ())
-ORDER BY grouping(format), weight_format
+SELECT f.weight_format AS weight_format, request_pairs, positions, mean_shift, mean_abs_shift, p50_abs_shift,
+       p95_abs_shift, max_abs_shift, shadow_pairs, shadow_episodes, episodes,
+       if(notEmpty(i.draws), i.draws[50], nan) AS ci_low, if(notEmpty(i.draws), i.draws[1951], nan) AS ci_high
+FROM per_format AS f
+LEFT JOIN intervals AS i ON i.weight_format = f.weight_format
+ORDER BY rollup, weight_format
+SETTINGS join_use_nulls = 0

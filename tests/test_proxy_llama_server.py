@@ -38,6 +38,8 @@ SERVE = "llama-server -m MODEL.gguf --port 8080 --no-repack -lv 4 --log-file ser
 PROXY = "kvtrace proxy --upstream http://127.0.0.1:8080 --llama-server-log server.log"
 PER_CALL = ("id", "created", "timings")
 """Fields that differ between any two calls of the same request (ids, clocks)."""
+
+
 def same_call(document):
     """A document without its per-call fields, as an order-sensitive string (the server's key order counts)."""
     if isinstance(document, dict):

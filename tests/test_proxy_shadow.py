@@ -9,6 +9,8 @@ rather than queueing them.
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,8 +21,9 @@ from integrity_readback import store
 from kvtrace import queries, semconv as sc
 from kvtrace.outside.limits import ShadowBudget
 from kvtrace.recording.stats import SHADOW_TWINS_DROPPED, SHADOW_TWINS_SENT
-from llama_server_process import running_llama_server, same_bytes
 from kvtrace.outside.proxy import proxy_in_thread
+from llama_server_process import free_port, running_llama_server, same_bytes
+from readme_commands import readme_command
 
 pytest.importorskip("h11")
 
@@ -154,3 +157,39 @@ def test_a_full_budget_drops_twins_and_counts_them_while_every_client_is_served(
     assert counters[SHADOW_TWINS_SENT] + counters[SHADOW_TWINS_DROPPED] == hits
     assert counters[SHADOW_TWINS_DROPPED] >= 1 and len(twins) == counters[SHADOW_TWINS_SENT] >= 1
     assert all(t[sc.CACHE_REUSED_TOKENS] == 0 for t in twins)
+
+
+SHADOW = "kvtrace proxy --upstream http://127.0.0.1:8080 --shadow RATE"
+
+
+def test_the_readme_command_sends_twins_that_kvtrace_runs_counts(tiny_gguf, tmp_path, spool_dir, db):
+    from kvtrace.collectors.ingest import ingest_paths
+
+    port = free_port()
+    with running_llama_server(tiny_gguf, log_path=tmp_path / "server.log", slots=2) as server:
+        argv = [*readme_command(SHADOW, {"http://127.0.0.1:8080": server, "RATE": "1"}),
+                "--listen", f"127.0.0.1:{port}", "--run-id", "live"]
+        with open(tmp_path / "proxy.log", "wb") as log:
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        proxy = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    httpx.get(proxy + "/health", timeout=2)
+                    break
+                except httpx.HTTPError:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        pytest.fail((tmp_path / "proxy.log").read_text())
+                    time.sleep(0.2)
+            for prompt in (OPENING, OPENING + FOLLOW_UPS[0]):  # the second reuses the first's state
+                assert httpx.post(proxy + "/v1/completions", timeout=120,
+                                  json={"prompt": prompt, "max_tokens": 4, "temperature": 0}).status_code == 200
+        finally:
+            process.send_signal(signal.SIGINT)  # a normal stop: the twin in flight finishes, spans flushed
+            assert process.wait(timeout=120) == 0, (tmp_path / "proxy.log").read_text()
+    ingest_paths(db, [spool_dir])
+    columns, rows = queries.run(db, "runs")
+    (run,) = [dict(zip(columns, row)) for row in rows]
+    assert (run["run_id"], run["requests"], run["shadow_twins"]) == ("live", 3, 1)
+    assert sc.ARM_SHADOW in run["arms"].split(",")

@@ -218,3 +218,25 @@ def test_margin_shift_and_flip_rate_compare_the_same_positions(client):
     once = {r["weight_format"]: r for r in rows(client, "margin_shift", run_prefix="once/")}["F16"]
     assert sum(r["positions"] for r in rows(client, "flip_rate_by_margin", run_prefix="once/")
                if r["weight_format"] == "F16") == once["positions"]
+
+
+def test_margin_shift_counts_episodes_and_bootstraps_its_interval_over_them(db, tmp_path):
+    """Two hits per episode, three episodes whose shifts differ: n is 3 episodes, not 6 pairs, and the
+    interval of the mean |shift| comes from resampling episodes. One episode alone shows no spread."""
+    book = ScenarioBook(tmp_path / "spool")
+    cases = [("F16", f"e{e}", shift) for e, shift in enumerate((0.1, 0.2, 0.6))] + [("Q8_0", "q", 0.3)]
+    for fmt, episode, shift in cases:
+        for turn in (0, 1):
+            prompt = PROMPT + [len(episode), turn, int(shift * 10)]
+            book.turn("ci-off", episode, turn, prompt, SECOND, OFF_MARGINS, arm="off", weight_format=fmt)
+            book.turn("ci-hit", episode, turn, prompt, SECOND, [m + shift for m in OFF_MARGINS], cache=REUSE,
+                      weight_format=fmt)
+    book.ingest(db)
+    shift = {r["weight_format"]: r for r in rows(db, "margin_shift", run_prefix="ci-")}
+    f16 = shift["F16"]
+    assert (f16["request_pairs"], f16["episodes"], f16["positions"]) == (6, 3, 6 * len(SECOND))
+    assert f16["mean_abs_shift"] == pytest.approx(0.3)
+    assert 0.1 - 1e-9 <= f16["ci_low"] < 0.3 < f16["ci_high"] <= 0.6 + 1e-9
+    assert (shift["Q8_0"]["episodes"], shift["Q8_0"]["ci_low"], shift["Q8_0"]["ci_high"]) == (
+        1, pytest.approx(0.3), pytest.approx(0.3))
+    assert shift["(all)"]["episodes"] == 4 and shift["(all)"]["shadow_pairs"] == 0

@@ -89,8 +89,8 @@ class Traced:
     request: dict[str, Any]
     plan: MarginPlan
     profile: UpstreamProfile
-    path: str = ""
-    """The path the client posted to (a shadow twin goes to the same one)."""
+    target: str = ""
+    """The path and query the client posted to (a shadow twin goes to the same)."""
     task: Optional[TaskDecision] = None
     """llama-server's task for this request, from its log (``--llama-server-log``)."""
     match: Optional[str] = None
@@ -297,7 +297,7 @@ class ProxyApp:
                 record = recorder.start_request(profile.engine, model=str(body.get("model") or ""))
             finally:
                 otel_context.detach(token)
-            return Traced(record, body, plan, profile, path=request.target, marker=marker)
+            return Traced(record, body, plan, profile, target=request.target, marker=marker)
         except ValueError:
             return None  # not JSON: forwarded as it is, the upstream answers it
         except Exception:
@@ -336,7 +336,7 @@ class ProxyApp:
         recorder.finish(record)  # never raises
         if self.shadows is not None:
             try:
-                self.shadows.offer(traced.request, traced.path, traced.profile, record)
+                self.shadows.offer(traced.request, traced.target, traced.profile, record)
             except Exception:
                 self.count("instrumentation_errors")
                 log.warning("kvtrace proxy: a shadow twin could not be sent", exc_info=True)

@@ -103,10 +103,10 @@ class Shadows:
         self._running: set[threading.Thread] = set()
         self._warned_unsupported = False
 
-    def offer(self, request: dict[str, Any], path: str, profile: UpstreamProfile, record: RequestRecord) -> None:
+    def offer(self, request: dict[str, Any], target: str, profile: UpstreamProfile, record: RequestRecord) -> None:
         """After the original's record is made: send its twin if it is sampled and the budget has room."""
-        if record.config.get(sc.ARM) == sc.ARM_SHADOW or record.error:
-            return
+        if record.config.get(sc.ARM) == sc.ARM_SHADOW or record.error or record.finish_reason == sc.FINISH_CANCELLED:
+            return  # a twin itself, or an answer that did not complete
         if record.reused_tokens <= 0 and record.config.get(sc.CACHE_REUSED_TOKENS_SOURCE) != sc.REUSED_SOURCE_UNKNOWN:
             return  # no cache path to compare (a server that does not say what it reused may have hit)
         if self._rng.random() >= self.budget.rate:
@@ -128,13 +128,19 @@ class Shadows:
         twin.pop("stream_options", None)
         headers = {**trace_headers(record), **correlation_headers(
             record.correlation.run_id, record.correlation.episode_id, record.correlation.turn, sc.ARM_SHADOW)}
-        shadow = Request("POST", path, path, [(b"content-type", b"application/json")] + [
+        shadow = Request("POST", target, target.split("?", 1)[0], [(b"content-type", b"application/json")] + [
             (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()],
             json.dumps(twin, ensure_ascii=False).encode("utf-8"))
         thread = threading.Thread(target=self._run, args=(shadow, profile), name="kvtrace-shadow", daemon=True)
         with self._lock:
             self._running.add(thread)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had: the twin is dropped like any beyond the budget
+            with self._lock:
+                self._running.discard(thread)
+            self._room.release()
+            self._count(SHADOW_TWINS_DROPPED)
 
     def _run(self, shadow: Request, profile: UpstreamProfile) -> None:
         try:
