@@ -58,6 +58,7 @@ from typing import Iterator, Optional
 
 import httpx
 
+from kvtrace.recording.stats import SHADOW_TWINS_DROPPED, read_stats
 from kvtrace.semconv import ARM, ARM_SHADOW, SPAN_REQUEST
 from kvtrace.testmodels.llama_gguf import SIZES as GGUF_SIZES, make_model as make_gguf_model
 
@@ -358,6 +359,11 @@ def request_spans(spool: Path, twins: bool = False) -> int:
     return count
 
 
+def twins_dropped(spool: Path) -> int:
+    """Shadow twins the budget dropped, as the proxy last published its counters."""
+    return sum(int(stats.get(SHADOW_TWINS_DROPPED, 0)) for stats in read_stats(spool)) if spool.is_dir() else 0
+
+
 def is_twin(span: dict) -> bool:
     return any(a.get("key") == ARM and a.get("value", {}).get("stringValue") == ARM_SHADOW
                for a in span.get("attributes", []))
@@ -436,6 +442,7 @@ def measure(client: Client, untraced: Arm, traced: Arm, concurrency: int, reques
     # Counted against every request so far, so a span of an earlier cell arriving late is not one of this cell's.
     spans_before = wait_for_spans(traced.spool, traced.completed)
     twins_before = request_spans(traced.spool, twins=True)
+    dropped_before = twins_dropped(traced.spool)
     arms: dict[bool, list[Block]] = {False: [], True: []}
     resent_before = client.resent
     for index in range(blocks):
@@ -447,7 +454,8 @@ def measure(client: Client, untraced: Arm, traced: Arm, concurrency: int, reques
     completed = sum(len(b.latencies) for b in arms[True])
     spans = wait_for_spans(traced.spool, traced.completed) - spans_before
     out = {"completed": completed, "spans": spans, "resent": client.resent - resent_before,
-           "twins": request_spans(traced.spool, twins=True) - twins_before}
+           "twins": request_spans(traced.spool, twins=True) - twins_before,
+           "dropped": twins_dropped(traced.spool) - dropped_before}
     for is_traced, name in ((False, "untraced"), (True, "traced")):
         latencies = [x for b in arms[is_traced] for x in b.latencies]
         wall = sum(b.wall_s for b in arms[is_traced])
@@ -490,7 +498,7 @@ def report_cell(server: str, concurrency: int, stream: bool, out: dict, shadow: 
     p50_pct = 100 * (ratio(out, "p50") - 1)
     target = ""
     if shadow:
-        target = f"  twins {out['twins']}"
+        target = f"  twins {out['twins']} (dropped {out['dropped']})"
         if concurrency == SHADOW_TARGET_CONCURRENCY:
             target += f"  target: twins add <= {TARGET_P50_PCT:g} % to p50"
     elif server == "llama-server" and concurrency == 32:

@@ -4,8 +4,8 @@
 prompt, and live traffic rarely sends one prompt both ways. So once a request that reused cached
 state has been answered, the proxy may send its twin: the same request with the server's own cache
 bypass, recorded as a request of arm ``shadow``, a child of the original's span, with the same
-prompt hash. The twin and its answer never reach a client. docs/proxy.md#shadow-twins says what
-twins cost and how to size the rate.
+prompt hash. The twin and its answer never reach a client. docs/proxy.md ("Shadow twins") says
+what twins cost and how to size the rate.
 
 The budget keeps twins off the critical path: at most ``in_flight`` at once, only while llama-server
 has an idle slot (its ``/slots``; other servers: the in-flight bound alone), and at most
@@ -157,12 +157,13 @@ class Shadows:
             self._room.release()
 
     def _idle_slot(self) -> bool:
-        """Whether llama-server has a slot processing nothing (its ``/slots``; unanswered: assumed so)."""
+        """Whether llama-server has a slot processing nothing (its ``/slots``). Started without the endpoint
+        (``--no-slots``): assumed so, the in-flight bound alone holds twins back; not reachable: no."""
         try:
             answer = self._upstream.request("GET", "/slots", [], b"", timeout=5.0)
             body = answer.read()
             if answer.status != 200:
-                return True  # started with --no-slots: the in-flight bound alone holds twins back
+                return True
             slots = json.loads(body)
             return any(isinstance(s, dict) and not s.get("is_processing") for s in slots)
         except (UpstreamUnreachable, UpstreamBrokeOff, ValueError, TypeError):
