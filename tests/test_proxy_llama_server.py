@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,8 +21,8 @@ import pytest
 from integrity_readback import assert_counted_and_alerted, store
 from kvtrace import queries, semconv as sc
 from kvtrace.recording.counters import SpanCounters
-from llama_server_process import (SIZING, free_port, llama_server_binary, running_llama_server, running_proxy,
-                                  same_bytes, sse_payloads, started_llama_server)
+from llama_server_process import (SIZING, free_port, llama_server_binary, proxy_process, running_llama_server,
+                                  running_proxy, same_bytes, sse_payloads, started_llama_server)
 from readme_commands import readme_command
 
 pytest.importorskip("h11")
@@ -211,29 +210,12 @@ def test_llama_server_and_kvtrace_proxy_started_as_the_readme_shows_record_spans
                                    "8080": str(port), "server.log": str(log)})
     with started_llama_server([*serve, "--host", "127.0.0.1", "-np", "1", *SIZING], port,
                               tmp_path / "server.out") as server:
-        proxy_log = open(tmp_path / "proxy.log", "wb")
-        process = subprocess.Popen([*readme_command(PROXY, {"http://127.0.0.1:8080": server, "server.log": str(log)}),
-                                    "--listen", f"127.0.0.1:{proxy_port}", "--run-id", "behind-the-proxy"],
-                                   stdout=proxy_log, stderr=subprocess.STDOUT)
-        proxy = f"http://127.0.0.1:{proxy_port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    httpx.get(proxy + "/health", timeout=2)
-                    break
-                except httpx.HTTPError:
-                    if process.poll() is not None or time.monotonic() > deadline:
-                        pytest.fail((tmp_path / "proxy.log").read_text())
-                    time.sleep(0.1)
+        argv = [*readme_command(PROXY, {"http://127.0.0.1:8080": server, "server.log": str(log)}),
+                "--listen", f"127.0.0.1:{proxy_port}", "--run-id", "behind-the-proxy"]
+        with proxy_process(argv, proxy_port, tmp_path / "proxy.log") as proxy:
             for turn in range(2):
                 httpx.post(proxy + "/v1/chat/completions", json={**CHAT, "max_tokens": 5},
                            headers={"baggage": f"kvtrace.episode_id=kitchen,kvtrace.turn={turn}"}, timeout=120)
-        finally:
-            process.terminate()
-            process.wait(timeout=30)
-            proxy_log.close()
-    assert process.returncode == 0, (tmp_path / "proxy.log").read_text()
 
     ingest_paths(db, [spool_dir])
     rows = db.query("SELECT run_id, episode_id, turn, engine, length(token_ids), length(margins), reused_tokens, "

@@ -9,8 +9,6 @@ rather than queueing them.
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +20,7 @@ from kvtrace import queries, semconv as sc
 from kvtrace.outside.limits import ShadowBudget
 from kvtrace.recording.stats import SHADOW_TWINS_DROPPED, SHADOW_TWINS_SENT
 from kvtrace.outside.proxy import proxy_in_thread
-from llama_server_process import free_port, running_llama_server, same_bytes
+from llama_server_process import free_port, proxy_process, running_llama_server, same_bytes
 from readme_commands import readme_command
 
 pytest.importorskip("h11")
@@ -169,25 +167,10 @@ def test_the_readme_command_sends_twins_that_kvtrace_runs_counts(tiny_gguf, tmp_
     with running_llama_server(tiny_gguf, log_path=tmp_path / "server.log", slots=2) as server:
         argv = [*readme_command(SHADOW, {"http://127.0.0.1:8080": server, "RATE": "1"}),
                 "--listen", f"127.0.0.1:{port}", "--run-id", "live"]
-        with open(tmp_path / "proxy.log", "wb") as log:
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        proxy = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    httpx.get(proxy + "/health", timeout=2)
-                    break
-                except httpx.HTTPError:
-                    if process.poll() is not None or time.monotonic() > deadline:
-                        pytest.fail((tmp_path / "proxy.log").read_text())
-                    time.sleep(0.2)
+        with proxy_process(argv, port, tmp_path / "proxy.log") as proxy:  # its stop waits for the twin
             for prompt in (OPENING, OPENING + FOLLOW_UPS[0]):  # the second reuses the first's state
                 assert httpx.post(proxy + "/v1/completions", timeout=120,
                                   json={"prompt": prompt, "max_tokens": 4, "temperature": 0}).status_code == 200
-        finally:
-            process.send_signal(signal.SIGINT)  # a normal stop: the twin in flight finishes, spans flushed
-            assert process.wait(timeout=120) == 0, (tmp_path / "proxy.log").read_text()
     ingest_paths(db, [spool_dir])
     columns, rows = queries.run(db, "runs")
     (run,) = [dict(zip(columns, row)) for row in rows]
