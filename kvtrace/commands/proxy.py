@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
                    help="llama-server's log (its --log-file, or standard error in a file; start it with -lv 4): "
                         "its prompt-cache decisions become cache events naming the request whose state was restored")
     p.add_argument("--run-id", default=None, help="run id for requests without baggage (env KVTRACE_RUN_ID)")
-    shadow = p.add_argument_group("shadow twins (docs/proxy.md#shadow-twins): margin shift measured on live traffic")
+    shadow = p.add_argument_group("shadow twins (docs/proxy.md, 'Shadow twins'): margin shift measured on live traffic")
     shadow.add_argument("--shadow", type=share, default=None, metavar="RATE",
                         help="after a cache-hit request is answered, send this share of them again with the "
                              "server's cache bypass (llama-server, vLLM) and record the answer as its cold twin, "

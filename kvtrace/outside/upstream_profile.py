@@ -15,7 +15,7 @@ log = logging.getLogger("kvtrace.proxy")
 
 
 class _NotYet(Exception):
-    """The upstream answered, but not yet as itself (a server error while it starts)."""
+    """The upstream answered, but not yet as itself (503 while it starts)."""
 
 
 class UpstreamProfiles:
@@ -41,8 +41,8 @@ class UpstreamProfiles:
     def _get_json(self, path: str) -> Any:
         answer = self._upstream.request("GET", path, [], b"", timeout=10.0)
         body = answer.read()
-        if answer.status >= 500:  # llama-server loading its model answers 503 on every path
-            raise _NotYet(f"{path} answered {answer.status}")
+        if answer.status == 503:  # llama-server loading its model answers so on every path
+            raise _NotYet(f"{path} answered 503")
         return json.loads(body) if answer.status == 200 else None
 
     def _detect(self) -> Optional[UpstreamProfile]:
