@@ -148,3 +148,26 @@ def test_two_alike_cached_prompts_are_told_apart_by_the_one_that_left_the_cache(
                   + listing(("0x5600000a0", 21), ("0x5600000c0", 33)), slot=0))
     restore = feed(log).decisions[5].restore
     assert (restore.source_task, restore.doubt) == (2, None)  # 0x...b0 left: task 2's state
+
+
+def test_a_listing_that_leaves_the_models_order_midway_or_ends_short_keeps_each_known_entrys_origin():
+    # Tasks 1 and 2 leave states of 21 and 33 tokens in the cache; the listings learn their addresses.
+    # Then a listing shows a prompt between them the log never showed stored, or only the second, or
+    # only the first: the entries the model knows keep their tasks, found by address.
+    miss = [(21, 1, "0.048", "0.042")]
+    stored = (START + task(1, 18, 21) + task(2, 30, 33, lru_switch(21, miss, None) + listing(("0x5600000a0", 21)))
+              + task(3, 50, 53, lru_switch(33, miss, None) + listing(("0x5600000a0", 21), ("0x5600000b0", 33))))
+    midway = stored + listing(("0x5600000a0", 21), ("0x5600000c0", 40), ("0x5600000b0", 33))
+    short = stored + listing(("0x5600000b0", 33))
+    found = ("0.909", "0.833")
+    restore_midway = task(4, 36, 39, lru_switch(53, [(21, 1, "0.048", "0.042"), (40, 1, "0.025", "0.031"),
+                                                     (33, 30, *found), (53, 1, "0.019", "0.028")], found))
+    assert feed(midway + restore_midway).decisions[4].restore.source_task == 2
+    restore_short = task(4, 36, 39, lru_switch(53, [(33, 30, *found), (53, 1, "0.019", "0.028")], found))
+    restore = feed(short + restore_short).decisions[4].restore
+    assert (restore.source_task, restore.doubt) == (2, None)
+    first_only = stored + listing(("0x5600000a0", 21))
+    restore_first = task(4, 24, 27, lru_switch(53, [(21, 18, "0.857", "0.750"), (53, 1, "0.019", "0.028")],
+                                               ("0.857", "0.750")))
+    restore = feed(first_only + restore_first).decisions[4].restore
+    assert (restore.source_task, restore.doubt) == (1, None)

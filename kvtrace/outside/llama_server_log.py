@@ -160,8 +160,11 @@ class LogParser:
         self._state_length_of_slot: dict[int, int] = {}
         self._storing: Optional[_CachedPrompt] = None
         self._idle_slot: Optional[int] = None  # an idle slot being saved (--cache-idle-slots)
-        self._listing: Optional[list[tuple[str, int]]] = None  # the cache listing being read
+        self._reading_listing = False  # the cache listing's lines are coming
         self._listing_size = 0
+        self._listing_seen = 0
+        self._listing: Optional[list[tuple[str, int]]] = None  # the listing whole, once it left the model's order
+        self._learned: list[tuple[_CachedPrompt, str]] = []  # addresses the listing gives entries, while in order
         self._alike: Optional[tuple[Restore, list[_CachedPrompt]]] = None  # a restore the next listing decides
         self._restored_entry: Optional[_CachedPrompt] = None
         self._params_slot: Optional[int] = None  # the slot whose sampling parameters are being printed
@@ -178,11 +181,9 @@ class LogParser:
         if "\x1b" in line:
             line = _ANSI.sub("", line)
         pending = self._pending
-        if self._listing is not None and (m := _LISTED.search(line)) is not None:
+        if self._reading_listing and (m := _LISTED.search(line)) is not None:
             # First: llama-server lists its whole cache after every update, so most lines are these.
-            self._listing.append((m["address"], int(m["n"])))
-            if len(self._listing) == self._listing_size:
-                self._reconcile()
+            self._listed(m["address"], int(m["n"]))
         elif (m := _SELECTED.search(line)) is not None:
             self._idle_slot = None  # an empty idle slot saves nothing
             pending.slot, pending.selected_by = int(m["slot"]), SELECTED_BY[m["how"]]
@@ -201,7 +202,8 @@ class LogParser:
         elif _LOOKING.search(line):
             pending.candidates, pending.looked_up, self._storing, self._idle_slot = [], True, None, None
         elif (m := _CACHE_STATE.search(line)) is not None:
-            self._listing, self._listing_size = [], int(m["n"])
+            self._reading_listing, self._listing_size, self._listing_seen = True, int(m["n"]), 0
+            self._listing, self._learned = ([] if self._alike is not None else None), []
             if self._listing_size == 0:
                 self._reconcile()
         elif (m := _IDLE_SAVE.search(line)) is not None:
@@ -266,6 +268,25 @@ class LogParser:
         self._storing = _CachedPrompt(length, source)
         self._cache.append(self._storing)
 
+    def _listed(self, address: str, length: int) -> None:
+        """One line of the listing. Most listings repeat the model, so each line is compared as it comes
+        and nothing of it is kept; only a listing that leaves the model's order is kept whole."""
+        index = self._listing_seen
+        self._listing_seen += 1
+        if self._listing is None:
+            entry = self._cache[index] if index < len(self._cache) else None
+            if entry is not None and entry.length == length:
+                if entry.address != address:  # an equal one stays: a listing's strings are short-lived
+                    self._learned.append((entry, address))
+            else:
+                learned = {id(e): a for e, a in self._learned}
+                self._listing = [(learned.get(id(e), e.address) or "", e.length) for e in self._cache[:index]]
+                self._listing.append((address, length))
+        else:
+            self._listing.append((address, length))
+        if self._listing_seen == self._listing_size:
+            self._reconcile()
+
     def _reconcile(self) -> None:
         """The model of the cache against llama-server's own listing of it (after every cache update).
 
@@ -273,8 +294,16 @@ class LogParser:
         listing wins: an entry keeps its origin only where its address (and length) or, for one not
         listed before, a single model entry of its length says which it is.
         """
-        listed, self._listing = self._listing or [], None
+        listed, self._listing, self._reading_listing = self._listing, None, False
+        learned, self._learned = self._learned, []
         restored, self._restored_entry = self._restored_entry, None
+        if listed is None and self._listing_seen == len(self._cache):
+            for entry, address in learned:
+                entry.address = address
+            return
+        if listed is None:  # in order but shorter than the model: every line so far held
+            learned_at = {id(e): a for e, a in learned}
+            listed = [(learned_at.get(id(e), e.address) or "", e.length) for e in self._cache[:self._listing_seen]]
         if self._alike is not None:
             restore, alike = self._alike
             self._alike = None
