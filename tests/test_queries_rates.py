@@ -220,7 +220,7 @@ def test_margin_shift_and_flip_rate_compare_the_same_positions(client):
                if r["weight_format"] == "F16") == once["positions"]
 
 
-def test_margin_shift_counts_episodes_and_bootstraps_its_interval_over_them(db, tmp_path):
+def test_margin_shift_counts_episodes_and_bootstraps_its_interval_over_them(client, tmp_path):
     """Two hits per episode, three episodes whose shifts differ: n is 3 episodes, not 6 pairs, and the
     interval of the mean |shift| comes from resampling episodes. One episode alone shows no spread."""
     book = ScenarioBook(tmp_path / "spool")
@@ -231,8 +231,8 @@ def test_margin_shift_counts_episodes_and_bootstraps_its_interval_over_them(db, 
             book.turn("ci-off", episode, turn, prompt, SECOND, OFF_MARGINS, arm="off", weight_format=fmt)
             book.turn("ci-hit", episode, turn, prompt, SECOND, [m + shift for m in OFF_MARGINS], cache=REUSE,
                       weight_format=fmt)
-    book.ingest(db)
-    shift = {r["weight_format"]: r for r in rows(db, "margin_shift", run_prefix="ci-")}
+    book.ingest(client)  # runs of their own ("ci-"): the module's database, one embedded database a process
+    shift = {r["weight_format"]: r for r in rows(client, "margin_shift", run_prefix="ci-")}
     f16 = shift["F16"]
     assert (f16["request_pairs"], f16["episodes"], f16["positions"]) == (6, 3, 6 * len(SECOND))
     assert f16["mean_abs_shift"] == pytest.approx(0.3)
