@@ -164,7 +164,7 @@ class LogParser:
         self._listing_size = 0
         self._listing_seen = 0
         self._listing: Optional[list[tuple[str, int]]] = None  # the listing whole, once it left the model's order
-        self._learned: list[tuple[_CachedPrompt, str]] = []  # addresses the listing gives entries, while in order
+        self._learned: dict[int, str] = {}  # while in order: the new addresses the listing gives, by position
         self._alike: Optional[tuple[Restore, list[_CachedPrompt]]] = None  # a restore the next listing decides
         self._restored_entry: Optional[_CachedPrompt] = None
         self._params_slot: Optional[int] = None  # the slot whose sampling parameters are being printed
@@ -203,7 +203,7 @@ class LogParser:
             pending.candidates, pending.looked_up, self._storing, self._idle_slot = [], True, None, None
         elif (m := _CACHE_STATE.search(line)) is not None:
             self._reading_listing, self._listing_size, self._listing_seen = True, int(m["n"]), 0
-            self._listing, self._learned = ([] if self._alike is not None else None), []
+            self._listing, self._learned = ([] if self._alike is not None else None), {}
             if self._listing_size == 0:
                 self._reconcile()
         elif (m := _IDLE_SAVE.search(line)) is not None:
@@ -277,15 +277,17 @@ class LogParser:
             entry = self._cache[index] if index < len(self._cache) else None
             if entry is not None and entry.length == length:
                 if entry.address != address:  # an equal one stays: a listing's strings are short-lived
-                    self._learned.append((entry, address))
+                    self._learned[index] = address
             else:
-                learned = {id(e): a for e, a in self._learned}
-                self._listing = [(learned.get(id(e), e.address) or "", e.length) for e in self._cache[:index]]
-                self._listing.append((address, length))
+                self._listing = self._listing_so_far(index) + [(address, length)]
         else:
             self._listing.append((address, length))
         if self._listing_seen == self._listing_size:
             self._reconcile()
+
+    def _listing_so_far(self, count: int) -> list[tuple[str, int]]:
+        """The listing's first ``count`` lines, which repeated the model's first entries."""
+        return [(self._learned.get(i, entry.address) or "", entry.length) for i, entry in enumerate(self._cache[:count])]
 
     def _reconcile(self) -> None:
         """The model of the cache against llama-server's own listing of it (after every cache update).
@@ -295,15 +297,13 @@ class LogParser:
         listed before, a single model entry of its length says which it is.
         """
         listed, self._listing, self._reading_listing = self._listing, None, False
-        learned, self._learned = self._learned, []
         restored, self._restored_entry = self._restored_entry, None
         if listed is None and self._listing_seen == len(self._cache):
-            for entry, address in learned:
-                entry.address = address
+            for index, address in self._learned.items():
+                self._cache[index].address = address
             return
-        if listed is None:  # in order but shorter than the model: every line so far held
-            learned_at = {id(e): a for e, a in learned}
-            listed = [(learned_at.get(id(e), e.address) or "", e.length) for e in self._cache[:self._listing_seen]]
+        if listed is None:  # in order, but shorter than the model
+            listed = self._listing_so_far(self._listing_seen)
         if self._alike is not None:
             restore, alike = self._alike
             self._alike = None
