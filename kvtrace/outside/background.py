@@ -16,31 +16,38 @@ log = logging.getLogger("kvtrace")
 
 
 class Background:
-    def __init__(self, limit: int = 64):
+    def __init__(self, limit: int = 64, name: str = "kvtrace-proxy-record"):
         self._room = threading.BoundedSemaphore(limit)
         self._lock = threading.Lock()
         self._running: set[threading.Thread] = set()
         self._closed = False
+        self._name = name
 
     def run(self, job: Callable[[], None]) -> None:
         """``job()`` on a thread of its own, or here when ``limit`` are running or after :meth:`close`."""
-        if self._closed or not self._room.acquire(blocking=False):
+        if not self.try_run(job):
             job()
-            return
-        thread = threading.Thread(target=self._run, args=(job,), name="kvtrace-proxy-record", daemon=True)
+
+    def try_run(self, job: Callable[[], None]) -> bool:
+        """``job()`` on a thread of its own if fewer than ``limit`` run (and not closed); else ``False``,
+        and nothing runs."""
+        if self._closed or not self._room.acquire(blocking=False):
+            return False
+        thread = threading.Thread(target=self._run, args=(job,), name=self._name, daemon=True)
         with self._lock:
             self._running.add(thread)
         try:
             thread.start()
-        except RuntimeError:  # no thread to be had: the caller's, as beyond the limit
+        except RuntimeError:  # no thread to be had: as beyond the limit
             self._done(thread)
-            job()
+            return False
+        return True
 
     def _run(self, job: Callable[[], None]) -> None:
         try:
             job()
         except Exception:  # the job counts its own failures; this is a last guard for the thread
-            log.warning("kvtrace proxy: recording a request failed", exc_info=True)
+            log.warning("kvtrace proxy: a job of %s failed", self._name, exc_info=True)
         finally:
             self._done(threading.current_thread())
 

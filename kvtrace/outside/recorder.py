@@ -80,13 +80,13 @@ class OutsideRecorder:
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
 
-def trace_headers(record: RequestRecord) -> dict[str, str]:
+def trace_headers(record: RequestRecord, arm: Optional[str] = None) -> dict[str, str]:
     """W3C ``traceparent`` (the record's trace, the record's span as the parent) and ``baggage`` (its run,
-    episode, turn and arm), as a client harness sends them to a server kvtrace traces."""
+    episode, turn and arm, or ``arm`` instead), as a client harness sends them to a server kvtrace traces."""
     span = NonRecordingSpan(SpanContext(int(record.trace_id, 16), int(record.span_id, 16), is_remote=False,
                                         trace_flags=_SAMPLED))
     return {**correlation_headers(record.correlation.run_id, record.correlation.episode_id, record.correlation.turn,
-                                  record.config.get(sc.ARM)),
+                                  arm or record.config.get(sc.ARM)),
             **_inject(TraceContextTextMapPropagator(), trace.set_span_in_context(span))}
 
 

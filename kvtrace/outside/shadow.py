@@ -25,10 +25,11 @@ from typing import Any, Callable, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.errors import ConfigError
+from kvtrace.outside.background import Background
 from kvtrace.outside.http1 import Request
 from kvtrace.outside.limits import ShadowBudget
 from kvtrace.outside.margin_request import UpstreamProfile
-from kvtrace.outside.recorder import correlation_headers, trace_headers
+from kvtrace.outside.recorder import trace_headers
 from kvtrace.outside.upstream import Upstream, UpstreamBrokeOff, UpstreamUnreachable
 from kvtrace.recording.records import RequestRecord
 from kvtrace.recording.stats import SHADOW_TWINS_DROPPED, SHADOW_TWINS_SENT, SHADOW_TWINS_UNSUPPORTED
@@ -86,6 +87,9 @@ class _TokenBucket:
         self._level -= n
         return True
 
+    def refund(self, n: int) -> None:
+        self._level = min(self._capacity, self._level + n)
+
 
 class Shadows:
     """Decides, sends and counts twins; ``send(request, responder)`` is the proxy's own request handler."""
@@ -97,10 +101,9 @@ class Shadows:
         self._send = send
         self._count = count
         self._rng = rng or random.Random()
-        self._room = threading.BoundedSemaphore(budget.in_flight)
+        self._in_flight = Background(budget.in_flight, name="kvtrace-shadow")
         self._lock = threading.Lock()
         self._tokens = _TokenBucket(budget.tokens_per_minute)
-        self._running: set[threading.Thread] = set()
         self._warned_unsupported = False
 
     def offer(self, request: dict[str, Any], target: str, profile: UpstreamProfile, record: RequestRecord) -> None:
@@ -115,31 +118,21 @@ class Shadows:
         if bypass is None:
             self._unsupported(profile)
             return
-        if not self._room.acquire(blocking=False):
-            self._count(SHADOW_TWINS_DROPPED)
-            return
+        cost = record.prompt_tokens + len(record.output_token_ids)
         with self._lock:
-            affordable = self._tokens.take(record.prompt_tokens + len(record.output_token_ids))
+            affordable = self._tokens.take(cost)
         if not affordable:
-            self._room.release()
             self._count(SHADOW_TWINS_DROPPED)
             return
         twin = {**request, **bypass, "stream": False}
         twin.pop("stream_options", None)
-        headers = {**trace_headers(record), **correlation_headers(
-            record.correlation.run_id, record.correlation.episode_id, record.correlation.turn, sc.ARM_SHADOW)}
+        headers = trace_headers(record, arm=sc.ARM_SHADOW)
         shadow = Request("POST", target, target.split("?", 1)[0], [(b"content-type", b"application/json")] + [
             (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()],
             json.dumps(twin, ensure_ascii=False).encode("utf-8"))
-        thread = threading.Thread(target=self._run, args=(shadow, profile), name="kvtrace-shadow", daemon=True)
-        with self._lock:
-            self._running.add(thread)
-        try:
-            thread.start()
-        except RuntimeError:  # no thread to be had: the twin is dropped like any beyond the budget
+        if not self._in_flight.try_run(lambda: self._run(shadow, profile)):
             with self._lock:
-                self._running.discard(thread)
-            self._room.release()
+                self._tokens.refund(cost)
             self._count(SHADOW_TWINS_DROPPED)
 
     def _run(self, shadow: Request, profile: UpstreamProfile) -> None:
@@ -151,10 +144,6 @@ class Shadows:
             self._send(shadow, _Discarded())
         except Exception:
             log.warning("kvtrace proxy: a shadow twin failed", exc_info=True)
-        finally:
-            with self._lock:
-                self._running.discard(threading.current_thread())
-            self._room.release()
 
     def _idle_slot(self) -> bool:
         """Whether llama-server has a slot processing nothing (its ``/slots``). Started without the endpoint
@@ -178,7 +167,4 @@ class Shadows:
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Wait for the twins in flight (their records go out before the proxy's recorder flushes)."""
-        with self._lock:
-            running = list(self._running)
-        for thread in running:
-            thread.join(timeout_s)
+        self._in_flight.close(timeout_s)
