@@ -345,18 +345,22 @@ ARMS = {"vllm": vllm_arms, "llama-cpp": llama_cpp_arms, "llama-server": llama_se
 
 # ------------------------------------------------------------------------------------------- load
 
-def request_spans(spool: Path, twins: bool = False) -> int:
-    """The request spans in a spool's complete lines: the clients' (or, with ``twins``, the shadow twins')."""
-    count = 0
+def request_spans(spool: Path) -> tuple[int, int]:
+    """The request spans in a spool's complete lines: the clients', and the shadow twins'."""
+    clients = twins = 0
     for path in sorted(spool.glob("*.jsonl")) if spool.is_dir() else []:
         text = path.read_text(errors="replace")
         for line in text[:text.rfind("\n") + 1].splitlines():
             with contextlib.suppress(ValueError):
                 for resource in json.loads(line).get("resourceSpans", []):
                     for scope in resource.get("scopeSpans", []):
-                        count += sum(1 for span in scope.get("spans", []) if span.get("name") == SPAN_REQUEST
-                                     and is_twin(span) == twins)
-    return count
+                        for span in scope.get("spans", []):
+                            if span.get("name") == SPAN_REQUEST:
+                                if is_twin(span):
+                                    twins += 1
+                                else:
+                                    clients += 1
+    return clients, twins
 
 
 def twins_dropped(spool: Path) -> int:
@@ -427,11 +431,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def wait_for_spans(spool: Path, expected: int) -> int:
+def wait_for_spans(spool: Path, expected: int) -> tuple[int, int]:
+    """The clients' and the twins' request spans, once the clients' reach ``expected`` (or time is up)."""
     deadline = time.monotonic() + SPANS_WAIT_S
-    while (count := request_spans(spool)) < expected and time.monotonic() < deadline:
+    while (counts := request_spans(spool))[0] < expected and time.monotonic() < deadline:
         time.sleep(0.5)
-    return count
+    return counts
 
 
 def measure(client: Client, untraced: Arm, traced: Arm, concurrency: int, requests: int, stream: bool,
@@ -440,8 +445,7 @@ def measure(client: Client, untraced: Arm, traced: Arm, concurrency: int, reques
     size = 2 * concurrency
     blocks = max(1, -(-requests // size))
     # Counted against every request so far, so a span of an earlier cell arriving late is not one of this cell's.
-    spans_before = wait_for_spans(traced.spool, traced.completed)
-    twins_before = request_spans(traced.spool, twins=True)
+    spans_before, twins_before = wait_for_spans(traced.spool, traced.completed)
     dropped_before = twins_dropped(traced.spool)
     arms: dict[bool, list[Block]] = {False: [], True: []}
     resent_before = client.resent
@@ -452,9 +456,9 @@ def measure(client: Client, untraced: Arm, traced: Arm, concurrency: int, reques
             arms[is_traced].append(client.block(traced if is_traced else untraced, concurrency, count, stream,
                                                 settle_s))
     completed = sum(len(b.latencies) for b in arms[True])
-    spans = wait_for_spans(traced.spool, traced.completed) - spans_before
-    out = {"completed": completed, "spans": spans, "resent": client.resent - resent_before,
-           "twins": request_spans(traced.spool, twins=True) - twins_before,
+    spans, twins = wait_for_spans(traced.spool, traced.completed)
+    out = {"completed": completed, "spans": spans - spans_before, "resent": client.resent - resent_before,
+           "twins": twins - twins_before,
            "dropped": twins_dropped(traced.spool) - dropped_before}
     for is_traced, name in ((False, "untraced"), (True, "traced")):
         latencies = [x for b in arms[is_traced] for x in b.latencies]
@@ -523,31 +527,24 @@ def growth(label: str, values: list[float], what: str) -> None:
           f"(target < {TARGET_RSS_PCT:g} % over a 20-minute soak){halves}")
 
 
-def run_shadow(name: str, args: argparse.Namespace, tmp: Path) -> None:
-    print(f"\n{name}: shadowed/plain proxy ratios at --shadow {args.shadow:g} (plain / shadowed absolute figures "
-          f"beside them)")
-    with shadow_arms(name, args, tmp) as (plain, shadowed):
-        client = Client(args.tokens)
-        for arm in (plain, shadowed):
-            client.block(arm, 2, 4, stream=False, settle_s=SETTLE_S)
-        for concurrency in args.concurrency:
-            for stream in (False, True):
-                report_cell(name, concurrency, stream, measure(client, plain, shadowed, concurrency, args.requests,
-                                                               stream, SETTLE_S), shadow=True)
-        client.http.close()
-
-
 def run_server(name: str, args: argparse.Namespace, tmp: Path) -> None:
-    print(f"\n{name}: traced/untraced ratios (untraced / traced absolute figures beside them)")
-    with ARMS[name](args, tmp) as (untraced, traced):
+    if args.shadow is not None:
+        print(f"\n{name}: shadowed/plain proxy ratios at --shadow {args.shadow:g} (plain / shadowed absolute "
+              "figures beside them)")
+        arms, settle_s = shadow_arms(name, args, tmp), SETTLE_S
+    else:
+        print(f"\n{name}: traced/untraced ratios (untraced / traced absolute figures beside them)")
+        arms, settle_s = ARMS[name](args, tmp), 0.0
+    with arms as (untraced, traced):
         client = Client(args.tokens)
         for arm in (untraced, traced):  # first calls: the model's first batch, the exporter thread
-            client.block(arm, 2, 4, stream=False)
+            client.block(arm, 2, 4, stream=False, settle_s=settle_s)
         before = {label: rss_mb(pid) for label, pid in traced.rss.items()}
         for concurrency in args.concurrency:
             for stream in (False, True):
                 report_cell(name, concurrency, stream, measure(client, untraced, traced, concurrency,
-                                                               args.requests, stream))
+                                                               args.requests, stream, settle_s),
+                            shadow=args.shadow is not None)
         for label, pid in traced.rss.items():
             growth(label, [before[label], rss_mb(pid)], "the load above")
         if args.minutes:
@@ -566,7 +563,7 @@ def main() -> int:
             root = Path(tmp) / name
             root.mkdir()
             try:
-                (run_shadow if args.shadow else run_server)(name, args, root)
+                run_server(name, args, root)
             except httpx.HTTPError as exc:
                 raise SystemExit(f"{name}: a request failed ({exc}); is the server overloaded?") from None
     return 0
