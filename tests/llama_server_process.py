@@ -77,23 +77,13 @@ def proxy_process(argv: list[str], port: int, log_path: Path) -> Iterator[str]:
     """``kvtrace proxy`` as its own process (``argv`` listening on ``port``), output in ``log_path``; yields
     its base URL once it answers. Stopped with SIGINT, a normal stop, which must exit 0."""
     import signal
-    import time
-
-    import httpx
 
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(base + "/health", timeout=2)
-                break
-            except httpx.HTTPError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(log_path.read_text())
-                time.sleep(0.1)
+        if not wait_until_healthy(base, process, 60):  # the upstream's /health, through the proxy
+            pytest.fail(log_path.read_text())
         yield base
     finally:
         process.send_signal(signal.SIGINT)  # the spans of requests still being recorded are flushed

@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 
 import pytest
 
@@ -22,6 +21,8 @@ from readme_commands import readme_command
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("llama_cpp.server.app")
+
+from kvtrace.experiment.server import wait_until_healthy  # noqa: E402  (needs httpx)
 
 RUN_ID = "harness-run-1"
 SERVE = "kvtrace run -- python -m llama_cpp.server --model MODEL.gguf --cache true"
@@ -53,17 +54,9 @@ def server(tiny_gguf, spool_dir, tmp_path):
              "--verbose", "false"],
             env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"server did not start:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.2)
+    if not wait_until_healthy(base, process, 90, path="/v1/models"):
+        process.kill()
+        pytest.fail(f"server did not start:\n{log_path.read_text()[-3000:]}")
 
     def stop() -> None:
         if process.poll() is None:

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -24,6 +23,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("h11")
 pytest.importorskip("llama_cpp.server.app")
 
+from kvtrace.experiment.server import wait_until_healthy  # noqa: E402
 from llama_server_process import free_port, running_proxy  # noqa: E402
 
 RUN_ID = "behind-the-proxy"
@@ -44,16 +44,8 @@ def llama_cpp_server(tiny_gguf, log_path: Path, *wrapper: str, env=None) -> Iter
             env=env, stdout=log, stderr=subprocess.STDOUT)
     upstream = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{upstream}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server did not start:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
+        if not wait_until_healthy(upstream, server, 90, path="/v1/models"):
+            pytest.fail(f"server did not start:\n{log_path.read_text()[-3000:]}")
         yield upstream
     finally:
         server.send_signal(signal.SIGINT)

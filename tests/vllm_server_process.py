@@ -9,13 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-import httpx
 import pytest
 
+from kvtrace.experiment.server import wait_until_healthy
 from readme_commands import readme_command
 
 VENV_BIN = Path(sys.executable).parent
@@ -81,18 +80,10 @@ def running_vllm_server(hf_model: Path, spool_dir: Path, log_path: Path, *extra:
             process.wait(timeout=30)
 
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_S
     try:
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                stop()
-                pytest.fail(f"vllm serve did not become healthy:\n{log_path.read_text(errors='replace')[-4000:]}")
-            time.sleep(0.5)
+        if not wait_until_healthy(base, process, STARTUP_S):
+            stop()
+            pytest.fail(f"vllm serve did not become healthy:\n{log_path.read_text(errors='replace')[-4000:]}")
         yield base, stop
     finally:
         stop()

@@ -118,13 +118,13 @@ def started_server(command: list[str], arguments: list[str], log_path: Path) -> 
         stop_server(process)
 
 
-def wait_until_healthy(base: str, process: subprocess.Popen, timeout_s: float) -> bool:
-    """Poll llama-server's ``/health`` until it answers 200 (True), or the process exits or
-    ``timeout_s`` passes (False)."""
+def wait_until_healthy(base: str, process: subprocess.Popen, timeout_s: float, path: str = "/health") -> bool:
+    """Poll the server's ``path`` (llama-server's and vLLM's ``/health``) until it answers 200 (True), or
+    the process exits or ``timeout_s`` passes (False)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{base}{path}", timeout=2).status_code == 200:
                 return True
         except httpx.HTTPError:
             pass
