@@ -8,10 +8,18 @@
 --   run_prefix ('' = all). Outputs must carry token ids (ids or hashed capture). One row per weight
 --   format plus a row '(all)'. Optional scope (what alert rules use): only cache-hit requests with
 --   since <= Timestamp < until and the given engine / model / weight format ('' = any); the
---   reference recompute may be older than the window.
+--   reference recompute may be older than the window. reference_arm: only references of this arm
+--   ('' = any; 'shadow' = the cold twins `kvtrace proxy --shadow` sends of live cache-hit requests).
+--   shadow_pairs / shadow_episodes: how many of the pairs rest on a shadow twin, and from how many
+--   distinct episodes. episodes: the distinct episodes of all the pairs (requests without one count
+--   alone): the independent samples, since the pairs of one episode share its prompts and cache
+--   history. ci_low / ci_high: 95 % interval of mean_abs_shift, a cluster bootstrap over those
+--   episodes (queries/shared/cluster_interval.sql; one episode: both ends are its value). The
+--   bootstrap is most of the query's time: interval = 0 leaves it out (ci_low, ci_high NaN), as alert
+--   rules do, which read neither.
 -- params: run_prefix String = '', since DateTime64(3) = '1970-01-01 00:00:00',
 --   until DateTime64(3) = '2200-01-01 00:00:00', engine String = '', model String = '',
---   weight_format String = '', reference_arm String = ''
+--   weight_format String = '', reference_arm String = '', interval UInt8 = 1
 -- columns: weight_format, request_pairs, positions, mean_shift, mean_abs_shift, p50_abs_shift,
 --   p95_abs_shift, max_abs_shift, shadow_pairs, shadow_episodes, episodes, ci_low, ci_high
 WITH
@@ -51,6 +59,7 @@ per_episode AS (
     SELECT if(grouping(format) = 1, '(all)', format) AS weight_format, cluster,
            sum(arraySum(arrayMap(x -> abs(x), shifts))) AS abs_sum, sum(matched_positions) AS matched
     FROM hit_shifts
+    WHERE {interval:UInt8} = 1
     GROUP BY GROUPING SETS ((format, cluster), (cluster))
     HAVING matched > 0
 ),

@@ -60,25 +60,29 @@ class Metric:
     """Query parameters the metric fixes (the shadow metrics: references of arm ``shadow`` only)."""
 
 
+NO_INTERVAL = (("interval", "0"),)
+"""margin_shift without its bootstrap interval: a rule reads the value and the samples, and the interval
+is most of the query's time."""
+
 METRICS: dict[str, Metric] = {
     "margin_shift_mean_abs": Metric(
         "margin_shift", "mean_abs_shift", "positions", ("weight_format",),
         "mean |Δ margin| between cache-hit and recompute paths at matched positions", rollup_label="weight_format",
-        row_filters=("weight_format",)),
+        row_filters=("weight_format",), params=NO_INTERVAL),
     "margin_shift_p95_abs": Metric(
         "margin_shift", "p95_abs_shift", "positions", ("weight_format",),
         "p95 |Δ margin| between cache-hit and recompute paths at matched positions", rollup_label="weight_format",
-        row_filters=("weight_format",)),
+        row_filters=("weight_format",), params=NO_INTERVAL),
     # Live traffic: cache hits against the cold twins `kvtrace proxy --shadow` sent of them; the samples
     # are the episodes the pairs come from (the independent ones), not their positions.
     "shadow_margin_shift_mean_abs": Metric(
         "margin_shift", "mean_abs_shift", "shadow_episodes", ("weight_format",),
         "mean |Δ margin| between live cache hits and their shadow twins at matched positions",
-        rollup_label="weight_format", row_filters=("weight_format",), params=(("reference_arm", sc.ARM_SHADOW),)),
+        rollup_label="weight_format", row_filters=("weight_format",), params=NO_INTERVAL + (("reference_arm", sc.ARM_SHADOW),)),
     "shadow_margin_shift_p95_abs": Metric(
         "margin_shift", "p95_abs_shift", "shadow_episodes", ("weight_format",),
         "p95 |Δ margin| between live cache hits and their shadow twins at matched positions",
-        rollup_label="weight_format", row_filters=("weight_format",), params=(("reference_arm", sc.ARM_SHADOW),)),
+        rollup_label="weight_format", row_filters=("weight_format",), params=NO_INTERVAL + (("reference_arm", sc.ARM_SHADOW),)),
     # No row filters: a configuration is a whole run's, so a filter changes which requests make up a run.
     "divergence_rate": Metric(
         "divergence_rates", "fork_rate", "episodes_compared", ("engine", "weight_format", "arm", "compared_with"),
