@@ -124,22 +124,22 @@ class Shadows:
         if not affordable:
             self._count(SHADOW_TWINS_DROPPED)
             return
-        twin = {**request, **bypass, "stream": False}
-        twin.pop("stream_options", None)
-        headers = trace_headers(record, arm=sc.ARM_SHADOW)
-        shadow = Request("POST", target, target.split("?", 1)[0], [(b"content-type", b"application/json")] + [
-            (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()],
-            json.dumps(twin, ensure_ascii=False).encode("utf-8"))
-        if not self._in_flight.try_run(lambda: self._run(shadow, profile)):
+        if not self._in_flight.try_run(lambda: self._run({**request, **bypass}, target, profile, record)):
             with self._lock:
                 self._tokens.refund(cost)
             self._count(SHADOW_TWINS_DROPPED)
 
-    def _run(self, shadow: Request, profile: UpstreamProfile) -> None:
+    def _run(self, twin: dict[str, Any], target: str, profile: UpstreamProfile, record: RequestRecord) -> None:
         try:
             if profile.llama_server and not self._idle_slot():
                 self._count(SHADOW_TWINS_DROPPED)
                 return
+            twin["stream"] = False
+            twin.pop("stream_options", None)
+            headers = trace_headers(record, arm=sc.ARM_SHADOW)
+            shadow = Request("POST", target, target.split("?", 1)[0], [(b"content-type", b"application/json")] + [
+                (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()],
+                json.dumps(twin, ensure_ascii=False).encode("utf-8"))
             self._count(SHADOW_TWINS_SENT)
             self._send(shadow, _Discarded())
         except Exception:
