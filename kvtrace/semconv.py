@@ -219,6 +219,7 @@ ATTRIBUTION_FOREIGN_STATE = "foreign_state"
 ATTRIBUTION_HIT_VS_RECOMPUTE = "hit_vs_recompute"
 ATTRIBUTION_REUSE_LENGTH = "reuse_length"
 ATTRIBUTION_CACHE_SOURCE = "cache_source"
+ATTRIBUTION_BATCH_COMPOSITION = "batch_composition"
 ATTRIBUTION_SAME_CACHE_PATH = "same_cache_path"
 """attribution labels, most specific first (their meaning: queries/fork_attribution.sql)."""
 VERDICT_CONFIRMED = "confirmed"
@@ -327,3 +328,18 @@ TASK_MATCH_NONE = "none"
 REASON_SOURCE_UNKNOWN = "source_unknown"
 """restore (prompt cache seen from a server's log): the restored state's origin cannot be named
 unambiguously (two candidates alike, or stored by a request the proxy did not trace)."""
+
+# --- batch composition (appended; docs/batching.md) ------------------------------------------
+
+OUTPUT_STEP_ROWS = "kvtrace.output.step_rows"
+"""Per generated token: how many sequences (rows) the engine step that computed its logits held."""
+OUTPUT_STEP_TOKENS = "kvtrace.output.step_tokens"
+"""Per generated token: how many tokens that engine step computed, over all its rows."""
+PROMPT_PREFILL_STEPS = "kvtrace.prompt.prefill_steps"
+"""The prompt's computed (not reused) tokens per engine step, in order: how chunked prefill or
+micro-batches split it."""
+BATCH_COMPOSITION = "kvtrace.batch.composition"
+"""``recorded`` (the step arrays above were filled by the engine's hooks) or ``unknown`` (the engine's
+steps are out of kvtrace's sight, e.g. llama-server behind the proxy); absent on older spans."""
+BATCH_RECORDED = "recorded"
+BATCH_UNKNOWN = "unknown"

@@ -40,7 +40,8 @@ TABLES = {
     "kvtrace_tokens": "SpanId, position",
     "kvtrace_cache_events": "SpanId, event_index",
 }
-TOKEN_ARRAYS = (sc.OUTPUT_TOKEN_IDS, sc.OUTPUT_TOP1_IDS, sc.OUTPUT_RUNNER_UP_IDS, sc.OUTPUT_MARGINS, sc.OUTPUT_LOGPROBS)
+TOKEN_ARRAYS = (sc.OUTPUT_TOKEN_IDS, sc.OUTPUT_TOP1_IDS, sc.OUTPUT_RUNNER_UP_IDS, sc.OUTPUT_MARGINS, sc.OUTPUT_LOGPROBS,
+                sc.OUTPUT_STEP_ROWS, sc.OUTPUT_STEP_TOKENS, sc.PROMPT_PREFILL_STEPS)
 # The answers compared: every saved query, over two runs, one episode and one run where it asks for them.
 QUERY_VALUES = {"run_a": f"run-{sc.CAPTURE_IDS}", "run_b": f"run-{sc.CAPTURE_HASHED}", "run": f"run-{sc.CAPTURE_IDS}",
                 "episode": "ep0"}
@@ -71,6 +72,11 @@ def recorded_spans(monkeypatch, tmp_path) -> list:
             for i, margin in enumerate(margins):
                 rec.add_token(1000 + i, 1000 + i + (i % 3 == 2), 2000 + i, margin, -abs(margin) / 3 - i)
             rec.events.extend(events)
+            if reused:  # an engine that records its steps' batch composition
+                rec.batch_composition = sc.BATCH_RECORDED
+                rec.step_rows = [1 + i % 5 for i in range(len(margins))]
+                rec.step_tokens = [16 + i % 7 for i in range(len(margins))]
+                rec.prefill_steps = [8, 8]
             rec.config[sc.MODEL_WEIGHT_FORMAT] = "Q4_K_M"
             rec.config[sc.NUMERICS_SETTINGS] = {"n_threads": 1, "n_ubatch": 512}
             rec.config.update(config or {})

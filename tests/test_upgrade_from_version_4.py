@@ -23,7 +23,7 @@ from kvtrace.db import connect
 from test_schema_upgrade import schema_shape
 
 VERSION_4 = Path(__file__).parent / "fixtures" / "database_v4.sql"
-MIGRATIONS = ("0005_typed_tables_fold_copies", "0006_tokens_view_and_array_codecs")
+MIGRATIONS = ("0005_typed_tables_fold_copies", "0006_tokens_view_and_array_codecs", "0007_batch_composition")
 TYPED = schema.REBUILT_IN_0005  # version 4's typed tables: kvtrace_tokens a view since version 6
 OTHER_TABLES = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_ingest_files")
 PAIR = {"run_a": "v4-A", "run_b": "v4-B"}
@@ -57,11 +57,17 @@ def load_version_4(client) -> None:
         client.command(statement)
 
 
+BATCH_COLUMNS = ("batch_composition", "step_rows", "step_tokens", "prefill_steps", "batch_rows", "batch_tokens")
+"""Columns version 7 added, which rows stored before have empty (checked apart)."""
+
+
 def rows(client, table: str, final: bool = False) -> list[str]:
-    """Every row as text, its columns by name (a rebuilt table's column order does not matter), sorted."""
+    """Every row as text, its columns of version 4 by name (a rebuilt table's column order does not matter),
+    sorted."""
     columns = [r[0] for r in client.query(
         "SELECT name FROM system.columns WHERE database = currentDatabase() AND table = {t:String} "
-        "AND default_kind NOT IN ('ALIAS', 'MATERIALIZED') ORDER BY name", parameters={"t": table}).result_rows]
+        "AND default_kind NOT IN ('ALIAS', 'MATERIALIZED') ORDER BY name", parameters={"t": table}).result_rows
+        if r[0] not in BATCH_COLUMNS]
     listed = ", ".join(f"`{c}`" for c in columns)
     found = client.query(f"SELECT {listed} FROM {table} {'FINAL' if final else ''}").result_rows
     return sorted(repr(row) for row in found)
@@ -86,7 +92,7 @@ def test_a_version_4_database_is_rebuilt_keeps_every_row_and_counts_a_copy_once(
                       "otel_traces_trace_id_ts": 1, "kvtrace_ingest_files": 0}
 
     change = schema.init_schema(client)
-    assert (change.version_before, change.version, change.applied) == (4, 6, MIGRATIONS)
+    assert (change.version_before, change.version, change.applied) == (4, 7, MIGRATIONS)
     assert client.query("SELECT version, name FROM kvtrace_schema_migrations ORDER BY version").result_rows == [
         (m.version, m.name) for m in schema.migrations()]
     engines = client.query("SELECT name, engine, sorting_key FROM system.tables WHERE database = currentDatabase() "
@@ -104,6 +110,9 @@ def test_a_version_4_database_is_rebuilt_keeps_every_row_and_counts_a_copy_once(
     # The digest the fork queries compare, for rows stored before it existed: computed as they are read.
     assert client.query("SELECT countIf(token_digest != cityHash64(token_ids)), count() FROM kvtrace_requests"
                         ).result_rows == [(0, len(set(stored["kvtrace_requests"])))]
+    # Version 7's columns: nothing recorded for the rows stored before.
+    assert client.query("SELECT DISTINCT batch_composition, step_rows, step_tokens, prefill_steps FROM kvtrace_requests"
+                        ).result_rows == [("", [], [], [])]
 
     # The saved queries: the fork is where it was, and the request stored twice counts once.
     runs = {r[0]: r for r in queries.run(client, "runs", {})[1]}
@@ -147,7 +156,7 @@ def main_says_nothing_to_upgrade(capsys) -> bool:
     from kvtrace.cli import main
 
     capsys.readouterr()
-    return main(["db", "init"]) == 0 and "schema version 6, nothing to upgrade" in capsys.readouterr().out
+    return main(["db", "init"]) == 0 and "schema version 7, nothing to upgrade" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("stop_at", [

@@ -55,7 +55,13 @@ CREATE TABLE IF NOT EXISTS ${database}.${kvtrace_requests} ${on_cluster} (
     token_digest UInt64 MATERIALIZED cityHash64(token_ids),
     finish_reason LowCardinality(String),
     status_code LowCardinality(String),
-    duration_ns UInt64
+    duration_ns UInt64,
+    -- Batch composition (docs/batching.md): per generated token the rows and tokens of its engine step; the
+    -- prompt's computed tokens per step.
+    batch_composition LowCardinality(String),
+    step_rows Array(Int64) CODEC(T64),
+    step_tokens Array(Int64) CODEC(T64),
+    prefill_steps Array(Int64) CODEC(T64)
 ) ENGINE = ${span_engine}
 PARTITION BY toDate(Timestamp)
 ORDER BY (run_id, episode_id, turn, Timestamp, TraceId, SpanId)

@@ -54,7 +54,11 @@ AS SELECT
     JSONExtract(SpanAttributes['${OUTPUT_RUNNER_UP_IDS}'], 'Array(Int64)') AS runner_up_ids,
     -- A negative zero is stored as 0 whichever text a writer gave it ("-0", "-0.0"), as ingest stores it.
     arrayMap(x -> x + 0., JSONExtract(SpanAttributes['${OUTPUT_MARGINS}'], 'Array(Float64)')) AS margins,
-    arrayMap(x -> x + 0., JSONExtract(SpanAttributes['${OUTPUT_LOGPROBS}'], 'Array(Float64)')) AS logprobs
+    arrayMap(x -> x + 0., JSONExtract(SpanAttributes['${OUTPUT_LOGPROBS}'], 'Array(Float64)')) AS logprobs,
+    SpanAttributes['${BATCH_COMPOSITION}'] AS batch_composition,
+    JSONExtract(SpanAttributes['${OUTPUT_STEP_ROWS}'], 'Array(Int64)') AS step_rows,
+    JSONExtract(SpanAttributes['${OUTPUT_STEP_TOKENS}'], 'Array(Int64)') AS step_tokens,
+    JSONExtract(SpanAttributes['${PROMPT_PREFILL_STEPS}'], 'Array(Int64)') AS prefill_steps
 FROM ${database}.${otel_traces}
 WHERE SpanName = '${SPAN_REQUEST}'
     AND NOT mapContains(SpanAttributes, '${TYPED_ROWS_STORED}')

@@ -1,6 +1,6 @@
 """kvtrace's per-token arrays in the spool: packed little-endian numbers in an OTLP ``bytesValue``.
 
-A request span carries five arrays with one element per generated token (and, with ``ids``
+A request span carries arrays with one element per generated token (and, with ``ids``
 capture, the prompt's token ids).  As standard OTLP/JSON each element is a value object of its
 own (``{"doubleValue":0.123…}``, ~35 bytes and a dict to build and to parse); in the spool each
 array is instead one ``bytesValue``: the elements as little-endian int64 or float64, base64 as
@@ -31,6 +31,9 @@ PACKED_ARRAYS: dict[str, str] = {
     sc.OUTPUT_MARGINS: FLOAT64,
     sc.OUTPUT_LOGPROBS: FLOAT64,
     sc.PROMPT_TOKEN_IDS: INT64,
+    sc.OUTPUT_STEP_ROWS: INT64,
+    sc.OUTPUT_STEP_TOKENS: INT64,
+    sc.PROMPT_PREFILL_STEPS: INT64,
 }
 """Attribute key → element type of every array the spool packs."""
 
@@ -40,8 +43,12 @@ TOKEN_ARRAYS: dict[str, str] = {
     sc.OUTPUT_RUNNER_UP_IDS: "runner_up_ids",
     sc.OUTPUT_MARGINS: "margins",
     sc.OUTPUT_LOGPROBS: "logprobs",
+    sc.OUTPUT_STEP_ROWS: "step_rows",
+    sc.OUTPUT_STEP_TOKENS: "step_tokens",
+    sc.PROMPT_PREFILL_STEPS: "prefill_steps",
 }
-"""The per-token arrays that are typed columns of ``kvtrace_requests``: attribute key → column."""
+"""The arrays that are typed columns of ``kvtrace_requests`` (the per-token ones and the prompt's
+prefill split): attribute key → column."""
 
 _BIG_ENDIAN = sys.byteorder == "big"
 

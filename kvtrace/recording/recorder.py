@@ -207,6 +207,11 @@ class Recorder:
         # float64 arrays: what the spool packs without touching an element (see add_token).
         a[sc.OUTPUT_MARGINS] = array("d", r.margins)
         a[sc.OUTPUT_LOGPROBS] = array("d", r.logprobs)
+        if r.batch_composition:
+            a[sc.BATCH_COMPOSITION] = r.batch_composition
+            a[sc.OUTPUT_STEP_ROWS] = array("q", r.step_rows)
+            a[sc.OUTPUT_STEP_TOKENS] = array("q", r.step_tokens)
+            a[sc.PROMPT_PREFILL_STEPS] = array("q", r.prefill_steps)
         if r.finish_reason:
             a[sc.OUTPUT_FINISH_REASON] = r.finish_reason
         return a

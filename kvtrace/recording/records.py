@@ -103,6 +103,15 @@ class RequestRecord:
     runner_up_ids: list[int] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    step_rows: list[int] = field(default_factory=list)
+    """Per generated token (parallel to ``margins``): sequences in the engine step that computed its logits."""
+    step_tokens: list[int] = field(default_factory=list)
+    """Per generated token: tokens that step computed over all its rows."""
+    prefill_steps: list[int] = field(default_factory=list)
+    """The prompt's computed tokens per engine step, in order."""
+    batch_composition: Optional[str] = None
+    """``semconv.BATCH_RECORDED`` once the arrays above are filled, ``BATCH_UNKNOWN`` where no hook sees
+    the engine's steps; ``None``: not said."""
     finish_reason: Optional[str] = None
     events: list[CacheEvent] = field(default_factory=list)
     cache_integrity: Optional[str] = None
