@@ -343,3 +343,8 @@ BATCH_COMPOSITION = "kvtrace.batch.composition"
 steps are out of kvtrace's sight, e.g. llama-server behind the proxy); absent on older spans."""
 BATCH_RECORDED = "recorded"
 BATCH_UNKNOWN = "unknown"
+BATCH_ROWS_BIN_EDGES = (1, 2, 4, 8)
+"""Upper edges of the bins ``flip_rate_by_batch_rows`` reads the difference in step rows in; the last is open."""
+BATCH_ROWS_BIN_LABELS = ("0", "1", "2-3", "4-7", ">=8")
+BATCH_BIN_PREFILL_SPLIT = "prefill_split"
+"""``flip_rate_by_batch_rows``' bin for pairs whose prompts were split into other steps."""

@@ -11,7 +11,11 @@
 --     reuse_length      both reused, different numbers of tokens;
 --     cache_source      same length, different source state (layer, state key, hit blocks, or the
 --                       episode/turn of the request that stored the state differ);
---     same_cache_path   identical cache paths: the fork is not explained by caching.
+--     batch_composition identical cache paths, but the engine batched them differently (both sides
+--                       recorded it, docs/batching.md): the prompt was split into other steps, or a
+--                       step of a token up to the fork held other rows or tokens;
+--     same_cache_path   identical cache paths and no recorded batching difference: the fork is not
+--                       explained by caching.
 --   The culprit is the side that continued from foreign state (foreign_state; side A when both did),
 --   reused (hit_vs_recompute), reused more (reuse_length), or restored state stored by another
 --   episode (cache_source; side A when both or neither did); its event is the span's integrity
@@ -27,6 +31,8 @@
 --   compared with them at that precision: a fork margin within about 0.8 % of a level (or, among
 --   few margins, next to it) can be put one step away from where exact quantiles would put it.
 --   turn_a / turn_b compare one turn of each run per episode instead (see shared/diff_sides.sql).
+--   step_rows_* / step_tokens_*: the rows and tokens of the engine step that computed the token at the fork
+--   (-1 when not recorded); prefill_steps_*: how the prompt's computed tokens were split into steps.
 -- params: run_a String, run_b String, episode String = '', near_tie Float64 = 0.05, turn_a Int64 = -1,
 --   turn_b Int64 = -1
 -- columns: episode_id, fork_turn, fork_kind, position, attribution, note, run_a, run_b,
@@ -37,7 +43,8 @@
 --   culprit_side, culprit_run, culprit_span_id, culprit_event, culprit_event_index, culprit_layer,
 --   culprit_reused_tokens, culprit_key_hash, culprit_block_hashes,
 --   culprit_source_request_id, culprit_source_run_id, culprit_source_episode_id, culprit_source_turn,
---   culprit_source_span_id
+--   culprit_source_span_id, batch_composition_a, batch_composition_b, step_rows_a, step_rows_b,
+--   step_tokens_a, step_tokens_b, prefill_steps_a, prefill_steps_b
 WITH
 ${shared_requests_once}
 ${shared_output_divergence}
@@ -73,6 +80,8 @@ attributed AS (
                     OR hit_block_hashes_a != hit_block_hashes_b
                     OR source_episode_id_a != source_episode_id_b OR source_turn_a != source_turn_b),
                     '${ATTRIBUTION_CACHE_SOURCE}',
+                batch_composition_a = '${BATCH_RECORDED}' AND batch_composition_b = '${BATCH_RECORDED}'
+                    AND (prefill_steps_a != prefill_steps_b OR steps_differ), '${ATTRIBUTION_BATCH_COMPOSITION}',
                 '${ATTRIBUTION_SAME_CACHE_PATH}') AS attribution,
             (source_episode_id_a != '' AND source_episode_id_a != episode_id) AS foreign_source_a,
             (source_episode_id_b != '' AND source_episode_id_b != episode_id) AS foreign_source_b,
@@ -132,6 +141,13 @@ SELECT
                ': the fork happened upstream of this request (earlier output or harness input)'),
         f.attribution = '${ATTRIBUTION_SAME_CACHE_PATH}',
         'both sides took the same cache path: not explained by caching',
+        f.attribution = '${ATTRIBUTION_BATCH_COMPOSITION}',
+        concat('both sides took the same cache path, batched differently: ',
+               if(f.prefill_steps_a != f.prefill_steps_b,
+                  concat('the prompt was computed in ', toString(length(f.prefill_steps_a)), ' vs ',
+                         toString(length(f.prefill_steps_b)), ' steps; '), ''),
+               'the fork token''s step held ', toString(f.step_rows_a), ' vs ', toString(f.step_rows_b), ' rows (',
+               toString(f.step_tokens_a), ' vs ', toString(f.step_tokens_b), ' tokens)'),
         concat('side ', upper(f.culprit_side), ' ',
                if(f.culprit_side = 'a', f.layer_a, f.layer_b), ' served ',
                toString(if(f.culprit_side = 'a', f.reused_tokens_a, f.reused_tokens_b)), ' of ',
@@ -184,7 +200,11 @@ SELECT
         AS culprit_source_turn,
     if(f.e_source_span_id != '', f.e_source_span_id,
        multiIf(f.culprit_side = 'a', f.source_span_id_a, f.culprit_side = 'b', f.source_span_id_b, ''))
-        AS culprit_source_span_id
+        AS culprit_source_span_id,
+    f.batch_composition_a AS batch_composition_a, f.batch_composition_b AS batch_composition_b,
+    f.step_rows_a AS step_rows_a, f.step_rows_b AS step_rows_b,
+    f.step_tokens_a AS step_tokens_a, f.step_tokens_b AS step_tokens_b,
+    f.prefill_steps_a AS prefill_steps_a, f.prefill_steps_b AS prefill_steps_b
 FROM culprits AS f
 CROSS JOIN margin_levels AS m
 ORDER BY episode_id

@@ -69,11 +69,13 @@ class ScenarioBook:
              margins: Optional[Sequence[float]] = None, runner_up: Optional[Sequence[int]] = None,
              cache: CachePath = RECOMPUTE, arm: str = "reuse", weight_format: str = "F16",
              engine: str = "llama.cpp", at: Optional[float] = None, parent: Optional[RequestRecord] = None,
-             config: Optional[dict] = None, events: Sequence[CacheEvent] = ()) -> RequestRecord:
+             config: Optional[dict] = None, events: Sequence[CacheEvent] = (),
+             batch: Optional[tuple[Sequence[int], Sequence[int], Sequence[int]]] = None) -> RequestRecord:
         """Record one request: ``tokens`` chosen with ``margins`` (default 1.0 each; ``[]``: token ids only,
         as from an engine path that ships no per-token statistics), at time ``at`` (epoch seconds; default now),
         as a child of ``parent``'s span (a server's span of a request a client recorded too), with ``config``
-        added to the request's attributes and ``events`` after the cache path's."""
+        added to the request's attributes, ``events`` after the cache path's and ``batch`` (step rows, step
+        tokens, prefill steps) as a recorded batch composition."""
         margins = [float(m) for m in margins] if margins is not None else [1.0] * len(tokens)
         runner_up = list(runner_up) if runner_up is not None else [t + 1 for t in tokens]
         caller = contextlib.nullcontext()
@@ -104,6 +106,9 @@ class ScenarioBook:
             record.add_token(chosen, chosen, second, margin, -0.1)
         if not margins:
             record.output_token_ids = list(tokens)
+        if batch is not None:
+            record.batch_composition = sc.BATCH_RECORDED
+            record.step_rows, record.step_tokens, record.prefill_steps = (list(b) for b in batch)
         record.finish_reason = "length"
         self.recorder.finish(record)
         self.records[(run, episode, turn)] = record

@@ -93,6 +93,27 @@ class Culprit:
         return used, stored
 
 
+@dataclass(frozen=True)
+class StepBatch:
+    """How the engine batched one side's forking request (docs/batching.md)."""
+
+    rows: int
+    """Sequences in the step that computed the token at the fork (-1: no token there)."""
+    tokens: int
+    """Tokens that step computed over all its rows (-1: no token there)."""
+    prefill_steps: list[int]
+    """The prompt's computed tokens per step."""
+
+    def describe(self) -> str:
+        step = f"fork token's step {self.rows} rows, {self.tokens} tokens; " if self.rows >= 0 else ""
+        return f"{step}prompt computed in {len(self.prefill_steps)} step(s) {_steps(self.prefill_steps)}"
+
+
+def _steps(split: list[int]) -> str:
+    shown = ",".join(map(str, split[:8])) + (",…" if len(split) > 8 else "")
+    return f"[{shown}]"
+
+
 @dataclass
 class Side:
     """One run at the fork position."""
@@ -106,6 +127,8 @@ class Side:
     cache: CachePath
     text: Optional[str] = None
     """The chosen token as text, when a tokenizer was given and ids were captured."""
+    batch: Optional[StepBatch] = None
+    """How the engine batched it, where it was recorded."""
 
 
 @dataclass
@@ -223,6 +246,8 @@ def _fork(row: dict[str, Any], detokenize: Optional[Detokenizer]) -> Fork:
             token=row[f"token_{s}"], runner_up=row[f"runner_up_{s}"], margin=row[f"margin_{s}"],
             cache=_cache_path(row, s),
         )
+        if row[f"batch_composition_{s}"] == sc.BATCH_RECORDED:
+            sides[s].batch = StepBatch(row[f"step_rows_{s}"], row[f"step_tokens_{s}"], list(row[f"prefill_steps_{s}"]))
         if detokenize and row["capture_mode"] == sc.CAPTURE_IDS and sides[s].token >= 0:
             sides[s].text = detokenize([sides[s].token])
     culprit = None

@@ -99,11 +99,13 @@ def describe_fork(fork: Fork) -> str:
         tie = "yes" if fork.near_tie else "no"
         share = "" if fork.margin_share != fork.margin_share else f"; margin within the lowest {fork.margin_share:.1%} of both runs"
         lines.append(f"  near tie: {tie}{share}")
+    if fork.a.batch and fork.b.batch and fork.a.batch != fork.b.batch:
+        lines.append(f"  batches: A {fork.a.batch.describe()} | B {fork.b.batch.describe()}")
     if fork.culprit:
         lines.append(f"  culprit: {fork.culprit.describe()}")
     if fork.verdict_note:
         lines.append(f"  counterfactual: {fork.verdict_note}")
-    elif fork.attribution == sc.ATTRIBUTION_SAME_CACHE_PATH:
+    elif fork.attribution in (sc.ATTRIBUTION_SAME_CACHE_PATH, sc.ATTRIBUTION_BATCH_COMPOSITION):
         lines.append(f"  {fork.note}")
     return "\n".join(lines) + "\n"
 
