@@ -209,6 +209,7 @@ class Recorder:
         a[sc.OUTPUT_LOGPROBS] = array("d", r.logprobs)
         if r.batch_composition:
             a[sc.BATCH_COMPOSITION] = r.batch_composition
+        if r.batch_composition == sc.BATCH_RECORDED:
             a[sc.OUTPUT_STEP_ROWS] = array("q", r.step_rows)
             a[sc.OUTPUT_STEP_TOKENS] = array("q", r.step_tokens)
             a[sc.PROMPT_PREFILL_STEPS] = array("q", r.prefill_steps)

@@ -14,6 +14,8 @@ per hook area:
 * :mod:`.prompt_cache` — ``Llama.load_state`` and the ``BaseLlamaCache`` classes: lookups,
   restores, stores and evictions, each with the origin of the state;
 * :mod:`.config` — what the ``Llama`` is configured with (fingerprint, weight format, numerics);
+* :mod:`.batching` — at the call's end, its batch composition: how the prompt was split into
+  micro-batches, and the one-row steps of its tokens (from the settings, nothing watched per token);
 * :mod:`.server` — ``llama_cpp.server``'s app: each HTTP request's W3C context becomes current.
 
 Beside the hooks: :mod:`.repack` loads kvtrace's own engines without llama.cpp's weight repack

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.patches.llama_cpp import config
+from kvtrace.patches.llama_cpp.batching import record_batch_composition
 from kvtrace.patches.llama_cpp.calls import CALLS, CallState
 from kvtrace.patches.llama_cpp.engine import ENGINE, FAILURES
 from kvtrace.patches.llama_cpp.prompt_cache import CACHE_CLASSES
@@ -82,6 +83,7 @@ def end(state: CallState, result: Any = None, error: Optional[BaseException] = N
         reason = finish_reason or _finish_reason(result)
         if reason:
             record.finish_reason = reason
+        record_batch_composition(record, state.llama)
     except Exception:
         FAILURES.count("request end", state.recorder)
     state.recorder.finish(record)
