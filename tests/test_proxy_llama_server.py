@@ -445,6 +445,9 @@ def test_sixteen_conversations_at_once_on_four_slots_are_each_tied_to_their_own_
     assert not unexplained
     assert sum(a.get(sc.CACHE_INTEGRITY) == sc.INTEGRITY_VERIFIED for a, _ in kept) >= len(kept) // 2
     assert not [e for _, events, _ in spans for e in events if e[0] == sc.EVENT_CACHE_INTEGRITY_VIOLATION]
+    # How the server batched its slots' steps is out of the proxy's sight: every span says so, with no arrays.
+    assert {a[sc.BATCH_COMPOSITION] for a in by_turn.values()} == {sc.BATCH_UNKNOWN}
+    assert not [a for a in by_turn.values() if sc.OUTPUT_STEP_ROWS in a or sc.PROMPT_PREFILL_STEPS in a]
 
 
 class DoctoredLog:

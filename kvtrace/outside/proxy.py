@@ -392,6 +392,8 @@ class ProxyApp:
         record.config[sc.PROXY_UPSTREAM] = without_password(self.upstream_url)  # every span carries it
         record.config[sc.HTTP_RESPONSE_STATUS_CODE] = status
         record.config[sc.MARGIN_SOURCE] = traced.plan.source
+        # The server's steps are out of sight here; a traced engine behind the proxy records its own.
+        record.batch_composition = sc.BATCH_UNKNOWN
         if profile.version:
             record.config[sc.ENGINE_VERSION] = profile.version
         if profile.weight_format:
