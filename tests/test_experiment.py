@@ -194,3 +194,20 @@ def test_the_prompt_cache_counts_every_byte_of_the_states_it_holds(make_llama):
     assert len(cache.cache_state) == 2 and cache.cache_size <= cache.capacity_bytes
     # llama-cpp-python's own count leaves out the logits copy each state carries.
     assert sum(s.llama_state_size for s in cache.cache_state.values()) < cache.cache_size / 2
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--batch", "4"], "--batch is for --engine vllm; llama.cpp serves one request at a time"),
+    (["--engine", "vllm", "--batch", "0"], "argument --batch: '0': give 1, turn or a number of requests"),
+    (["--engine", "vllm", "--batch", "1,all"], "argument --batch: 'all': give 1, turn or a number of requests"),
+], ids=["llama", "zero", "unknown"])
+def test_a_bad_batch_is_refused_in_one_line_before_any_engine_starts(arguments, message, capsys, kvtrace_env):
+    from kvtrace.cli import main
+
+    try:
+        code = main(["experiment", "--generate", "tiny", *arguments])
+    except SystemExit as exc:  # argparse refuses the value while parsing
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (kvtrace_env / "spool").exists()  # nothing ran

@@ -118,6 +118,10 @@ def add_arguments(p) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, default="sequential",
                    help="sequential: one episode after another; interleaved: turn by turn across all episodes, "
                         "as one server serving many agents (default sequential)")
+    p.add_argument("--batch", type=_batch_list, default=None, metavar="1,turn,N",
+                   help="--engine vllm: requests the engine runs together, one pass each: 1 (one at a time, the "
+                        "default), turn (each turn's requests of every episode in one batch) or a number N "
+                        "(each turn's requests sent together, N per engine step); see docs/batching.md")
     add_pass_timeout_option(p)
     p.add_argument("--plot", type=output_file, metavar="FILE.png",
                    help="divergence rates as a PNG, one panel per compared pair (pip install 'kvtrace[plot]')")
@@ -142,7 +146,8 @@ def plan_from_args(args) -> Plan:
                     n_ctx=args.n_ctx, n_threads=args.threads, n_batch=args.n_batch, n_ubatch=args.n_ubatch,
                     flash_attn=args.flash_attn, kv_type=args.kv_type,
                     weight_repack=args.weight_repack, cache_ram=args.cache_ram,
-                    conversation=args.conversation, schedule=args.schedule)
+                    conversation=args.conversation, schedule=args.schedule,
+                    vllm_batch=tuple(args.episodes if b == "turn" else b for b in getattr(args, "batch", None) or (1,)))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -231,6 +236,16 @@ def _model_path(text: str) -> Path:
     if path.is_dir():
         return path
     return input_file(text)
+
+
+def _batch_list(text: str) -> tuple:
+    """``--batch 1,turn,8``: numbers of requests of at least 1, or ``turn`` (every episode of a turn)."""
+    values = []
+    for item in _list(text):
+        if item != "turn" and not (item.isdigit() and int(item) >= 1):
+            raise argparse.ArgumentTypeError(f"{item!r}: give 1, turn or a number of requests")
+        values.append(item if item == "turn" else int(item))
+    return tuple(values)
 
 
 def vllm_dtype(text: str) -> str:

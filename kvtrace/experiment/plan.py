@@ -112,14 +112,19 @@ class EngineSettings:
 
 @dataclass(frozen=True)
 class VllmSettings:
-    """The vLLM settings of one pass that change numerics: eager mode (no graph capture)."""
+    """The vLLM settings of one pass that change numerics: eager mode (no graph capture) and how many
+    requests the engine runs together (``batch``, its ``max_num_seqs``; docs/batching.md)."""
 
     enforce_eager: bool = True
+    batch: int = 1
+    """1: one request at a time, as an agent waiting for its reply sends them; N: each turn's requests of
+    every episode sent together, the engine running up to N of them in one step."""
 
     @property
     def label(self) -> str:
-        """Its part of the run id: ``eager``."""
-        return "eager" if self.enforce_eager else "graphs"
+        """Its part of the run id: ``eager``, ``eager.batch-8``."""
+        mode = "eager" if self.enforce_eager else "graphs"
+        return mode if self.batch == 1 else f"{mode}.batch-{self.batch}"
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,8 @@ class Plan:
     conversation: str = "text"
     schedule: str = "sequential"
     engine: str = "llama_cpp"
+    vllm_batch: tuple[int, ...] = (1,)
+    """``--batch`` of ``--engine vllm``: ``VllmSettings.batch`` values, one pass each."""
     """llama_cpp: formats are GGUF weight formats; vllm: formats are the dtypes vLLM loads the model
     in (``VLLM_DTYPES`` values), arms ``VLLM_ARMS``, and the llama.cpp knobs do not apply."""
 
@@ -180,6 +187,10 @@ class Plan:
             for value in values:
                 if value not in allowed:
                     raise ValueError(f"unknown {what} {value!r}; choose from {', '.join(allowed)}")
+        if not self.vllm_batch or min(self.vllm_batch) < 1:
+            raise ValueError("--batch: give numbers of requests of at least 1")
+        if not vllm and self.vllm_batch != (1,):
+            raise ValueError("--batch is for --engine vllm; llama.cpp serves one request at a time")
         if min(self.episodes, self.turns, self.tokens, self.repeats, self.n_ctx, self.n_threads) < 1:
             raise ValueError("episodes, turns, tokens, repeats, n_ctx and threads must be at least 1")
         for name in ("formats", "arms", "orders", "n_batch", "n_ubatch", "flash_attn", "kv_type", "weight_repack",
@@ -199,7 +210,7 @@ class Plan:
     def engine_settings(self) -> list:
         """Every combination of the engine knobs, in the order passes run them."""
         if self.engine == "vllm":
-            return [VllmSettings()]
+            return [VllmSettings(batch=batch) for batch in self.vllm_batch]
         return [EngineSettings(b, ub, fa, kv, repack) for b, ub, fa, kv, repack in
                 itertools.product(self.n_batch, self.n_ubatch, self.flash_attn, self.kv_type, self.weight_repack)]
 
@@ -213,7 +224,8 @@ class Plan:
         """This plan narrowed to one pass: its format, engine settings, arm, cache size and order."""
         s = key.settings
         if self.engine == "vllm":
-            return replace(self, formats=(key.format,), arms=(key.arm,), orders=(key.order,), repeats=1)
+            return replace(self, formats=(key.format,), arms=(key.arm,), orders=(key.order,), repeats=1,
+                           vllm_batch=(s.batch,))
         return replace(self, formats=(key.format,), arms=(key.arm,), orders=(key.order,), repeats=1,
                        n_batch=(s.n_batch,), n_ubatch=(s.n_ubatch,), flash_attn=(s.flash_attn,), kv_type=(s.kv_type,),
                        weight_repack=(s.weight_repack,),

@@ -14,6 +14,7 @@ import math
 from typing import Any, Optional, TextIO
 
 from kvtrace import queries
+from kvtrace.analysis.forks import diff_runs
 from kvtrace.analysis.tables import print_rows
 from kvtrace.experiment.plan import CONTROL_ARM, EngineSettings, Plan, VllmSettings, format_bytes
 from kvtrace.experiment.runner import Outcome
@@ -27,11 +28,11 @@ def _num(value: Any) -> Any:
 
 def settings_label(numerics_settings: str) -> str:
     """The engine settings a request recorded, spelled as in run ids (``b256.ub1.fa-off.kv-f16``; vLLM's
-``eager``)."""
+``eager`` or ``eager.batch-8``)."""
     try:
         n = json.loads(numerics_settings)
         if "enforce_eager" in n:  # vLLM's
-            return VllmSettings(bool(n["enforce_eager"])).label
+            return VllmSettings(bool(n["enforce_eager"]), int(n.get("max_num_seqs") or 1)).label
         return EngineSettings(int(n["n_batch"]), int(n["n_ubatch"]), "on" if n["flash_attn"] == "enabled" else "off",
                               str(n["type_k"]), "on" if n.get("weight_repack") else "off").label
     except (ValueError, KeyError, TypeError):
@@ -118,6 +119,40 @@ def attribution_counts(client, outcome: Outcome) -> dict[str, dict[str, Any]]:
     return out
 
 
+def batching_effect(client, outcome: Outcome) -> list[dict]:
+    """Per format and arm, each ``--batch`` above one against one request at a time (first repeat, first
+    order of each): episodes whose trajectories forked, of those compared, with their Wilson interval (n:
+    episodes), and the forks' labels (docs/batching.md). The cache effect is the rest of the report."""
+    single: dict[tuple, dict] = {}
+    for r in outcome.runs:
+        if r.get("batch", 1) == 1 and r["repeat"] == 0:
+            single.setdefault((r["format"], r["arm"], r["cache_ram"]), r)
+    known = set(row[0] for row in queries.run(client, "runs")[1])
+    out = []
+    for r in outcome.runs:
+        base = single.get((r["format"], r["arm"], r["cache_ram"]))
+        if base is None or r.get("batch", 1) == 1 or r["repeat"] != 0 or r["order"] != base["order"]:
+            continue
+        if r["run_id"] not in known or base["run_id"] not in known:
+            continue
+        diff = diff_runs(client, r["run_id"], base["run_id"])
+        labels = collections.Counter(f.attribution for f in diff.forks)
+        n, k = diff.episodes_compared, len(diff.forks)
+        out.append({"format": r["format"], "arm": r["arm"], "batch": r["batch"], "run_id": r["run_id"],
+                    "compared_with": base["run_id"], "n_episodes": n, "n_forked": k,
+                    "rate": k / n if n else None, "ci95": list(wilson(k, n)) if n else [None, None],
+                    "labels": dict(sorted(labels.items()))})
+    return out
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of k successes in n independent samples."""
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def saved(client, name: str, plan: Plan) -> list[dict]:
     columns, rows = queries.run(client, name, {"run_prefix": plan.prefix + "/"})
     return [{c: _num(v) for c, v in zip(columns, row)} for row in rows]
@@ -148,6 +183,7 @@ def build_report(client, plan: Plan, outcome: Outcome) -> dict:
         "attribution": attribution_counts(client, outcome),
         "margin_shift": saved(client, "margin_shift", plan),
         "flip_rate_by_margin": flip_rates(client, plan),
+        "batching": batching_effect(client, outcome),
     }
 
 
@@ -193,6 +229,12 @@ def print_report(report: dict, out: TextIO) -> None:
         for key, found in report["attribution"].items():
             out.write(f"  {key}: {found['forked_episodes']} forked episode(s): "
                       + ", ".join(f"{k} {v}" for k, v in found["labels"].items()) + "\n")
+    if report.get("batching"):
+        out.write("\nbatching against one request at a time (same arm), episodes that forked:\n")
+        for b in report["batching"]:
+            labels = ", ".join(f"{k} {v}" for k, v in b["labels"].items()) or "-"
+            out.write(f"  {b['format']} {b['arm']} batch {b['batch']}: {b['n_forked']}/{b['n_episodes']} "
+                      f"({_pct(b['rate'])}, 95% CI {_interval(b['ci95'])}, wilson); labels: {labels}\n")
     if report["margin_shift"]:
         out.write("\nmargin shift, cache hit - recompute (raw logits):\n")
         ms = report["margin_shift"]

@@ -52,7 +52,8 @@ class PassFailure:
                  f"{k.repeat}, order {k.order}) after {self.requests} finished request(s); {kept}; to "
                  f"reproduce, run that pass alone")
         if isinstance(s, VllmSettings):
-            return (f"{where} (kvtrace experiment --engine vllm ... --dtype {k.format} --arms {k.arm}); run it "
+            return (f"{where} (kvtrace experiment --engine vllm ... --dtype {k.format} --arms {k.arm} "
+                    f"--batch {s.batch}); run it "
                     f"with VLLM_LOGGING_LEVEL=INFO to see vLLM's own log")
         cache = f" --cache-ram {format_bytes(k.cache_ram)}" if k.cache_ram is not None else ""
         return (f"{where} (kvtrace experiment ... --formats {k.format} --arms {k.arm} "
@@ -114,7 +115,8 @@ def run_experiment(plan: Plan, models: dict[str, Path], progress: Progress = Pro
                 break
             progress.advance(per_pass - counted.turns)  # turns an episode skipped with a full context
             outcome.runs.append({"run_id": run_id, "format": key.format, "settings": key.settings.label,
-                                 "arm": key.arm, "cache_ram": key.cache_ram, "repeat": key.repeat, "order": key.order})
+                                 "arm": key.arm, "cache_ram": key.cache_ram, "repeat": key.repeat, "order": key.order,
+                                 "batch": getattr(key.settings, "batch", 1)})
             outcome.add(result)
             if outcome.interrupted:
                 break
@@ -167,6 +169,28 @@ def drive_episodes(plan: Plan, key: PassKey, run_id: str, result: PassResult, pr
             else:
                 turn(agent, index, prompt)
         result.turns += 1
+
+
+def drive_turns_together(plan: Plan, key: PassKey, run_id: str, result: PassResult, progress: Callable[[str], None],
+                         start_conversation: Callable, turns: Callable[[list], None]) -> None:
+    """Like ``drive_episodes``, turn by turn across the episodes, each turn's requests handed over together:
+    ``turns([(agent, index, prompt), ...])`` for the agents not done (``--batch`` of ``--engine vllm``)."""
+    episodes = make_episodes(plan.episodes, plan.seed)
+    agents = [Agent(episodes[i], start_conversation(episodes[i].opening()))
+              for i in episode_order(plan.episodes, key.order, plan.seed)]
+    for index in range(plan.turns):
+        progress(f"{run_id} turn {index + 1}/{plan.turns} of {len(agents)} episodes")
+        requests = []
+        for agent in agents:
+            if not agent.done:
+                prompt = agent.conversation.prompt()
+                if len(prompt) + plan.tokens > plan.n_ctx:
+                    agent.done = True
+                else:
+                    requests.append((agent, index, prompt))
+        if requests:
+            turns(requests)
+        result.turns += len(agents)
 
 
 def run_pass(plan: Plan, model: Path, key: PassKey, run_id: str, result: PassResult,

