@@ -3,7 +3,8 @@
 -- stored once and cost ingest nothing; the saved queries compare the arrays themselves. It reads the plain
 -- kvtrace_requests, which on a cluster is the Distributed table in front of every shard.
 -- token_id / top1_id / runner_up_id are -1 when the capture policy kept no ids; margin and logprob NaN where a
--- request recorded ids without them; batch_rows / batch_tokens (the rows and tokens of its engine step) -1 where the batch composition is not recorded.
+-- request recorded ids without them; batch_rows / batch_tokens (the rows and tokens of its engine step) -1 where
+-- the batch composition is not recorded.
 CREATE OR REPLACE VIEW ${database}.${kvtrace_tokens_view} ${on_cluster} AS
 SELECT
     Timestamp, TraceId, SpanId, run_id, episode_id, turn, request_id, engine, weight_format, arm,

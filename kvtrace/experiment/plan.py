@@ -166,10 +166,10 @@ class Plan:
     conversation: str = "text"
     schedule: str = "sequential"
     engine: str = "llama_cpp"
-    vllm_batch: tuple[int, ...] = (1,)
-    """``--batch`` of ``--engine vllm``: ``VllmSettings.batch`` values, one pass each."""
     """llama_cpp: formats are GGUF weight formats; vllm: formats are the dtypes vLLM loads the model
     in (``VLLM_DTYPES`` values), arms ``VLLM_ARMS``, and the llama.cpp knobs do not apply."""
+    vllm_batch: tuple[int, ...] = (1,)
+    """``--batch`` of ``--engine vllm``: ``VllmSettings.batch`` values, one pass each."""
 
     def __post_init__(self):
         if self.engine not in ENGINES:

@@ -27,6 +27,7 @@ def prefill_split(computed: int, n_batch: int, n_ubatch: int) -> list[int]:
 
 
 def record_batch_composition(record: RequestRecord, llama: Any) -> None:
+    """Fill the record's step arrays from its settings, or say ``unknown`` where they cannot tell."""
     numerics = record.config.get(sc.NUMERICS_SETTINGS) or {}
     n_batch, n_ubatch = numerics.get("n_batch"), numerics.get("n_ubatch")
     if getattr(llama, "draft_model", None) is not None or not (isinstance(n_batch, int) and isinstance(n_ubatch, int)):
