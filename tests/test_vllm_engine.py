@@ -278,12 +278,12 @@ def test_rows_a_worker_ships_survive_pickling_and_leave_vllms_outputs_alone():
     from kvtrace.patches.vllm import worker
 
     stats = torch.tensor([[5.0, 5.0, 7.0, 0.5, -0.25, 1.0], [3.0, 3.0, 4.0, 0.0, -1.0, 0.0]])
-    entries = [(["r-1", "r-2"], stats, None)]
+    entries = [(["r-1", "r-2"], stats, None, (2, 7, [1, 6]))]  # ids, rows, event, the step's shape
     shipped = worker._attach_rows(EMPTY_MODEL_RUNNER_OUTPUT, entries)
     assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, worker.ROWS_ATTR)  # vLLM's shared instance untouched
     back = pickle.loads(pickle.dumps(shipped, protocol=pickle.HIGHEST_PROTOCOL))
     assert isinstance(back, ModelRunnerOutput)
-    assert getattr(back, worker.ROWS_ATTR) == [(["r-1", "r-2"], stats.tolist())]
+    assert getattr(back, worker.ROWS_ATTR) == [(["r-1", "r-2"], stats.tolist(), (2, 7, [1, 6]))]
 
     class Pending(AsyncModelRunnerOutput):  # a runner's async output (async scheduling)
         def get_output(self):

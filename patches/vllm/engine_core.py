@@ -8,7 +8,7 @@
   prompt's block-hash chain (the cache integrity verdict).  A request admitted again after a preemption
   keeps its record; the new lookup is noted on it;
 * ``Scheduler._free_request`` — the request finished: its sampled rows become the output tokens'
-  margins and the record becomes the ``kvtrace.request`` span.
+  margins, their steps' shapes its batch composition, and the record becomes the ``kvtrace.request`` span.
 """
 
 from __future__ import annotations
@@ -184,6 +184,7 @@ def _on_finish(request: Any) -> None:
             record.runner_up_ids = list(map(int, runner_up))
             record.margins = list(margins)
             record.logprobs = list(logprobs)
+            _fill_batch_composition(record, live, len(outputs))
         else:  # no rows reached this process (an executor that does not ship them): ids only
             record.output_token_ids = outputs
         reason = request.get_finished_reason() if hasattr(request, "get_finished_reason") else None
@@ -191,3 +192,18 @@ def _on_finish(request: Any) -> None:
     except Exception:
         FAILURES.count("request end", live.recorder)
     live.recorder.finish(record)
+
+
+def _fill_batch_composition(record: RequestRecord, live: LiveRequest, tokens: int) -> None:
+    """Each output token's step (rows, tokens) and the prompt's prefill split, when every step of the
+    request was seen: its partial prefills, then the chunk of the step that sampled token 0."""
+    steps = live.row_steps[:tokens]
+    if not steps or len(steps) < tokens:
+        return
+    step_rows, step_tokens, row_tokens = zip(*steps)
+    if 0 in step_rows or 0 in live.partial_prefills:  # a step whose shape was not read
+        return
+    record.step_rows = list(step_rows)
+    record.step_tokens = list(step_tokens)
+    record.prefill_steps = live.partial_prefills + [row_tokens[0]]
+    record.batch_composition = sc.BATCH_RECORDED

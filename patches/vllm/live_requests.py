@@ -27,6 +27,12 @@ class LiveRequest:
     record: RequestRecord
     sampled_rows: list[SampledRow] = field(default_factory=list)
     """One per generated token, in order."""
+    row_steps: list[tuple] = field(default_factory=list)
+    """Parallel to ``sampled_rows``: the step each came from, ``(rows, tokens, this row's tokens)`` (all 0
+    when unknown); the first one's row tokens are the prompt's last prefill chunk."""
+    partial_prefills: list[int] = field(default_factory=list)
+    """The prompt's computed tokens in each step before the one that sampled the first token (0 when
+    unknown)."""
 
 
 class LiveRequests:
@@ -91,15 +97,22 @@ class LiveRequests:
         with self._lock:
             self._engine_events.append(event)
 
-    def add_rows(self, req_ids: Iterable[str], rows: Iterable[SampledRow]) -> None:
-        """Append to each live request its row of a step, the rows in ``req_ids``' order (the longer
-        of the two is cut); rows that sampled no token and rows of requests not recorded here are dropped."""
+    def add_rows(self, req_ids: Iterable[str], rows: Iterable[SampledRow], steps: Iterable[tuple]) -> None:
+        """Append to each live request its row of a step and that step's shape (per row, as
+        :func:`~kvtrace.patches.vllm.sampler.row_steps` gives them), in ``req_ids``' order (the longest
+        is cut); a row that sampled no token adds only its prompt chunk, and rows of requests not
+        recorded here are dropped."""
         with self._lock:
             live_requests = self._live
-            for internal_id, row in zip(req_ids, rows):
+            for internal_id, row, step in zip(req_ids, rows, steps):
                 live = live_requests.get(internal_id)
-                if live is not None and row.sampled > 0.5:  # read in place: this runs once per generated token
+                if live is None:
+                    continue
+                if row.sampled > 0.5:  # read in place: this runs once per generated token
                     live.sampled_rows.append(row)
+                    live.row_steps.append(step)
+                elif not live.sampled_rows:  # a partial prefill (not a recompute after a preemption)
+                    live.partial_prefills.append(step[2])
 
     def finish(self, internal_id: str) -> Optional[LiveRequest]:
         """Stop tracking a request vLLM frees; returns it when it was live."""

@@ -19,6 +19,10 @@ own.
   memory without blocking and read only once their event has completed (at the latest when the
   request ends, after vLLM's own sync), so no step waits on kvtrace.
 
+Each step's rows carry its :class:`StepShape` (how many rows and tokens it computed, read from what the
+runner prepared for the step: one tuple per step), expanded per request only when the rows reach the
+live requests: the batch composition of every generated token and the prompt's prefill split.
+
 Where the rows go: under the ``uni`` executor the sampler runs in the engine-core process and its
 rows wait in :data:`PENDING` for the live requests.  Under the ``mp`` executor it runs in a worker
 process, and the rows of a call whose output vLLM ships go to :data:`SHIPMENT`, which
@@ -82,6 +86,56 @@ def top2_stats(logits: Any, chosen: Any, valid: Any) -> Any:
 
 
 _read_rows = sampled_rows_reader(SampledRow)
+
+
+class StepShape(NamedTuple):
+    """What one engine step computed: the batch its sampled rows came from.
+
+    Carried as a plain tuple, built in the step and shipped from a worker process as such: these fields
+    name its positions.
+    """
+
+    rows: int  # sequences the step held (its logits rows; partial prefills included)
+    tokens: int  # tokens it computed over all of them
+    row_tokens: Optional[list[int]]  # each row's computed tokens; ``None`` when every row computed one
+
+
+def _step_shape_v1(runner: Any, rows: int) -> Optional[tuple]:
+    """The V1 runner's step as a :class:`StepShape`: ``query_start_loc`` holds the step's cumulative
+    tokens per row (``_prepare_inputs``); the per-row split is taken only for a step with a prefill chunk."""
+    try:
+        starts = runner.query_start_loc.np
+        tokens = int(starts[rows])
+        return (rows, tokens, None) if tokens == rows else (rows, tokens, np.diff(starts[:rows + 1]).tolist())
+    except Exception:
+        FAILURES.count("batch composition (V1 runner)")
+        return None
+
+
+def _step_shape_v2(batch: Any, rows: int) -> Optional[tuple]:
+    """The V2 runner's step (its ``InputBatch``) as a :class:`StepShape`."""
+    try:
+        tokens = int(batch.num_tokens)
+        return (rows, tokens, None) if tokens == rows else (rows, tokens, batch.num_scheduled_tokens[:rows].tolist())
+    except Exception:
+        FAILURES.count("batch composition (V2 runner)")
+        return None
+
+
+UNKNOWN_STEP = (0, 0, 0)
+"""A row's step whose shape was not read: no step holds zero rows (and a finished request's arrays are
+checked with one scan of small ints, not a comparison of tuples)."""
+
+
+def row_steps(shape: Optional[tuple], count: int) -> list:
+    """A step's shape for each of its first ``count`` rows: ``(rows, tokens, this row's tokens)``, one
+    shared tuple when every row computed one token; :data:`UNKNOWN_STEP` when the step's shape is unknown."""
+    if shape is None:
+        return [UNKNOWN_STEP] * count
+    rows, tokens, row_tokens = shape
+    if row_tokens is None:
+        return [(rows, tokens, 1)] * count
+    return [(rows, tokens, q) for q in row_tokens[:count]]
 
 
 class HostLogits(NamedTuple):
@@ -158,7 +212,7 @@ _TORCH: Any = _TorchTypes()
 
 
 class StepRows:
-    """Steps' rows in order, each ``(request ids, rows, CUDA event or None)``; rows are a list of
+    """Steps' rows in order, each ``(request ids, rows, CUDA event or None, StepShape or None)``; rows are a list of
     :class:`SampledRow` (host rows), a tensor (device rows, on the host once its event completed) or
     lists of numbers in :class:`SampledRow` order (a worker's)."""
 
@@ -168,9 +222,9 @@ class StepRows:
     def __bool__(self) -> bool:
         return bool(self._steps)
 
-    def put(self, req_ids: list[str], rows: Any, event: Optional[Any] = None) -> None:
-        """A step's rows, one per request id, in order."""
-        self._steps.append((req_ids, rows, event))
+    def put(self, req_ids: list[str], rows: Any, event: Optional[Any] = None, shape: Optional[tuple] = None) -> None:
+        """A step's rows, one per request id, in order, and the step's :class:`StepShape`."""
+        self._steps.append((req_ids, rows, event, shape))
 
     def clear(self) -> None:
         self._steps.clear()
@@ -185,8 +239,9 @@ class PendingRows(StepRows):
         """Hand every readable step to the live requests, in order; ``block`` waits for the device."""
         req_ids: list[str] = []
         rows: list[SampledRow] = []
+        steps: list = []
         while self._steps:
-            step_ids, step_rows, event = self._steps[0]
+            step_ids, step_rows, event, shape = self._steps[0]
             if event is not None and not event.query():
                 if not block:
                     break
@@ -198,8 +253,9 @@ class PendingRows(StepRows):
                 step_rows = [SampledRow._make(row) for row in values]
             req_ids += step_ids
             rows += step_rows
+            steps += row_steps(shape, len(step_ids))
         if rows:
-            LIVE.add_rows(req_ids, rows)
+            LIVE.add_rows(req_ids, rows, steps)
 
 
 class Shipment(StepRows):
@@ -220,13 +276,13 @@ PENDING = PendingRows()
 SHIPMENT = Shipment()
 
 
-def _hand_over(req_ids: list[str], rows: list[SampledRow]) -> None:
-    """A step's host rows, of the first ``len(rows)`` of ``req_ids``: for this process's live
-    requests, or (worker process) for the RPC's output."""
-    (SHIPMENT if SHIPMENT.active else PENDING)._steps.append((req_ids[:len(rows)], rows, None))  # put(), inlined
+def _hand_over(req_ids: list[str], rows: list[SampledRow], shape: Optional[tuple]) -> None:
+    """A step's host rows, of the first ``len(rows)`` of ``req_ids``, and its :class:`StepShape`: for
+    this process's live requests, or (worker process) for the RPC's output."""
+    (SHIPMENT if SHIPMENT.active else PENDING)._steps.append((req_ids[:len(rows)], rows, None, shape))  # put(), inlined
 
 
-def _queue(req_ids: list[str], stats: Any) -> None:
+def _queue(req_ids: list[str], stats: Any, shape: Optional[tuple]) -> None:
     """Queue a step's device rows: for this process's records, or (worker process) for the RPC's output."""
     if not SHIPMENT.active:
         PENDING.drain(block=False)
@@ -238,9 +294,9 @@ def _queue(req_ids: list[str], stats: Any) -> None:
         host.copy_(stats, non_blocking=True)  # ordered before vLLM's own copy of the sampled ids
         event = torch.cuda.Event()
         event.record()
-        queue.put(req_ids, host, event)
+        queue.put(req_ids, host, event, shape)
     else:
-        queue.put(req_ids, stats)
+        queue.put(req_ids, stats, None, shape)
 
 
 def _sample_v1(wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
@@ -368,11 +424,12 @@ def _on_sample_v1(output: Any, logits: Any, runner: Any) -> None:
     if host is not None:  # one call for the whole step
         # partial prefills sample nothing (vLLM's discard mask: its first rows are this step's)
         rows = _host_rows(host, output.sampled_token_ids, runner.discard_request_mask.np)
-        _hand_over(runner.input_batch.req_ids, rows)
+        _hand_over(runner.input_batch.req_ids, rows, _step_shape_v1(runner, len(rows)))
         return
     rows = logits.shape[0]
     sampled = ~np.asarray(runner.discard_request_mask.np[:rows], dtype=bool)
-    _queue(list(runner.input_batch.req_ids[:rows]), top2_stats(logits, output.sampled_token_ids, sampled))
+    _queue(list(runner.input_batch.req_ids[:rows]), top2_stats(logits, output.sampled_token_ids, sampled),
+           _step_shape_v1(runner, rows))
 
 
 def _on_sample_v2(output: Any, sampler: Any, args: tuple, kwargs: dict) -> None:
@@ -388,10 +445,11 @@ def _on_sample_v2(output: Any, sampler: Any, args: tuple, kwargs: dict) -> None:
     num_sampled = output.num_sampled.reshape(-1)[:rows]  # chunked-prefill rows sample nothing
     req_ids = list(batch.req_ids[:rows])
     host = _host_float32(logits)
+    shape = _step_shape_v2(batch, rows)
     if host is not None:
-        _hand_over(req_ids, _host_rows(host, output.sampled_token_ids, np.asarray(num_sampled <= 0)))
+        _hand_over(req_ids, _host_rows(host, output.sampled_token_ids, np.asarray(num_sampled <= 0)), shape)
     else:
-        _queue(req_ids, top2_stats(logits, output.sampled_token_ids, num_sampled > 0))
+        _queue(req_ids, top2_stats(logits, output.sampled_token_ids, num_sampled > 0), shape)
 
 
 sample_v1 = _sample_v1

@@ -30,8 +30,9 @@ from kvtrace.patches.vllm.common import FAILURES, arg
 from kvtrace.patches.vllm.sampler import PENDING, SHIPMENT
 
 ROWS_ATTR = "kvtrace_sampled_rows"
-"""Attribute a worker sets on the ``ModelRunnerOutput`` it sends: ``[(request ids, rows)]``, each row a
-:class:`~kvtrace.patches.vllm.sampler.SampledRow` as a plain list of numbers."""
+"""Attribute a worker sets on the ``ModelRunnerOutput`` it sends: ``[(request ids, rows, step shape)]``, each
+row a :class:`~kvtrace.patches.vllm.sampler.SampledRow` as a plain list of numbers, the step's
+:class:`~kvtrace.patches.vllm.sampler.StepShape` a plain tuple (or ``None``)."""
 
 _SHIPPED_METHODS = ("execute_model", "sample_tokens")
 
@@ -83,13 +84,13 @@ def _attach_rows(output: Any, entries: list) -> Any:
     e.g. ``EMPTY_MODEL_RUNNER_OUTPUT``, so the original is never changed).  Never raises."""
     try:
         shipped = []
-        for req_ids, stats, event in entries:
+        for req_ids, stats, event, shape in entries:
             if event is not None:
                 # vLLM has already waited for its own copy of this step's sampled ids, which its
                 # stream ordered after this copy: done, or only the top-2 kernel left to finish.
                 event.synchronize()
             rows = stats.tolist() if hasattr(stats, "tolist") else [list(row) for row in stats]
-            shipped.append((list(req_ids), rows))
+            shipped.append((list(req_ids), rows, shape))
         attached = copy.copy(output)
         setattr(attached, ROWS_ATTR, shipped)
         return attached
@@ -147,8 +148,8 @@ def update_from_output(wrapped, instance, args, kwargs):
     try:
         shipped = getattr(arg(args, kwargs, 1, "model_runner_output"), ROWS_ATTR, None)
         if shipped:
-            for req_ids, rows in shipped:
-                PENDING.put(list(req_ids), rows)
+            for req_ids, rows, shape in shipped:
+                PENDING.put(list(req_ids), rows, None, shape)
             PENDING.drain(block=False)
     except Exception:
         FAILURES.count("update_from_output")

