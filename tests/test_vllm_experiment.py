@@ -145,3 +145,38 @@ def test_llama_only_options_are_refused_with_the_engine_vllm(tmp_path):
         "kvtrace: error: --n-batch sets llama.cpp only; with --engine vllm leave it out (the dtypes are --dtype)"]
     done = kvtrace_cli(tmp_path, "experiment", "--engine", "vllm", "--generate", "fork", "--dtype", "int3")
     assert done.returncode == 2 and done.stderr.strip() == "kvtrace: error: --dtype int3: choose from bf16, fp16, fp32"
+
+
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory):
+    """`--batch 1,turn` on the off arm: one request at a time, then each turn's requests together."""
+    home = tmp_path_factory.mktemp("vllm-batch")
+    done = kvtrace_cli(home, "experiment", "--engine", "vllm", "--generate", "fork", "--dtype", "bf16", "--arms", "off",
+                       "--batch", "1,turn", "--episodes", str(EPISODES), "--turns", str(TURNS), "--tokens", str(TOKENS),
+                       "--prefix", "vbatch", "--format", "json", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = connect(f"chdb://{home / 'db'}")
+    yield json.loads(done.stdout), client
+    client.close()
+
+
+@pytest.mark.slow
+def test_a_turn_batched_together_is_compared_with_one_request_at_a_time(batched):
+    report, client = batched
+    alone, together = f"vbatch/{DTYPE}/eager/off/r0/canonical", f"vbatch/{DTYPE}/eager.batch-{EPISODES}/off/r0/canonical"
+    assert [r["run_id"] for r in report["runs"]] == [alone, together]
+    assert report["engine_settings"] == ["eager", f"eager.batch-{EPISODES}"]
+    (effect,) = report["batching"]
+    assert (effect["run_id"], effect["compared_with"], effect["batch"], effect["n_episodes"]) == (
+        together, alone, EPISODES, EPISODES)
+    assert effect["n_forked"] == sum(effect["labels"].values())
+    # Both runs recompute every prompt: a fork between them is the batching's, and says so.
+    assert set(effect["labels"]) <= {sc.ATTRIBUTION_BATCH_COMPOSITION}
+    # The engine's own steps: alone, one row; together, turn 0's first token computed beside every episode's.
+    rows = {run: client.query("SELECT turn, step_rows, prefill_steps, prompt_tokens FROM kvtrace_requests FINAL "
+                              "WHERE run_id = {run:String}", parameters={"run": run}).result_rows
+            for run in (alone, together)}
+    assert all(set(step_rows) == {1} for _, step_rows, _, _ in rows[alone])
+    assert all(sum(split) == prompt for _, _, split, prompt in rows[alone] + rows[together])
+    assert [step_rows[0] for turn, step_rows, _, _ in rows[together] if turn == 0] == [EPISODES] * EPISODES
+    print(f"\nbatched against alone: {effect['n_forked']} of {EPISODES} episodes forked: {effect['labels']}")

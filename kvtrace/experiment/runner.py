@@ -157,9 +157,7 @@ def drive_episodes(plan: Plan, key: PassKey, run_id: str, result: PassResult, pr
     done (its context full: the episode ends there, the same way in every run that got there);
     ``result.turns`` counts both. ``start_conversation(opening)``: the engine's
     conversation of the plan's kind."""
-    episodes = make_episodes(plan.episodes, plan.seed)
-    agents = [Agent(episodes[i], start_conversation(episodes[i].opening()))
-              for i in episode_order(plan.episodes, key.order, plan.seed)]
+    agents = _agents(plan, key, start_conversation)
     for agent, index in schedule_turns(agents, plan.turns, plan.schedule):
         progress(f"{run_id} episode {agent.episode.episode_id} turn {index + 1}/{plan.turns}")
         if not agent.done:
@@ -175,9 +173,7 @@ def drive_turns_together(plan: Plan, key: PassKey, run_id: str, result: PassResu
                          start_conversation: Callable, turns: Callable[[list], None]) -> None:
     """Like ``drive_episodes``, turn by turn across the episodes, each turn's requests handed over together:
     ``turns([(agent, index, prompt), ...])`` for the agents not done (``--batch`` of ``--engine vllm``)."""
-    episodes = make_episodes(plan.episodes, plan.seed)
-    agents = [Agent(episodes[i], start_conversation(episodes[i].opening()))
-              for i in episode_order(plan.episodes, key.order, plan.seed)]
+    agents = _agents(plan, key, start_conversation)
     for index in range(plan.turns):
         progress(f"{run_id} turn {index + 1}/{plan.turns} of {len(agents)} episodes")
         requests = []
@@ -191,6 +187,12 @@ def drive_turns_together(plan: Plan, key: PassKey, run_id: str, result: PassResu
         if requests:
             turns(requests)
         result.turns += len(agents)
+
+
+def _agents(plan: Plan, key: PassKey, start_conversation: Callable) -> list["Agent"]:
+    episodes = make_episodes(plan.episodes, plan.seed)
+    return [Agent(episodes[i], start_conversation(episodes[i].opening()))
+            for i in episode_order(plan.episodes, key.order, plan.seed)]
 
 
 def run_pass(plan: Plan, model: Path, key: PassKey, run_id: str, result: PassResult,

@@ -132,16 +132,21 @@ def _batch(llm, plan: Plan, key: PassKey, run_id: str, requests: list, result: P
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    if key.arm == "off" and not llm.reset_prefix_cache():
+    off = key.arm == "off"
+    if off and not llm.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset its prefix cache (a request still running?)")
     params = SamplingParams(temperature=0.0, max_tokens=plan.tokens)
-    agents = {}
     for agent, turn, prompt in requests:
-        with correlate(run_id=run_id, episode_id=agent.episode.episode_id, turn=turn, arm=key.arm):
-            (request_id,) = llm.enqueue(TokensPrompt(prompt_token_ids=prompt), params, use_tqdm=False)
-        agents[request_id] = (agent, turn, prompt)
-    for out in llm.wait_for_completion(use_tqdm=False):
-        agent, turn, prompt = agents[out.request_id]
+        episode_id = agent.episode.episode_id
+        # Requests of one batch would share the blocks of a common opening computed in the same step:
+        # in the off arm each salts its own (a salt changes block hashes only, never the numbers).
+        salt = {"cache_salt": f"{run_id}/{episode_id}/{turn}"} if off else {}
+        with correlate(run_id=run_id, episode_id=episode_id, turn=turn, arm=key.arm):
+            llm.enqueue(TokensPrompt(prompt_token_ids=prompt, **salt), params, use_tqdm=False)
+    outputs = llm.wait_for_completion(use_tqdm=False)  # in the order they were enqueued
+    if [list(out.prompt_token_ids) for out in outputs] != [prompt for _, _, prompt in requests]:
+        raise RuntimeError("vLLM answered a batch in another order than it was sent")
+    for (agent, turn, prompt), out in zip(requests, outputs):
         output = out.outputs[0]
         result.requests += 1
         agent.conversation.add_turn(prompt, output, agent.episode.observe(output.text, turn))
