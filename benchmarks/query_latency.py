@@ -2,7 +2,8 @@
 
 Generates two runs of 800 episodes x 8 turns x 100 generated tokens (12,800 request spans,
 1.28 M token rows) through the real path — Recorder -> spool -> ingest into an embedded chDB —
-with a cache-reuse run that forks from a cache-off run on about a third of the episodes, then
+with a cache-reuse run that forks from a cache-off run on about a third of the episodes (every request
+with its batch composition, as a batching engine records it), then
 times every saved query and prints, per query, the best and the median of the rounds, wall time
 next to CPU time (chDB runs in this process, so the process's CPU time is the query's, summed
 over its threads; on a shared machine it is steadier than wall time).
@@ -79,6 +80,11 @@ def generate(spool: Path, episodes: int, turns: int, tokens: int, seed: int = 7)
                     forked = True
                 for i, token in enumerate(out):
                     record.add_token(token, token, token + 1, margins[turn * tokens + i], -0.5)
+                # Batch composition as a batching engine records it: a step's rows and tokens per token.
+                record.batch_composition = sc.BATCH_RECORDED
+                record.step_rows = [rng.randrange(1, 33) for _ in out]
+                record.step_tokens = [rows + rng.randrange(0, 64) for rows in record.step_rows]
+                record.prefill_steps = [record.recomputed_tokens]
                 recorder.finish(record)
                 spans += 1
                 history = history + out + observations[turn]
