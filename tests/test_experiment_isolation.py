@@ -65,7 +65,8 @@ def experiment_with_a_broken_pass(kvtrace_env):
     mark = kvtrace_env / "engine-stuck"
 
     def start(run_id: str, how: str, *options: str) -> tuple[subprocess.Popen, object]:
-        env = dict(os.environ, PYTHONPATH=str(hooks), BREAK_RUN=run_id, BREAK_HOW=how, BREAK_MARK=str(mark))
+        env = dict(os.environ, PYTHONPATH=str(hooks), BREAK_RUN=run_id, BREAK_HOW=how, BREAK_MARK=str(mark),
+                   PYTHONFAULTHANDLER="1")
         argv = [sys.executable, "-m", "kvtrace.cli", "experiment", "--generate", "tiny", "--formats", "F32",
                 "--arms", "off,reuse", "--episodes", str(EPISODES), "--turns", str(TURNS), "--tokens", "8",
                 "--prefix", "story", *options]
@@ -135,7 +136,12 @@ def test_ctrl_c_during_a_pass_stops_cleanly_and_keeps_what_was_recorded(experime
         assert command.poll() is None and time.monotonic() < deadline, command.communicate()[1]
         time.sleep(0.2)
     command.send_signal(signal.SIGINT)
-    out, err = command.communicate(timeout=120)
+    try:
+        out, err = command.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # where it hangs: faulthandler prints every thread's stack on SIGABRT
+        command.send_signal(signal.SIGABRT)
+        raise AssertionError("no exit within 120 s of Ctrl-C; the command's stacks:\n"
+                             + command.communicate(timeout=60)[1][-6000:]) from None
 
     assert command.returncode == 130, err
     assert out.startswith("interrupted: the table covers what was recorded before the stop")
