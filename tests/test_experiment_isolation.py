@@ -70,7 +70,10 @@ def experiment_with_a_broken_pass(kvtrace_env):
         argv = [sys.executable, "-m", "kvtrace.cli", "experiment", "--generate", "tiny", "--formats", "F32",
                 "--arms", "off,reuse", "--episodes", str(EPISODES), "--turns", str(TURNS), "--tokens", "8",
                 "--prefix", "story", *options]
-        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), mark
+        # Ctrl-C reaches the command even where the tests themselves run with SIGINT ignored (a script's
+        # background job): the command is started as a terminal would start it.
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)), mark
 
     return start
 
