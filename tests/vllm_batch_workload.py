@@ -22,28 +22,17 @@ import json
 import os
 import sys
 
-from vllm_fork_workload import random_prompts
+from vllm_fork_workload import parse_passes, pass_parser, random_prompts
 
 MODES = ("batched", "alone")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--pass", dest="passes", action="append", required=True, metavar="MODE:RUN_ID",
-                        help=f"mode ({' or '.join(MODES)}) and run id of one pass; repeat, run in order")
-    parser.add_argument("--episodes", type=int, default=16)
+    parser = pass_parser(MODES, episodes=16)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--multiprocess", action="store_true",
                         help="engine core and worker in processes of their own (the mp executor)")
-    args = parser.parse_args(argv)
-    for spec in args.passes:
-        mode, _, run_id = spec.partition(":")
-        if mode not in MODES or not run_id:
-            parser.error(f"--pass {spec!r}: expected MODE:RUN_ID with MODE one of {', '.join(MODES)}")
-    return args
+    return parse_passes(parser, MODES, argv)
 
 
 def run_pass(llm, mode: str, run_id: str, prompts: dict[str, list[int]], max_tokens: int) -> list[dict]:

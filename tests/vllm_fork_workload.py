@@ -38,20 +38,30 @@ MAX_TOKENS = 32
 ARMS = ("off", "prefix")
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def pass_parser(modes: tuple[str, ...], episodes: int) -> argparse.ArgumentParser:
+    """The options every vLLM workload script takes: the model, its passes (MODE:RUN_ID, one of ``modes``),
+    episodes, seed and dtype; ``parse_passes`` checks the passes."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--pass", dest="passes", action="append", required=True, metavar="ARM:RUN_ID",
-                        help=f"arm ({' or '.join(ARMS)}) and run id of one pass; repeat, run in order")
-    parser.add_argument("--episodes", type=int, default=100)
+    parser.add_argument("--pass", dest="passes", action="append", required=True, metavar="MODE:RUN_ID",
+                        help=f"mode ({' or '.join(modes)}) and run id of one pass; repeat, run in order")
+    parser.add_argument("--episodes", type=int, default=episodes)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="bfloat16")
+    return parser
+
+
+def parse_passes(parser: argparse.ArgumentParser, modes: tuple[str, ...], argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     for spec in args.passes:
-        arm, _, run_id = spec.partition(":")
-        if arm not in ARMS or not run_id:
-            parser.error(f"--pass {spec!r}: expected ARM:RUN_ID with ARM one of {', '.join(ARMS)}")
+        mode, _, run_id = spec.partition(":")
+        if mode not in modes or not run_id:
+            parser.error(f"--pass {spec!r}: expected MODE:RUN_ID with MODE one of {', '.join(modes)}")
     return args
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    return parse_passes(pass_parser(ARMS, episodes=100), ARMS, argv)
 
 
 def random_prompts(tokenizer, episodes: int, seed: int) -> dict[str, list[int]]:
