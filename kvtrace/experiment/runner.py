@@ -160,12 +160,9 @@ def drive_episodes(plan: Plan, key: PassKey, run_id: str, result: PassResult, pr
     agents = _agents(plan, key, start_conversation)
     for agent, index in schedule_turns(agents, plan.turns, plan.schedule):
         progress(f"{run_id} episode {agent.episode.episode_id} turn {index + 1}/{plan.turns}")
-        if not agent.done:
-            prompt = agent.conversation.prompt()
-            if len(prompt) + plan.tokens > plan.n_ctx:
-                agent.done = True
-            else:
-                turn(agent, index, prompt)
+        prompt = _next_prompt(agent, plan)
+        if prompt is not None:
+            turn(agent, index, prompt)
         result.turns += 1
 
 
@@ -176,17 +173,21 @@ def drive_turns_together(plan: Plan, key: PassKey, run_id: str, result: PassResu
     agents = _agents(plan, key, start_conversation)
     for index in range(plan.turns):
         progress(f"{run_id} turn {index + 1}/{plan.turns} of {len(agents)} episodes")
-        requests = []
-        for agent in agents:
-            if not agent.done:
-                prompt = agent.conversation.prompt()
-                if len(prompt) + plan.tokens > plan.n_ctx:
-                    agent.done = True
-                else:
-                    requests.append((agent, index, prompt))
+        requests = [(agent, index, prompt) for agent in agents if (prompt := _next_prompt(agent, plan)) is not None]
         if requests:
             turns(requests)
         result.turns += len(agents)
+
+
+def _next_prompt(agent: "Agent", plan: Plan) -> Optional[list[int]]:
+    """The agent's next prompt; ``None`` once it is done, which a full context makes it (the episode ends
+    there, the same way in every run that got there)."""
+    if not agent.done:
+        prompt = agent.conversation.prompt()
+        if len(prompt) + plan.tokens <= plan.n_ctx:
+            return prompt
+        agent.done = True
+    return None
 
 
 def _agents(plan: Plan, key: PassKey, start_conversation: Callable) -> list["Agent"]:
