@@ -31,16 +31,21 @@ class Background:
     def try_run(self, job: Callable[[], None]) -> bool:
         """``job()`` on a thread of its own if fewer than ``limit`` run (and not closed); else ``False``,
         and nothing runs."""
-        if self._closed or not self._room.acquire(blocking=False):
+        if not self._room.acquire(blocking=False):
             return False
         thread = threading.Thread(target=self._run, args=(job,), name=self._name, daemon=True)
+        # Registered and started under one lock, so close() never sees a thread it cannot join yet.
         with self._lock:
+            if self._closed:
+                self._room.release()
+                return False
             self._running.add(thread)
-        try:
-            thread.start()
-        except RuntimeError:  # no thread to be had: as beyond the limit
-            self._done(thread)
-            return False
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had: as beyond the limit
+                self._running.discard(thread)
+                self._room.release()
+                return False
         return True
 
     def _run(self, job: Callable[[], None]) -> None:
@@ -58,8 +63,8 @@ class Background:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Wait for the running jobs (their spans go out before the proxy's recorder flushes)."""
-        self._closed = True
         with self._lock:
+            self._closed = True
             running = list(self._running)
         for thread in running:
             thread.join(timeout_s)

@@ -1,0 +1,43 @@
+"""The proxy's background jobs when the proxy stops while a job is being handed its thread."""
+
+import threading
+
+from kvtrace.outside import background
+
+_Thread = threading.Thread  # the real class; the test swaps the module's for one that starts slowly
+
+
+class _SlowStart(_Thread):
+    """A thread whose start() lets ``close()`` run on another thread first, as a stop that lands
+    between a job's registration and its thread's start."""
+
+    jobs: background.Background
+    errors: list[BaseException] = []
+
+    def start(self) -> None:
+        def close() -> None:
+            try:
+                self.jobs.close(timeout_s=10)
+            except BaseException as exc:  # noqa: BLE001 - what the stop raised is the finding
+                self.errors.append(exc)
+
+        closer = _Thread(target=close)
+        closer.start()
+        closer.join(0.2)  # close() either finished (wrongly, before the job) or waits for this start
+        super().start()
+        _SlowStart.closer = closer
+
+
+def test_a_stop_while_a_job_starts_waits_for_it_instead_of_failing(monkeypatch):
+    jobs = background.Background(limit=4, name="test-jobs")
+    _SlowStart.jobs, _SlowStart.errors = jobs, []
+    monkeypatch.setattr(background.threading, "Thread", _SlowStart)
+    ran = threading.Event()
+
+    assert jobs.try_run(ran.set)
+    monkeypatch.undo()
+    _SlowStart.closer.join(10)
+
+    assert _SlowStart.errors == []
+    assert ran.is_set()
+    assert not jobs.try_run(ran.set), "a closed set of jobs starts no more"
