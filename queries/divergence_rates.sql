@@ -3,6 +3,8 @@
 --   sizes, flash attention, threads...), plus the arm and its cache settings (e.g. the prompt cache's
 --   capacity). An episode's trajectory in a run is every turn's prompt and output; runs whose
 --   trajectories of an episode are bit-identical are one observation of it, not several.
+--   A run's arms are observed apart: the cold twins `kvtrace proxy --shadow` sends share their
+--   originals' run (arm shadow).
 --   Rows, for the runs whose id starts with run_prefix ('' = every run):
 --     baseline_arm = ARM  every other arm against ARM under the same engine, model, format, KV type and
 --       numerics (does caching change the outcome?). The samples of an episode are its distinct
@@ -10,6 +12,9 @@
 --       with itself, more when orders (or repeats) give different trajectories. A sample forked when
 --       some turn both sides reached differs in prompt or output (as forks.sql). fork_rate is the mean
 --       over episodes of the share of their samples that forked (k/n when each has one sample).
+--     baseline_arm = 'shadow'   live requests against their cold twins: a sample forked when a twin's
+--       output differs from its original's. A request without an episode id (no baggage) is an episode
+--       of its own here, its twin's by the parent span.
 --     baseline_arm = ''   repeats of each configuration against each other: runs that served the
 --       episodes in the same order (nothing but a rerun) should agree. An episode counts as forked
 --       when two of its repeats differ: nondeterminism outside the cache. compared_with = arm.
@@ -33,20 +38,23 @@ ${shared_wilson_interval}
 ${shared_cluster_interval}
 ${shared_request_scope}
 scoped AS (
-    SELECT Timestamp, run_id, episode_id, turn, SpanId, prompt_hash, output_hash, notEmpty(token_ids) AS has_ids,
+    SELECT Timestamp, run_id,
+           if(q.episode_id = '' AND {baseline_arm:String} = '${ARM_SHADOW}',
+              concat('request:', if(q.arm = '${ARM_SHADOW}', q.ParentSpanId, q.SpanId)), q.episode_id) AS episode_id,
+           turn, SpanId, prompt_hash, output_hash, notEmpty(token_ids) AS has_ids,
            token_digest, reused_tokens, engine,
            model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings
     FROM requests_once AS q
-    WHERE startsWith(run_id, {run_prefix:String}) AND episode_id != ''
+    WHERE startsWith(run_id, {run_prefix:String}) AND (q.episode_id != '' OR {baseline_arm:String} = '${ARM_SHADOW}')
       AND in_request_scope(q.Timestamp, q.engine, q.model, q.weight_format)  -- columns, not the aggregates' aliases
 ),
 requests AS (
-    SELECT run_id, episode_id, turn, Timestamp, prompt_hash, output_hash, has_ids, token_digest, SpanId,
+    SELECT run_id, arm, episode_id, turn, Timestamp, prompt_hash, output_hash, has_ids, token_digest, SpanId,
            (engine, model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings)
                AS configuration
     FROM scoped
-    ORDER BY run_id, episode_id, turn, Timestamp
-    LIMIT 1 BY run_id, episode_id, turn
+    ORDER BY run_id, arm, episode_id, turn, Timestamp
+    LIMIT 1 BY run_id, arm, episode_id, turn
 ),
 -- ClickHouse plans a WITH subquery again wherever it is referenced, and planning, not reading, is what
 -- this query spends its time on: each subquery below is referenced once (scoped aside: requests and
@@ -55,16 +63,16 @@ requests AS (
 -- the order it served its episodes in) comes from its episodes' rows by window functions. A turn's
 -- output rides as its token_digest (queries/shared/output_divergence.sql); the token arrays are read
 -- again only for the turns where samples fork, for the position.
--- One row per (run, episode): its turns in order (turn, prompt hash, output hash, has ids, token digest,
+-- One row per (run, arm, episode): its turns in order (turn, prompt hash, output hash, has ids, token digest,
 -- span id), its trajectory (the turns without their span ids) and when the run first served it.
 trajectories AS (
-    SELECT run_id, episode_id,
+    SELECT run_id, arm, episode_id,
            arraySort(groupArray((turn, prompt_hash, output_hash, has_ids, token_digest, SpanId))) AS turns,
            cityHash64(arrayMap(t -> (t.1, t.2, t.3, t.5), turns)) AS trajectory,
            min(Timestamp) AS first_served,
            any(configuration) AS episode_configuration
     FROM requests
-    GROUP BY run_id, episode_id
+    GROUP BY run_id, arm, episode_id
 ),
 -- The run's configuration, and the order it served its episodes in (by each one's first request: runs in
 -- the same order are repeats of each other) as a sum of hashes of (rank, episode).
@@ -72,9 +80,9 @@ run_observations AS (
     SELECT run_id, episode_id, trajectory, turns,
            any(episode_configuration) OVER run AS configuration,
            sum(cityHash64(served_rank, episode_id)) OVER run AS episode_order
-    FROM (SELECT *, row_number() OVER (PARTITION BY run_id ORDER BY first_served, episode_id) AS served_rank
+    FROM (SELECT *, row_number() OVER (PARTITION BY run_id, arm ORDER BY first_served, episode_id) AS served_rank
           FROM trajectories)
-    WINDOW run AS (PARTITION BY run_id)
+    WINDOW run AS (PARTITION BY run_id, arm)
 ),
 -- configuration_runs / arm_runs: how many runs the configuration / its arm (cache settings aside) has.
 observed AS (

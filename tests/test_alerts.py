@@ -219,7 +219,9 @@ def test_the_example_rules_file_is_valid():
 
     config = load_rules(Path(__file__).resolve().parent.parent / "examples" / "alert-rules.yaml")
     assert [r.metric for r in config.rules] == ["margin_shift_p95_abs", "margin_shift_mean_abs",
-                                                "shadow_margin_shift_p95_abs", "divergence_rate", "near_tie_share"]
+                                                "shadow_margin_shift_p95_abs", "divergence_rate", "divergence_rate",
+                                                "near_tie_share"]
+    assert [r.baseline_arm for r in config.rules if r.metric == "divergence_rate"] == ["off", "shadow"]
     assert config.rules[0].window_s == 1800 and config.delivery.alertmanager.ends_after_s == 900
 
 

@@ -122,6 +122,12 @@ def test_a_shadowed_clients_answers_are_unchanged_and_each_hit_is_paired_with_it
     assert overall["max_abs_shift"] == pytest.approx(max(map(abs, expected)), rel=1e-9, abs=1e-12)
     assert overall["shadow_pairs"] == len(hit_turns)
 
+    # divergence_rates against the twins: episode e, forked where a hit's answer is not its cold one.
+    columns, answer = queries.run(db, "divergence_rates", {"run_prefix": "shadowed", "baseline_arm": sc.ARM_SHADOW})
+    forked = any(hit["text"] != recomputed["text"] for hit, recomputed in zip(hits, cold))
+    assert [(row[columns.index("compared_with")], row[columns.index("episodes_compared")],
+             row[columns.index("episodes_forked")]) for row in answer] == [(sc.ARM_SHADOW, 1, int(forked))]
+
 
 def prompts_of(answers: list[bytes]) -> list[str]:
     """The prompts of a conversation's turns, rebuilt from its answers as :func:`conversation` built them."""
@@ -169,10 +175,19 @@ def test_the_readme_command_sends_twins_that_kvtrace_runs_counts(tiny_gguf, tmp_
                 "--listen", f"127.0.0.1:{port}", "--run-id", "live"]
         with proxy_process(argv, port, tmp_path / "proxy.log") as proxy:  # its stop waits for the twin
             for prompt in (OPENING, OPENING + FOLLOW_UPS[0]):  # the second reuses the first's state
-                assert httpx.post(proxy + "/v1/completions", timeout=120,
-                                  json={"prompt": prompt, "max_tokens": 4, "temperature": 0}).status_code == 200
+                answer = httpx.post(proxy + "/v1/completions", timeout=120,
+                                    json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+                assert answer.status_code == 200
+        cold = httpx.post(server + "/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": 4, "temperature": 0, "cache_prompt": False}).json()["choices"][0]["text"]
     ingest_paths(db, [spool_dir])
     columns, rows = queries.run(db, "runs")
     (run,) = [dict(zip(columns, row)) for row in rows]
     assert (run["run_id"], run["requests"], run["shadow_twins"]) == ("live", 3, 1)
     assert sc.ARM_SHADOW in run["arms"].split(",")
+
+    # No baggage: each request is an episode of its own, and the hit's is the one with a twin.
+    columns, rows = queries.run(db, "divergence_rates", {"baseline_arm": sc.ARM_SHADOW})
+    (rate,) = [dict(zip(columns, row)) for row in rows]
+    forked = answer.json()["choices"][0]["text"] != cold
+    assert (rate["compared_with"], rate["episodes_compared"], rate["episodes_forked"]) == (sc.ARM_SHADOW, 1, forked)
