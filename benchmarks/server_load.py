@@ -2,7 +2,7 @@
 
     .venv/bin/python -P benchmarks/server_load.py [--servers vllm,llama-cpp,llama-server]
         [--concurrency 1,8,32] [--requests 96] [--tokens 16] [--size tiny|small|base] [--minutes 0]
-        [--vllm-python .venv-vllm/bin/python] [--shadow RATE]
+        [--vllm-python .venv-vllm/bin/python] [--shadow RATE] [--cache-ram MIB]
 
 Three servers, each on a model kvtrace generates (nothing is downloaded), each as a traced and an
 untraced arm that the client alternates block by block, ABBA (a block is twice the concurrency's
@@ -102,6 +102,11 @@ def parse_args() -> argparse.Namespace:
                         help="the interpreter of the environment with vLLM (default: this one)")
     parser.add_argument("--llama-python", type=Path, default=Path(sys.executable),
                         help="the interpreter of the environment with llama-cpp-python[server] (default: this one)")
+    parser.add_argument("--cache-ram", type=int, default=None, metavar="MIB",
+                        help="llama-server's --cache-ram (default: its own, 8192 MiB). The proxy mirrors that "
+                             "cache's listing, so a soak reads the proxy's own growth once the cache is full: "
+                             "64 MiB holds about 200 of the tiny model's states, as many as 8 GiB holds of a "
+                             "7B model's")
     parser.add_argument("--shadow", type=float, default=None, metavar="RATE",
                         help=f"compare a proxy with --shadow RATE against a plain one ({', '.join(SHADOW_SERVERS)})")
     args = parser.parse_args()
@@ -280,7 +285,7 @@ def llama_cpp_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm, A
         yield arms[0], arms[1]
 
 
-def llama_server_argv(model: Path, port: int, log: Path) -> list[str]:
+def llama_server_argv(model: Path, port: int, log: Path, cache_ram_mib: Optional[int]) -> list[str]:
     from kvtrace.outside.llama_server_build import cached_llama_server
 
     binary = cached_llama_server()
@@ -288,7 +293,8 @@ def llama_server_argv(model: Path, port: int, log: Path) -> list[str]:
         raise SystemExit("llama-server is not built; run `python -m kvtrace.outside.llama_server_build` first")
     return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", "4",
             "-c", "4096", "-t", "1", "-tb", "1", "-b", "64", "-ub", "64", "--no-warmup", "--no-repack",
-            "-lv", "4", "--log-file", str(log)]
+            "-lv", "4", "--log-file", str(log),
+            *(("--cache-ram", str(cache_ram_mib)) if cache_ram_mib is not None else ())]
 
 
 def proxy_argv(upstream: str, port: int, *extra: str) -> list[str]:
@@ -304,7 +310,7 @@ def llama_server_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm
     port, proxy_port = free_port(), free_port()
     base, proxy_base = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{proxy_port}"
     log = root / "llama-server.log"
-    with started("llama-server", llama_server_argv(model, port, log), base_env(root, False),
+    with started("llama-server", llama_server_argv(model, port, log, args.cache_ram), base_env(root, False),
                  root / "llama-server.out", base + "/health") as server, \
             started("kvtrace proxy", proxy_argv(base, proxy_port, "--llama-server-log", str(log)),
                     base_env(root, True), root / "proxy.out", proxy_base + "/health") as proxy:
@@ -324,7 +330,7 @@ def shadow_arms(name: str, args: argparse.Namespace, tmp: Path) -> Iterator[tupl
                                  "--enable-prompt-tokens-details"), base + "/health"
         log_args: tuple[str, ...] = ()
     else:
-        argv, health = llama_server_argv(gguf_model(tmp, args.size), port, log), base + "/health"
+        argv, health = llama_server_argv(gguf_model(tmp, args.size), port, log, args.cache_ram), base + "/health"
         log_args = ("--llama-server-log", str(log))
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(started(name, argv, base_env(tmp, False), tmp / "server.out", health))
@@ -556,7 +562,8 @@ def run_server(name: str, args: argparse.Namespace, tmp: Path) -> None:
 def main() -> int:
     args = parse_args()
     print(f"servers {','.join(args.servers)}; concurrency {','.join(map(str, args.concurrency))}; "
-          f"{args.requests} requests per arm and cell, {args.tokens} tokens each; ABBA by block of 2 x concurrency")
+          f"{args.requests} requests per arm and cell, {args.tokens} tokens each; ABBA by block of 2 x concurrency"
+          + (f"; llama-server --cache-ram {args.cache_ram}" if args.cache_ram is not None else ""))
     print("load average: %.2f %.2f %.2f on %d CPUs" % (*os.getloadavg(), os.cpu_count() or 0))
     with tempfile.TemporaryDirectory(prefix="kvtrace-bench-server-") as tmp:
         for name in args.servers:
