@@ -19,7 +19,8 @@ class Background:
     def __init__(self, limit: int = 64, name: str = "kvtrace-proxy-record"):
         self._room = threading.BoundedSemaphore(limit)
         self._lock = threading.Lock()
-        self._running: set[threading.Thread] = set()
+        self._all_done = threading.Condition(self._lock)
+        self._running = 0  # jobs handed to a thread, started or not: what close() waits for
         self._closed = False
         self._name = name
 
@@ -33,19 +34,16 @@ class Background:
         and nothing runs."""
         if not self._room.acquire(blocking=False):
             return False
-        thread = threading.Thread(target=self._run, args=(job,), name=self._name, daemon=True)
-        # Registered and started under one lock, so close() never sees a thread it cannot join yet.
         with self._lock:
             if self._closed:
                 self._room.release()
                 return False
-            self._running.add(thread)
-            try:
-                thread.start()
-            except RuntimeError:  # no thread to be had: as beyond the limit
-                self._running.discard(thread)
-                self._room.release()
-                return False
+            self._running += 1
+        try:
+            threading.Thread(target=self._run, args=(job,), name=self._name, daemon=True).start()
+        except RuntimeError:  # no thread to be had: as beyond the limit
+            self._done()
+            return False
         return True
 
     def _run(self, job: Callable[[], None]) -> None:
@@ -54,17 +52,17 @@ class Background:
         except Exception:  # the job counts its own failures; this is a last guard for the thread
             log.warning("kvtrace proxy: a job of %s failed", self._name, exc_info=True)
         finally:
-            self._done(threading.current_thread())
+            self._done()
 
-    def _done(self, thread: threading.Thread) -> None:
+    def _done(self) -> None:
         with self._lock:
-            self._running.discard(thread)
+            self._running -= 1
+            if not self._running:
+                self._all_done.notify_all()
         self._room.release()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Wait for the running jobs (their spans go out before the proxy's recorder flushes)."""
         with self._lock:
             self._closed = True
-            running = list(self._running)
-        for thread in running:
-            thread.join(timeout_s)
+            self._all_done.wait_for(lambda: not self._running, timeout_s)
