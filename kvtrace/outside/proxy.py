@@ -49,6 +49,7 @@ from kvtrace.credentials import without_password
 from kvtrace.errors import ConfigError
 from kvtrace.outside import answers
 from kvtrace.outside.background import Background
+from kvtrace.outside.heap import PeriodicTrim
 from kvtrace.outside.http1 import ClientGone, Headers, Request, Responder, Server
 from kvtrace.outside.limits import Limits, ShadowBudget
 from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
@@ -544,9 +545,10 @@ def serve(upstream: str, host: str, port: int, llama_server_log: Optional[Path] 
     server.start()
     if on_listening is not None:
         on_listening(server.port)
+    trim = PeriodicTrim()
     try:
         while not stop.wait(1.0):
-            pass
+            trim.tick()
     finally:
         server.stop()
         app.close()
