@@ -20,7 +20,7 @@
  * IEEE float32 operations (no fused multiply-add: -ffp-contract=off; no reassociation: no
  * -ffast-math), and the sum runs in LANES float64 accumulators in a fixed order, however wide the
  * vector unit is.  The loops are GCC/Clang vector extensions, compiled on x86 for AVX-512 (16
- * floats), AVX2 (8) and the baseline (8, as two SSE halves), and elsewhere for the baseline only;
+ * floats), AVX2 (8) and the baseline (4, SSE), and elsewhere for the baseline only;
  * the module uses the widest kernel the CPU runs (KERNEL names it).
  */
 
@@ -62,29 +62,39 @@
 #define KV_X86 1
 #endif
 
+/* TO_DOUBLE: float32 to float64 (exact) by the instruction set's own conversion: GCC lowers
+ * __builtin_convertvector from a half-width vector to two narrow conversions through the stack,
+ * which was most of the AVX2 kernel's time. */
 #ifdef KV_X86
+#include <immintrin.h>
 #define WIDTH 16
+#define TO_DOUBLE(half) ((VDOUBLE)_mm512_cvtps_pd((__m256)(half)))
 #define KERNEL(name) name##_avx512f
 #define KERNEL_TARGET __attribute__((target("avx512f")))
 #include "_rowstats_kernels.h"
 #undef WIDTH
+#undef TO_DOUBLE
 #undef KERNEL
 #undef KERNEL_TARGET
 
 #define WIDTH 8
+#define TO_DOUBLE(half) ((VDOUBLE)_mm256_cvtps_pd((__m128)(half)))
 #define KERNEL(name) name##_avx2
 #define KERNEL_TARGET __attribute__((target("avx2")))
 #include "_rowstats_kernels.h"
 #undef WIDTH
+#undef TO_DOUBLE
 #undef KERNEL
 #undef KERNEL_TARGET
 #endif
 
 #define WIDTH 4
+#define TO_DOUBLE(half) __builtin_convertvector(half, VDOUBLE)
 #define KERNEL(name) name##_portable
 #define KERNEL_TARGET
 #include "_rowstats_kernels.h"
 #undef WIDTH
+#undef TO_DOUBLE
 #undef KERNEL
 #undef KERNEL_TARGET
 
@@ -147,8 +157,15 @@ static int compute_row(const float *x, Py_ssize_t n, Py_ssize_t token, Py_ssize_
     float second = -INFINITY;
     for (Py_ssize_t b = 0; b < blocks; b++)
         if (b != top_block && block_max[b] > second) second = block_max[b];
-    for (Py_ssize_t i = top_block * BLOCK; i < block_end; i++)
-        if (i != top1 && x[i] > second) second = x[i];
+    float unused[1]; /* the maxima of top-1's block on either side of it, by the vector kernel */
+    if (top1 > top_block * BLOCK) {
+        float before = current->block_maxima(x + top_block * BLOCK, top1 - top_block * BLOCK, unused);
+        second = before > second ? before : second;
+    }
+    if (top1 + 1 < block_end) {
+        float after = current->block_maxima(x + top1 + 1, block_end - top1 - 1, unused);
+        second = after > second ? after : second;
+    }
     Py_ssize_t runner_up = -1;
     for (Py_ssize_t b = 0; b < blocks && runner_up < 0 && n > 1; b++) {
         if (b == top_block || block_max[b] == second) {

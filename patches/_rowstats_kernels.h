@@ -1,7 +1,8 @@
 /* The vector kernels of _rowstats.c, included once per vector width.
  *
- * The includer defines WIDTH (floats per vector: 8 or 16, dividing LANES), KERNEL(name) (the name
- * of this width's copy) and KERNEL_TARGET (the instruction set it is compiled for).  Every width
+ * The includer defines WIDTH (floats per vector: 4, 8 or 16, dividing LANES), KERNEL(name) (the name
+ * of this width's copy), KERNEL_TARGET (the instruction set it is compiled for) and TO_DOUBLE(half)
+ * (a VHALF's floats as a VDOUBLE).  Every width
  * does the same float32 operations on each logit and adds each exp to the same float64 lane
  * (i % LANES) in index order, so every width gives the same bits.
  */
@@ -89,11 +90,16 @@ KERNEL_TARGET static float KERNEL(block_maxima)(const float *x, Py_ssize_t n, fl
     return peak;
 }
 
-/* Adds exp(v - peak) to the accumulators of v's lanes (two vectors of WIDTH / 2 float64). */
+/* Adds the float32 values e to the accumulators of their lanes (two vectors of WIDTH / 2 float64). */
+KV_INLINE void KERNEL(add_to_lanes)(VDOUBLE *lanes, VFLOAT e) {
+    VSPLIT halves = {.all = e};
+    lanes[0] += TO_DOUBLE(halves.half[0]);
+    lanes[1] += TO_DOUBLE(halves.half[1]);
+}
+
+/* Adds exp(v - peak) to the accumulators of v's lanes. */
 KV_INLINE void KERNEL(accumulate)(VDOUBLE *lanes, VFLOAT v, float peak) {
-    VSPLIT e = {.all = KERNEL(exp_nonpositive)(v - peak)};
-    lanes[0] += __builtin_convertvector(e.half[0], VDOUBLE);
-    lanes[1] += __builtin_convertvector(e.half[1], VDOUBLE);
+    KERNEL(add_to_lanes)(lanes, KERNEL(exp_nonpositive)(v - peak));
 }
 
 /* Sum over i of exp(x[i] - peak): lane i % LANES accumulates in float64, in index order; then the
@@ -101,8 +107,15 @@ KV_INLINE void KERNEL(accumulate)(VDOUBLE *lanes, VFLOAT v, float peak) {
 KERNEL_TARGET static double KERNEL(exp_sum)(const float *x, Py_ssize_t n, float peak) {
     VDOUBLE lanes[ACCUMULATORS];
     for (int a = 0; a < ACCUMULATORS; a++) lanes[a] = (VDOUBLE){0};
-    Py_ssize_t whole = n - n % LANES;
-    for (Py_ssize_t i = 0; i < whole; i += LANES)
+    Py_ssize_t whole = n - n % LANES, pairs = whole - whole % (2 * LANES), i = 0;
+    /* Two groups of LANES at a time, their exps first: the polynomial is one long chain of dependent
+     * operations, and four or more chains side by side keep the vector unit busy. */
+    for (; i < pairs; i += 2 * LANES) {
+        VFLOAT e[2 * LANES / WIDTH];
+        for (int k = 0; k < 2 * LANES / WIDTH; k++) e[k] = KERNEL(exp_nonpositive)(KERNEL(load)(x + i + k * WIDTH) - peak);
+        for (int k = 0; k < 2 * LANES / WIDTH; k++) KERNEL(add_to_lanes)(lanes + 2 * (k % (LANES / WIDTH)), e[k]);
+    }
+    for (; i < whole; i += LANES)
         for (int k = 0; k < LANES / WIDTH; k++)
             KERNEL(accumulate)(lanes + 2 * k, KERNEL(load)(x + i + k * WIDTH), peak);
     if (whole < n)
