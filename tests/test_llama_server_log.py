@@ -4,7 +4,7 @@ from a real server; here the cases a short test run rarely shows."""
 
 from __future__ import annotations
 
-from kvtrace.outside.llama_server_log import LogFollower, LogParser
+from kvtrace.outside.llama_server_log import LogFollower, LogParser, started_after
 
 START = """\
 0.00.100.000 I srv    load_model: prompt cache is enabled, size limit: 64 MiB
@@ -82,6 +82,26 @@ def test_the_follower_reads_only_what_was_added_and_waits_for_whole_lines(tmp_pa
         log.write(task(7, 18, 21)[60:])
     assert [d.task for d in follower.poll()] == [7]
     assert follower.poll() == []
+
+
+def test_a_task_is_placed_where_its_line_ends_so_a_request_sent_before_it_may_own_it(tmp_path, monkeypatch):
+    # A request sent when the log ended at `sent` may own the tasks whose line ends past it, only those,
+    # however the log is cut into pieces and whatever bytes (not ASCII, not UTF-8) come before.
+    monkeypatch.setattr(LogFollower, "READ_BYTES", 7)
+    path = tmp_path / "server.log"
+    path.write_bytes(START.encode() + "naïve \xff line\n".encode("latin-1") + task(7, 18, 21).encode())
+    follower = LogFollower(path)
+    sent = follower.end()
+    with open(path, "ab") as log:
+        log.write(task(8, 18, 21).encode())
+    first, second = follower.poll()
+    data = path.read_bytes()
+    for decision in (first, second):
+        line = f"task {decision.task} | processing task, is_child = 0\n".encode()
+        assert decision.logged_at == (path.stat().st_ino, data.index(line) + len(line))
+    assert sent == (path.stat().st_ino, len(data) - len(task(8, 18, 21).encode()))
+    assert [started_after(d, sent) for d in (first, second)] == [False, True]
+    assert started_after(first, (0, 0))  # the log could not be read when the request went out
 
 
 def launch(number: int, slot: int, marker: int) -> str:

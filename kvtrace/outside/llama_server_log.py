@@ -27,6 +27,7 @@ import os
 import re
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Optional
 
@@ -128,6 +129,8 @@ class TaskDecision:
     """The prompt tokens the task computed (its ``prompt eval time`` line: an answer's ``prompt_n``)."""
     generated_tokens: Optional[int] = None
     """The tokens the task generated (its ``eval time`` line: ``predicted_n``); set once its timings are out."""
+    logged_at: tuple[int, int] = (0, 0)
+    """Where the line that started it ends in the log: (the file's inode, bytes up to its newline)."""
 
 
 @dataclass(eq=False)  # an entry is itself, not any entry of its length and origin (and `in` stays cheap)
@@ -429,10 +432,30 @@ class LogFollower:
             pass
         return started
 
+    def end(self) -> tuple[int, int]:
+        """Where the log ends now, as (inode, size); a task whose line ends past it started after now. Reads
+        no line (a request going upstream takes this, and parsing waits until its answer is back)."""
+        try:
+            stat = os.stat(self.path)
+        except OSError:
+            return (0, 0)
+        return (stat.st_ino, stat.st_size)
+
     def _parse(self, data: bytes, started: list[TaskDecision]) -> None:
+        begins = self._offset - len(data) - len(self._partial)  # where the pending bytes start in the file
         whole, _, self._partial = (self._partial + data).rpartition(b"\n")
-        for line in whole.decode("utf-8", "replace").split("\n") if whole else ():
+        line_ends = None
+        for number, line in enumerate(whole.decode("utf-8", "replace").split("\n") if whole else ()):
             decision = self.parser.feed(line)
             if decision is not None:
+                if line_ends is None:  # in bytes, counted only for a piece where a task starts (a few lines of many)
+                    line_ends = list(accumulate(len(raw) + 1 for raw in whole.split(b"\n")))
+                decision.logged_at = (self._inode or 0, begins + line_ends[number])
                 started.append(decision)
                 self.started.append(decision)
+
+
+def started_after(decision: TaskDecision, end: tuple[int, int]) -> bool:
+    """Whether the log showed ``decision``'s task starting only after it ended at ``end``
+    (:meth:`LogFollower.end`; a task of another file than that one is of a newer file)."""
+    return decision.logged_at[0] != end[0] or decision.logged_at[1] > end[1]

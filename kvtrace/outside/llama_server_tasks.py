@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 
 from kvtrace import semconv as sc
-from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
+from kvtrace.outside.llama_server_log import LogFollower, TaskDecision, started_after
 from kvtrace.outside.upstream import UpstreamBrokeOff, UpstreamUnreachable
 from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
 
@@ -146,6 +146,7 @@ class TaskProvenance:
         self._markers = itertools.count()
         self._unremembered: set[int] = set()  # tasks matched whose request's state is not remembered yet
         self._lock = threading.Lock()  # requests are served by threads of their own
+        self._reading = threading.Lock()  # the log is parsed by one thread at a time; taken before _lock
 
     # --- the request's way through ---------------------------------------------------------
 
@@ -154,10 +155,10 @@ class TaskProvenance:
             return MARKER_BASE + next(self._markers) % MARKER_SPAN
 
     def sent(self, traced: Traced) -> None:
-        """Just before the request goes upstream: the tasks the log shows now cannot be its own."""
+        """Just before the request goes upstream: the tasks logged up to where the log ends now cannot be its
+        own. Nothing is parsed here, on the client's path: that waits for the answer (:meth:`find`)."""
+        traced.sent_at = self.follower.end()
         with self._lock:
-            self._poll()
-            traced.not_before = self.follower.parser.started_count
             self._waiting.append(traced)
 
     def abandon(self, traced: Traced) -> None:
@@ -168,8 +169,10 @@ class TaskProvenance:
                 self._unremembered.discard(traced.task.task)
 
     def server_settings(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(cache settings, numerics) the server's log stated, as copies."""
-        with self._lock:
+        """(cache settings, numerics) the server's log stated, as copies (the log read up to now first: the
+        first request's record may be the first to read it)."""
+        self._poll()
+        with self._reading:
             parser = self.follower.parser
             return dict(parser.settings), dict(parser.numerics)
 
@@ -183,8 +186,8 @@ class TaskProvenance:
         for pause in (0.0, *self.WAIT_S):
             if pause:
                 time.sleep(pause)
+            self._poll()
             with self._lock:
-                self._poll()
                 outcome, final = self._match(traced, answer)
             # A marker is certain at once; counts only once a second read of the log still says so
             # (the task the answer came from may be a line or two behind in the file).
@@ -260,17 +263,20 @@ class TaskProvenance:
     # --- matching -------------------------------------------------------------------------------
 
     def _poll(self) -> None:
-        for decision in self.follower.poll():
-            self._unclaimed[decision.task] = decision
-            while len(self._unclaimed) > self.MAX_UNCLAIMED:
-                self._unclaimed.popitem(last=False)
+        with self._reading:
+            started = self.follower.poll()
+            with self._lock:
+                for decision in started:
+                    self._unclaimed[decision.task] = decision
+                    while len(self._unclaimed) > self.MAX_UNCLAIMED:
+                        self._unclaimed.popitem(last=False)
 
     def _drop(self, traced: Traced) -> None:
         self._waiting = [waiting for waiting in self._waiting if waiting is not traced]
 
     def _match(self, traced: Traced, answer: Fingerprint) -> tuple[tuple[str, Optional[TaskDecision]], bool]:
         """((how, task), final): final once the log decided; else the outcome if it stays as it is."""
-        after = [t for t in self._unclaimed.values() if t.index >= traced.not_before]
+        after = [t for t in self._unclaimed.values() if started_after(t, traced.sent_at)]
         if traced.marker is not None:
             marked = [t for t in after if t.marker == traced.marker]
             return ((sc.TASK_MATCH_MARKER, marked[0]), True) if marked else ((sc.TASK_MATCH_NONE, None), False)
@@ -283,7 +289,7 @@ class TaskProvenance:
             return (sc.TASK_MATCH_AMBIGUOUS, None), False
         task = fitting[0]
         # Another waiting request could own it unless its own answer (once read) does not fit the task.
-        rivals = [w for w in self._waiting if w is not traced and w.marker is None and w.not_before <= task.index
+        rivals = [w for w in self._waiting if w is not traced and w.marker is None and started_after(task, w.sent_at)
                   and (w.answer is None or w.answer.fits(task))]
         if rivals:
             return (sc.TASK_MATCH_AMBIGUOUS, None), False

@@ -98,8 +98,9 @@ class Traced:
     """How ``task`` was found (a ``TASK_MATCH_*`` value)."""
     marker: Optional[int] = None
     """The marker the proxy set on the upstream request (``llama_server_tasks``), if it could."""
-    not_before: int = 0
-    """Tasks the log had shown starting when the request went upstream: none of them is its own."""
+    sent_at: tuple[int, int] = (0, 0)
+    """Where llama-server's log ended when the request went upstream (``LogFollower.end``): no task logged
+    before it is its own."""
     answer: Any = None
     """What the answer says about its task (``llama_server_tasks.Fingerprint``), once read."""
     prompt_chain: Any = None
