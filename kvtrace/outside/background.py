@@ -16,7 +16,7 @@ log = logging.getLogger("kvtrace")
 
 
 class Background:
-    def __init__(self, limit: int = 64, name: str = "kvtrace-proxy-record"):
+    def __init__(self, limit: int, name: str = "kvtrace-proxy-record"):
         self._room = threading.BoundedSemaphore(limit)
         self._lock = threading.Lock()
         self._all_done = threading.Condition(self._lock)

@@ -74,6 +74,11 @@ FORWARD_DROPPED = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"accept-
 """Not forwarded upstream: the proxy frames the request itself and asks for identity encoding."""
 RESPONSE_DROPPED = HOP_BY_HOP | {b"content-length", b"content-encoding"}
 """Not copied into the client's answer: the proxy frames it itself (the upstream was asked for identity)."""
+RECORDS_IN_FLIGHT = 1024
+"""Records made on threads of their own at once; beyond it one is made on its client's connection thread, which
+holds that client's next request. A record mostly waits (for llama-server's log, and for its tokenizer, queued
+behind the generations holding the server's HTTP threads): at concurrency 32 on 4 slots, a bound of 64 was
+reached often enough to hold clients for seconds (p99 3.1 s, 1024 of them: 0.66 s; docs/findings.md)."""
 
 
 def _last_event_end(buffer: bytes) -> int:
@@ -119,7 +124,7 @@ class ProxyApp:
         self._recorder = recorder
         self.profiles = UpstreamProfiles(self.upstream)
         self._hasher: Optional[TextHasher] = None
-        self.background = Background()
+        self.background = Background(RECORDS_IN_FLIGHT)
         self.shadows = Shadows(shadow, self.upstream, self.handle, self.count) if shadow else None
 
     def handle(self, request: Request, responder: Responder) -> None:
