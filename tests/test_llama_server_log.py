@@ -4,7 +4,11 @@ from a real server; here the cases a short test run rarely shows."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from kvtrace import semconv as sc
 from kvtrace.outside.llama_server_log import LogFollower, LogParser, started_after
+from kvtrace.outside.llama_server_tasks import Fingerprint, TaskProvenance
 
 START = """\
 0.00.100.000 I srv    load_model: prompt cache is enabled, size limit: 64 MiB
@@ -132,6 +136,25 @@ def test_each_task_carries_its_sampling_marker_and_the_counts_an_answer_reports(
     assert (second.marker, second.slot, second.index) == (64, 0, 1)
     assert (first.prompt_tokens, first.cached_tokens, first.evaluated_tokens, first.generated_tokens) == (90, 12, 78, 5)
     assert (second.prompt_tokens, second.cached_tokens, second.generated_tokens) == (30, 0, 8)
+
+
+def test_a_marker_two_tasks_carry_is_left_ambiguous_not_guessed(tmp_path):
+    # Two proxies in front of one server may send the same marker at once: neither task is taken.
+    path = tmp_path / "server.log"
+    path.write_text(START)
+    provenance = TaskProvenance(LogFollower(path))
+    mine, alone = (SimpleNamespace(marker=1048600, answer=None, task=None, match=None) for _ in range(2))
+    provenance.sent(mine)
+    with open(path, "a") as log:
+        log.write(launch(40, 0, 1048600) + timings(40, 0, 30, 0, 8) + launch(41, 1, 1048600) + timings(41, 1, 30, 0, 8))
+    provenance.sent(alone)
+    with open(path, "a") as log:
+        log.write(launch(42, 2, 1048600) + timings(42, 2, 30, 0, 8))
+    answer = Fingerprint(30, 30, 8, None)
+    provenance.find(mine, answer)
+    provenance.find(alone, answer)
+    assert (mine.match, mine.task) == (sc.TASK_MATCH_AMBIGUOUS, None)
+    assert (alone.match, alone.task.task) == (sc.TASK_MATCH_MARKER, 42)  # the tasks before it was sent are not its
 
 
 def test_the_servers_cache_listing_keeps_the_model_right_where_the_lines_alone_would_not():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -130,8 +131,8 @@ class TaskProvenance:
 
     WAIT_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
     """Pauses to wait for the log to show a finished request's task (llama-server writes it from a thread)."""
-    REMEMBER_WAIT_S = (*WAIT_S, 0.5, 0.5, 1.0)
-    """Pauses to wait for the request of a state a task kept to be remembered (a proxy-marked task's)."""
+    REMEMBER_WAIT_S = 2.7
+    """How long a record waits for the request of the state its task kept to be remembered (a proxy-marked task's)."""
     MAX_UNCLAIMED = 4096
 
     def __init__(self, follower: LogFollower, tokenize: Optional[Callable[[dict[str, Any], str], Optional[list[int]]]]
@@ -143,9 +144,11 @@ class TaskProvenance:
         self._waiting: list[Traced] = []
         self._origins: OrderedDict[int, StateOrigin] = OrderedDict()
         self._chains: Optional[PromptChains] = None
-        self._markers = itertools.count()
+        # From a random start: two proxies in front of one server seldom send the same markers at once.
+        self._markers = itertools.count(random.randrange(MARKER_SPAN))
         self._unremembered: set[int] = set()  # tasks matched whose request's state is not remembered yet
         self._lock = threading.Lock()  # requests are served by threads of their own
+        self._settled = threading.Condition(self._lock)  # a task's request remembered or let go: waiters look again
         self._reading = threading.Lock()  # the log is parsed by one thread at a time; taken before _lock
 
     # --- the request's way through ---------------------------------------------------------
@@ -167,6 +170,7 @@ class TaskProvenance:
             self._drop(traced)
             if traced.task is not None:
                 self._unremembered.discard(traced.task.task)
+            self._settled.notify_all()
 
     def server_settings(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(cache settings, numerics) the server's log stated, as copies (the log read up to now first: the
@@ -249,16 +253,24 @@ class TaskProvenance:
             if chain is not None and chains is not None:
                 chains.keep(traced.task.task, chain)
             self._unremembered.discard(traced.task.task)
+            self._settled.notify_all()
 
     def _wait_for(self, task: Optional[int]) -> None:
         """A state's request may still be being read (its answer went out before it was recorded, and
-        the server's HTTP threads may all be busy with generations when the proxy tokenizes)."""
-        for pause in self.REMEMBER_WAIT_S:
-            with self._lock:
-                unclaimed = self._unclaimed.get(task) if task is not None else None
-                if task not in self._unremembered and (unclaimed is None or not _is_marker(unclaimed.marker)):
-                    return
-            time.sleep(pause)
+        the server's HTTP threads may all be busy with generations when the proxy tokenizes). Woken as soon
+        as a request is remembered or let go: records wait on each other in chains (a slot's tasks, one after
+        another), and waking by a growing pause put each link's lateness onto the next."""
+        def settled() -> bool:
+            if task in self._unremembered:
+                return False
+            unclaimed = self._unclaimed.get(task) if task is not None else None
+            # Unclaimed and marked: waited for only while a request of this proxy with that marker waits for its
+            # task (a marker none of them carries is another proxy's, in front of the same server).
+            return (unclaimed is None or not _is_marker(unclaimed.marker)
+                    or not any(w.marker == unclaimed.marker for w in self._waiting))
+
+        with self._settled:
+            self._settled.wait_for(settled, timeout=self.REMEMBER_WAIT_S)
 
     # --- matching -------------------------------------------------------------------------------
 
@@ -279,6 +291,8 @@ class TaskProvenance:
         after = [t for t in self._unclaimed.values() if started_after(t, traced.sent_at)]
         if traced.marker is not None:
             marked = [t for t in after if t.marker == traced.marker]
+            if len(marked) > 1:  # another proxy in front of the same server sent the same marker: not guessed
+                return (sc.TASK_MATCH_AMBIGUOUS, None), True
             return ((sc.TASK_MATCH_MARKER, marked[0]), True) if marked else ((sc.TASK_MATCH_NONE, None), False)
         # An unmarked request's task carries no marker of the proxy's, and its timings are out.
         fitting = [t for t in after if not _is_marker(t.marker) and t.generated_tokens is not None

@@ -76,9 +76,9 @@ RESPONSE_DROPPED = HOP_BY_HOP | {b"content-length", b"content-encoding"}
 """Not copied into the client's answer: the proxy frames it itself (the upstream was asked for identity)."""
 RECORDS_IN_FLIGHT = 1024
 """Records made on threads of their own at once; beyond it one is made on its client's connection thread, which
-holds that client's next request. A record mostly waits (for llama-server's log, and for its tokenizer, queued
-behind the generations holding the server's HTTP threads): at concurrency 32 on 4 slots, a bound of 64 was
-reached often enough to hold clients for seconds (p99 3.1 s, 1024 of them: 0.66 s; docs/findings.md)."""
+holds that client's next request. A record mostly waits (for llama-server's log, its tokenizer, the record of the
+state its task kept): at concurrency 32 on 4 slots up to 128 were in flight, and a bound of 64 held clients for
+seconds (p99 3.1 s; with 1,024, 0.66 s: docs/findings.md)."""
 
 
 def _last_event_end(buffer: bytes) -> int:
