@@ -9,8 +9,9 @@ A request is tied to its task by what both sides say, never by arrival order alo
 * ``timings``: the answer's counts (prompt tokens, computed tokens, generated tokens, and the slot on
   the native endpoint) equal those of exactly one task that started after the request was sent, and
   no other unmarked request still waiting could own that task.
-* ``ambiguous``: several tasks fit, or another waiting request could own the one that fits; no task
-  and no cache decision is attributed. ``none``: no task in the log fits.
+* ``ambiguous``: several tasks fit (two carry the request's marker: another proxy's in front of the same
+  server), or another waiting request could own the one that fits; no task and no cache decision is
+  attributed. ``none``: no task in the log fits.
 
 For a matched task the state it kept (a prompt-cache restore, or the slot's previous task) is
 checked (:class:`PromptChains`): the kept tokens must be the prompt's own prefix as the proxy saw
