@@ -174,9 +174,10 @@ class TaskProvenance:
             self._settled.notify_all()
 
     def server_settings(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(cache settings, numerics) the server's log stated, as copies (the log read up to now first: the
-        first request's record may be the first to read it)."""
-        self._poll()
+        """(cache settings, numerics) the server's log stated, as copies. The log states them at start-up,
+        so it is read here only until they are known (the first request's record may be the first to read it)."""
+        if not self.follower.parser.numerics:
+            self._poll()
         with self._reading:
             parser = self.follower.parser
             return dict(parser.settings), dict(parser.numerics)
