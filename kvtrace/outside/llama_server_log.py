@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections import deque
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
@@ -408,7 +407,6 @@ class LogFollower:
         self._offset = 0
         self._partial = b""
         self._inode: Optional[int] = None
-        self.started: deque[TaskDecision] = deque(maxlen=4096)
 
     READ_BYTES = 1 << 16
     """Read and parsed a piece at a time: a log far ahead (a proxy started on a long-running server,
@@ -452,7 +450,6 @@ class LogFollower:
                     line_ends = list(accumulate(len(raw) + 1 for raw in whole.split(b"\n")))
                 decision.logged_at = (self._inode or 0, begins + line_ends[number])
                 started.append(decision)
-                self.started.append(decision)
 
 
 def started_after(decision: TaskDecision, end: tuple[int, int]) -> bool:
