@@ -16,16 +16,18 @@ import hashlib
 import json
 import re
 from itertools import chain
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import msgspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvtrace import semconv as sc
 from kvtrace.collectors.otlp_rows import COLUMNS, SpanRow
 
-_SIGNED, _UNSIGNED = re.compile(r"[+-]?\d+"), re.compile(r"\+?\d+")
+# ASCII digits only, as ClickHouse reads them ("٣" and "１２" are its default, not 3 and 12).
+_SIGNED, _UNSIGNED = re.compile(r"[+-]?[0-9]+"), re.compile(r"\+?[0-9]+")
 _STRINGS = msgspec.json.Decoder(list[str]).decode
 
 
@@ -34,13 +36,15 @@ class Conversion(NamedTuple):
 
     convert: Callable[[str], object]
     kind: object
+    bounds: Optional[tuple[int, int, int]] = None
+    """An integer's (lowest, highest, default): a column of plain digits is converted in Arrow."""
 
 
-def _integer(pattern: re.Pattern, low: int, high: int, default: int) -> Callable[[str], int]:
+def _integer(pattern: re.Pattern, low: int, high: int, default: int, kind: str) -> Conversion:
     def convert(text: str) -> int:
         value = int(text) if (text.isascii() and text.isdigit()) or pattern.fullmatch(text) else default
         return value if low <= value <= high else default
-    return convert
+    return Conversion(convert, kind, (low, high, default))
 
 
 def _json_array(element: type, default) -> Callable[[str], list]:
@@ -59,9 +63,9 @@ def _json_array(element: type, default) -> Callable[[str], list]:
 
 
 TEXT = Conversion(str, "s")
-INT32_OR_MINUS_1 = Conversion(_integer(_SIGNED, -2**31, 2**31 - 1, -1), "i32")  # toInt32OrDefault(…, -1)
-UINT32_OR_ZERO = Conversion(_integer(_UNSIGNED, 0, 2**32 - 1, 0), "u32")
-UINT64_OR_ZERO = Conversion(_integer(_UNSIGNED, 0, 2**64 - 1, 0), "u64")
+INT32_OR_MINUS_1 = _integer(_SIGNED, -2**31, 2**31 - 1, -1, "i32")  # toInt32OrDefault(…, -1)
+UINT32_OR_ZERO = _integer(_UNSIGNED, 0, 2**32 - 1, 0, "u32")
+UINT64_OR_ZERO = _integer(_UNSIGNED, 0, 2**64 - 1, 0, "u64")
 STRINGS = Conversion(_json_array(str, ""), ("list", "s"))  # JSONExtract(…, 'Array(String)')
 INT64S = Conversion(_json_array(int, 0), ("list", "i64"))
 LAYER = Conversion(lambda text: text or sc.LAYER_NONE, "s")
@@ -117,17 +121,36 @@ _NUMERIC = {"t": (np.int64, pa.timestamp("ns")), "i32": (np.int32, pa.int32()), 
 
 def arrow(values: list, kind) -> pa.Array:
     """``values`` as an Arrow array of ``kind`` ("s", a ``_NUMERIC`` key, "map" of text, ``("list", kind)``),
-    built from buffers: ``pa.array`` would import pandas (half a CPU-second) on its first call."""
+    built from buffers: ``pa.array`` (and a Python scalar in a compute call) would import pandas, half a
+    CPU-second, into an engine's process too when it exports to ClickHouse."""
     if kind == "s":
-        builder = pa.lib.StringBuilder()
-        builder.append_values(values)
-        return builder.finish()
+        return _strings(values)
     if kind == "map":
         return pa.MapArray.from_arrays(_offsets(list(map(len, values))), arrow(list(chain.from_iterable(values)), "s"),
                                        arrow(list(chain.from_iterable(m.values() for m in values)), "s"))
     if isinstance(kind, tuple):
         return pa.ListArray.from_arrays(_offsets(list(map(len, values))), arrow(list(chain.from_iterable(values)), kind[1]))
     return _buffer(np.asarray(values, _NUMERIC[kind][0]), kind)
+
+
+def _strings(values: list[str]) -> pa.Array:
+    """ASCII text (nearly all of it) from one join and the strings' lengths, twice as fast as Arrow's
+    builder, which takes the rest."""
+    joined = "".join(values)
+    try:
+        data = joined.encode()
+    except UnicodeEncodeError:  # a lone surrogate: the builder says what is wrong
+        data = b""
+    if len(data) != len(joined) or len(data) >= 2**31:
+        builder = pa.lib.StringBuilder()
+        builder.append_values(values)
+        return builder.finish()
+    return pa.StringArray.from_buffers(len(values), _offsets(list(map(len, values))).buffers()[1], pa.py_buffer(data))
+
+
+def _numpy(array: pa.Array, dtype, extra: int = 0) -> np.ndarray:
+    """A null-free array's values buffer (a string array's offsets, with ``extra=1``) as numpy, not copied."""
+    return np.frombuffer(array.buffers()[1], dtype)[array.offset: array.offset + len(array) + extra]
 
 
 def _buffer(data: np.ndarray, kind: str) -> pa.Array:
@@ -154,15 +177,71 @@ def _columns(spec, attributes: list[dict]) -> dict[str, pa.Array]:
                           [how.convert(a.get(key, "")) for a in attributes], how.kind) for column, key, how in spec}
 
 
+class _Attributes:
+    """The rows' attribute maps flattened once: ``otel_traces``' Map column, and typed columns of chosen rows
+    taken from it by key (numpy and Arrow, no Python work per value where the text is plain)."""
+
+    def __init__(self, maps: list[dict[str, str]]):
+        lengths = list(map(len, maps))
+        self.keys = _strings(list(chain.from_iterable(maps)))
+        self.values = _strings(list(chain.from_iterable(m.values() for m in maps)))
+        self.map = pa.MapArray.from_arrays(_offsets(lengths), self.keys, self.values)
+        self._row_of = np.repeat(np.arange(len(maps)), lengths)
+        self._rows = len(maps)
+
+    def columns(self, spec, rows: np.ndarray) -> dict[str, pa.Array]:
+        """``spec``'s columns of ``rows`` (indices of the maps), a missing key's text read as ""."""
+        encoded = self.keys.dictionary_encode()
+        wanted = {key: i for i, (_, key, _) in enumerate(spec)}
+        code_of = np.array([wanted.get(key, -1) for key in encoded.dictionary.to_pylist()], np.int64)
+        codes = code_of[_numpy(encoded.indices, np.int32)] if len(code_of) else np.zeros(0, np.int64)
+        values = pa.concat_arrays([self.values, _strings([""])])  # the last: where a row lacks the key
+        out = {}
+        for i, (column, _, how) in enumerate(spec):
+            where = np.full(self._rows, len(self.values), np.int64)
+            entries = np.flatnonzero(codes == i)
+            where[self._row_of[entries]] = entries  # a map holds a key once
+            out[column] = _typed(values.take(_buffer(where[rows], "i64")), how)
+        return out
+
+
+def _typed(texts: pa.Array, how: Conversion) -> pa.Array:
+    if how is TEXT:
+        return texts
+    if how.bounds:
+        integers = _plain_integers(texts, *how.bounds)
+        if integers is not None:
+            return _buffer(integers.astype(_NUMERIC[how.kind][0]), how.kind)
+    return arrow([how.convert(text) for text in texts.to_pylist()], how.kind)
+
+
+def _plain_integers(texts: pa.Array, low: int, high: int, default: int) -> Optional[np.ndarray]:
+    """Texts that are all empty or up to 18 ASCII digits (which int64 holds) as integers, outside
+    ``low``..``high`` or empty the default; None for any other text."""
+    if not len(texts):
+        return np.zeros(0, np.int64)
+    present = np.flatnonzero(np.diff(_numpy(texts, np.int32, extra=1)))
+    digits = texts.take(_buffer(present, "i64"))
+    if len(present) and not pc.all(pc.match_substring_regex(digits, "^[0-9]{1,18}$")).as_py():
+        return None
+    out = np.full(len(texts), default, np.int64)
+    if len(present):
+        parsed = _numpy(pc.cast(digits, pa.int64()), np.int64)
+        out[present] = np.where((parsed >= low) & (parsed <= min(high, 2**63 - 1)), parsed, default)
+    return out
+
+
 def _table(columns: dict[str, pa.Array]) -> pa.Table:
     return pa.Table.from_arrays(list(columns.values()), names=list(columns))
 
 
-def request_table(requests: list[SpanRow]) -> pa.Table:
-    """``kvtrace_requests`` rows of request spans read typed."""
+def request_table(rows: list[SpanRow], attributes: _Attributes) -> pa.Table:
+    """``kvtrace_requests`` rows of the request spans among ``rows`` (read typed; ``attributes``: theirs)."""
+    indices = np.array([i for i, row in enumerate(rows) if row.arrays is not None], np.int64)
+    requests = [rows[i] for i in indices]
     columns = {name: arrow([row[COLUMNS.index(name)] for row in requests], "t" if name == "Timestamp" else "s")
                for name in ("Timestamp", "TraceId", "SpanId", "ParentSpanId", "ServiceName")}
-    columns.update(_columns(REQUEST_ATTRIBUTES, [row[11] for row in requests]))
+    columns.update(attributes.columns(REQUEST_ATTRIBUTES, indices))
     columns["status_code"] = arrow([row[13] for row in requests], "s")
     columns["duration_ns"] = arrow([row[12] for row in requests], "u64")
     empty = np.zeros(0, np.int64)
@@ -171,21 +250,23 @@ def request_table(requests: list[SpanRow]) -> pa.Table:
     return _table(columns)
 
 
-def cache_event_table(rows: list[SpanRow]) -> pa.Table:
+def cache_event_table(rows: list[SpanRow], attributes: _Attributes) -> pa.Table:
     """``kvtrace_cache_events`` rows: one per ``kvtrace.cache.*`` event of ``rows``."""
-    found = [(row, index) for row in rows for index, name in enumerate(row[16])
+    found = [(at, index) for at, row in enumerate(rows) for index, name in enumerate(row[16])
              if name.startswith(sc.CACHE_EVENT_PREFIX)]
-    columns = {"Timestamp": arrow([row[15][i] for row, i in found], "t"),
-               "TraceId": arrow([row[1] for row, _ in found], "s"), "SpanId": arrow([row[2] for row, _ in found], "s")}
-    columns.update(_columns(EVENT_SPAN_ATTRIBUTES, [row[11] for row, _ in found]))
-    columns["event"] = arrow([row[16][i] for row, i in found], "s")
+    columns = {"Timestamp": arrow([rows[at][15][i] for at, i in found], "t"),
+               "TraceId": arrow([rows[at][1] for at, _ in found], "s"),
+               "SpanId": arrow([rows[at][2] for at, _ in found], "s")}
+    columns.update(attributes.columns(EVENT_SPAN_ATTRIBUTES, np.array([at for at, _ in found], np.int64)))
+    columns["event"] = arrow([rows[at][16][i] for at, i in found], "s")
     columns["event_index"] = arrow([i for _, i in found], "u32")
-    columns.update(_columns(EVENT_ATTRIBUTES, [row[17][i] for row, i in found]))
+    columns.update(_columns(EVENT_ATTRIBUTES, [rows[at][17][i] for at, i in found]))
     return _table(columns)
 
 
-def otel_table(rows: list[SpanRow]) -> pa.Table:
-    return _table({name: arrow([row[i] for row in rows], kind) for i, (name, kind) in enumerate(zip(COLUMNS, OTEL_KINDS))})
+def otel_table(rows: list[SpanRow], attributes: _Attributes) -> pa.Table:
+    return _table({name: attributes.map if name == "SpanAttributes" else arrow([row[i] for row in rows], kind)
+                   for i, (name, kind) in enumerate(zip(COLUMNS, OTEL_KINDS))})
 
 
 def store_rows(client, rows: list[SpanRow], token: str) -> None:
@@ -193,9 +274,10 @@ def store_rows(client, rows: list[SpanRow], token: str) -> None:
     of what the rows came from), so a batch written again after a stop stores its spans once."""
     if not rows:
         return
-    tables = {"kvtrace_requests": request_table([row for row in rows if row.arrays is not None]),
-              "kvtrace_cache_events": cache_event_table(rows),
-              "otel_traces": otel_table(rows)}
+    attributes = _Attributes([row[11] for row in rows])
+    tables = {"kvtrace_requests": request_table(rows, attributes),
+              "kvtrace_cache_events": cache_event_table(rows, attributes),
+              "otel_traces": otel_table(rows, attributes)}
     for name, table in tables.items():
         if table.num_rows:
             # Typed tables fold copies when they merge and queries read FINAL: folding each block on insert as

@@ -286,3 +286,38 @@ def test_standard_arrays_in_any_order_or_place_end_the_same_both_ways(tmp_path):
     ingested, collector = rows
     assert ingested == collector
     assert [len(ingested[table]) for table in ("kvtrace_requests", "kvtrace_tokens")] == [4, 6]
+
+
+# Text a client may put where ClickHouse's views read numbers and arrays: each column's odd values are met in
+# one batch with plain ones (digits out of range alone keep a column on the vectorized path; anything else
+# sends it through the value-by-value conversion), and both paths must read them alike.
+ODD_TEXT = {
+    sc.TURN: ["0", "2147483647", "2147483648", "007", "-0"],
+    sc.CACHE_SOURCE_TURN: ["+3", "-5", " 5", "٣", "１２", "1e3", "abc", "", None],
+    sc.GEN_AI_USAGE_INPUT_TOKENS: ["5", "4294967295", "4294967296", "000", None],
+    sc.GEN_AI_USAGE_OUTPUT_TOKENS: ["-5", "+7", "99999999999999999999", "0x10", "12"],
+    sc.PROMPT_BLOCK_HASHES: ['["a","b"]', '["a", "b"]', "[]", "", "not json", '["a\\"b"]', '["é"]', '{"a":1}'],
+    sc.CACHE_LAYER: ["", sc.LAYER_PROMPT_CACHE, None],
+    sc.ENGINE_NAME: ["é-moteur", "nul\x00byte", "plain"],
+}
+
+
+def test_odd_text_in_typed_columns_reads_the_same_through_ingest_and_a_collector(tmp_path):
+    lines = [_request_line([{"key": key, "value": {"stringValue": values[i % len(values)]}}
+                            for key, values in ODD_TEXT.items() if values[i % len(values)] is not None], i)
+             for i in range(9)]
+    path = tmp_path / "spans.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = []
+    for name, store in (("ingested", lambda client: ingest_paths(client, [path], quarantine_dir=tmp_path / "q")),
+                        ("collector", lambda client: client.insert("otel_traces", [
+                            row for line in lines for row in rows_from_request(json.dumps(line))], column_names=COLUMNS))):
+        client = database(tmp_path / name)
+        store(client)
+        rows.append(table_rows(client)["kvtrace_requests"])
+        client.close()
+    ingested, collector = rows
+    assert len(ingested) == 9
+    assert differences(ingested, collector) == []
+    assert [row["turn"] for row in ingested] == ["0", "2147483647", "-1", "7", "0", "0", "2147483647", "-1", "7"]
+    assert [row["source_turn"] for row in ingested][:8] == ["3", "-5", "-1", "-1", "-1", "-1", "-1", "-1"]
