@@ -136,11 +136,11 @@ def arrow(values: list, kind) -> pa.Array:
 def _strings(values: list[str]) -> pa.Array:
     """ASCII text (nearly all of it) from one join and the strings' lengths, twice as fast as Arrow's
     builder, which takes the rest."""
-    joined = "".join(values)
     try:
+        joined = "".join(values)
         data = joined.encode()
-    except UnicodeEncodeError:  # a lone surrogate: the builder says what is wrong
-        data = b""
+    except (TypeError, UnicodeEncodeError):  # not all text, or a lone surrogate: the builder says what is wrong
+        joined, data = "", b"?"
     if len(data) != len(joined) or len(data) >= 2**31:
         builder = pa.lib.StringBuilder()
         builder.append_values(values)

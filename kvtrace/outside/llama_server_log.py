@@ -116,8 +116,6 @@ class TaskDecision:
     """The server looked in its prompt cache for this task (``restore`` says what it found)."""
     prompt_tokens: Optional[int] = None
     """``task.n_tokens`` (filled when the server logs the new prompt, after the decision)."""
-    index: int = 0
-    """The task's place among the tasks the log showed starting (0, 1, ...)."""
     marker: Optional[int] = None
     """``dry_penalty_last_n`` of the task's sampling parameters (the proxy's marker, where it set one)."""
     previous_task: Optional[int] = None
@@ -171,8 +169,6 @@ class LogParser:
         self._restored_entry: Optional[_CachedPrompt] = None
         self._params_slot: Optional[int] = None  # the slot whose sampling parameters are being printed
         self._marker_of_slot: dict[int, int] = {}
-        self.started_count = 0
-        """Tasks the log showed starting so far."""
         self.decisions: dict[int, TaskDecision] = {}
         self.settings: dict[str, object] = {}
         """Server settings the log states at start-up (``cache_ram_mib``: the prompt cache's limit, -1 none)."""
@@ -381,8 +377,7 @@ class LogParser:
 
     def _started(self, slot: int, task: int) -> TaskDecision:
         pending = self._pending
-        decision = TaskDecision(task, slot, index=self.started_count, marker=self._marker_of_slot.pop(slot, None))
-        self.started_count += 1
+        decision = TaskDecision(task, slot, marker=self._marker_of_slot.pop(slot, None))
         if pending.slot == slot:
             decision.selected_by, decision.slot_similarity = pending.selected_by, pending.similarity
             decision.restore, decision.looked_up = pending.restore, pending.looked_up
