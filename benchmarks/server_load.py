@@ -46,6 +46,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -526,11 +527,22 @@ def growth(label: str, values: list[float], what: str) -> None:
         print(f"  RSS {label}: {values[0] if values else 0:.0f} MB ({what}: too few samples for a growth)")
         return
     # The first tenth of a soak is warm-up (llama-server's KV cache and prompt cache page in): growth from there.
-    first, middle, last = values[len(values) // 10], values[(len(values) // 10 + len(values)) // 2], values[-1]
+    # RSS is a sawtooth (the proxy gives free pages back once a minute), so a long soak compares the medians of
+    # its second, middle and last tenths, not single samples, which read the saw's phase as much as growth.
+    tenth = len(values) // 10
+    if tenth >= 3:
+        middle_start = (len(values) - tenth) // 2
+        first, middle, last = (statistics.median(values[tenth:2 * tenth]),
+                               statistics.median(values[middle_start:middle_start + tenth]),
+                               statistics.median(values[-tenth:]))
+        kind = f"; medians of tenths ({tenth} samples each)"
+    else:
+        first, middle, last = values[tenth], values[(tenth + len(values)) // 2], values[-1]
+        kind = ""
     halves = (f"; {middle:.0f} MB half-way: {100 * (middle / first - 1):+.1f} % then {100 * (last / middle - 1):+.1f} %"
               if len(values) > 2 else "")  # a plateau (bounded caches filled) reads apart from a steady climb
     print(f"  RSS {label}: {first:.0f} -> {last:.0f} MB over {what}, growth {100 * (last / first - 1):+.1f} % "
-          f"(target < {TARGET_RSS_PCT:g} % over a 20-minute soak){halves}")
+          f"(target < {TARGET_RSS_PCT:g} % over a 20-minute soak){halves}{kind}")
 
 
 def run_server(name: str, args: argparse.Namespace, tmp: Path) -> None:
