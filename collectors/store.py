@@ -172,11 +172,6 @@ def _list_column(arrays: list[np.ndarray], kind: str) -> pa.Array:
     return pa.ListArray.from_arrays(_offsets([len(a) for a in arrays]), _buffer(values, kind))
 
 
-def _columns(spec, attributes: list[dict]) -> dict[str, pa.Array]:
-    return {column: arrow([a.get(key, "") for a in attributes] if how is TEXT else
-                          [how.convert(a.get(key, "")) for a in attributes], how.kind) for column, key, how in spec}
-
-
 class _Attributes:
     """The rows' attribute maps flattened once: ``otel_traces``' Map column, and typed columns of chosen rows
     taken from it by key (numpy and Arrow, no Python work per value where the text is plain)."""
@@ -260,7 +255,8 @@ def cache_event_table(rows: list[SpanRow], attributes: _Attributes) -> pa.Table:
     columns.update(attributes.columns(EVENT_SPAN_ATTRIBUTES, np.array([at for at, _ in found], np.int64)))
     columns["event"] = arrow([rows[at][16][i] for at, i in found], "s")
     columns["event_index"] = arrow([i for _, i in found], "u32")
-    columns.update(_columns(EVENT_ATTRIBUTES, [rows[at][17][i] for at, i in found]))
+    events = _Attributes([rows[at][17][i] for at, i in found])
+    columns.update(events.columns(EVENT_ATTRIBUTES, np.arange(len(found))))
     return _table(columns)
 
 
