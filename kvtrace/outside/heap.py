@@ -1,31 +1,41 @@
-"""Give the free memory of a long-running proxy back to the operating system.
+"""Keep a long-running proxy's C heap small: few malloc arenas, and their free memory given back.
 
 The proxy's connection and record threads allocate from glibc's per-thread arenas, and what they
 free stays there in scattered pages: under steady load the proxy's RSS grew about 1 KB a request
-with no more objects alive (docs/findings.md). glibc's ``malloc_trim(0)`` returns the free pages of
-every arena. Where the C library has no such call (musl, macOS) this does nothing.
+with no more objects alive (docs/findings.md). Its threads share two arenas (they take turns on the
+GIL anyway), and glibc's ``malloc_trim(0)`` returns the free pages of every arena. Where the C
+library has no such calls (musl, macOS) this does nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
+import platform
 import time
 from typing import Callable, Optional
 
 TRIM_EVERY_S = 60.0
+ARENAS = 2
+M_ARENA_MAX = -8
+"""glibc's ``mallopt`` parameter: the most arenas its malloc makes."""
 
 
-def _load_malloc_trim() -> Optional[Callable[[int], int]]:
+def _c_function(name: str, argtypes: list) -> Optional[Callable[..., int]]:
     try:
-        trim = ctypes.CDLL(None).malloc_trim  # the C library this process runs on
+        function = getattr(ctypes.CDLL(None), name)  # the C library this process runs on
     except (OSError, AttributeError):
         return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
 
 
-_MALLOC_TRIM = _load_malloc_trim()
+_MALLOC_TRIM = _c_function("malloc_trim", [ctypes.c_size_t])
+_MALLOPT = _c_function("mallopt", [ctypes.c_int, ctypes.c_int])
+
+
+def limit_arenas(count: int = ARENAS) -> bool:
+    """Let threads started from now on share at most ``count`` malloc arenas; whether the C library can."""
+    return _MALLOPT is not None and platform.libc_ver()[0] == "glibc" and _MALLOPT(M_ARENA_MAX, count) == 1
 
 
 def release_free_memory() -> bool:

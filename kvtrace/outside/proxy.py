@@ -49,7 +49,7 @@ from kvtrace.credentials import without_password
 from kvtrace.errors import ConfigError
 from kvtrace.outside import answers
 from kvtrace.outside.background import Background
-from kvtrace.outside.heap import PeriodicTrim
+from kvtrace.outside.heap import PeriodicTrim, limit_arenas
 from kvtrace.outside.http1 import ClientGone, Headers, Request, Responder, Server
 from kvtrace.outside.limits import Limits, ShadowBudget
 from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
@@ -537,6 +537,7 @@ def serve(upstream: str, host: str, port: int, llama_server_log: Optional[Path] 
     """Run the proxy until SIGINT or SIGTERM (both a normal stop: the spans are flushed, exit 0).
 
     With ``shadow``, an upstream known to have no cache bypass is refused (``ConfigError``)."""
+    limit_arenas()  # before the proxy's threads start: they share the arenas
     app = ProxyApp(upstream, llama_server_log=llama_server_log, shadow=shadow)
     if shadow is not None:
         try:

@@ -48,3 +48,44 @@ def test_the_trim_runs_at_most_once_a_period(monkeypatch):
         now[0] = float(second)
         trim.tick()
     assert calls == [60.0, 120.0, 180.0]
+
+
+# A fresh process (arenas limited or not) lets 8 threads allocate, then counts the heaps glibc's malloc_info lists.
+_ARENAS_USED = """
+import ctypes, sys, threading
+from kvtrace.outside import heap
+limited = heap.limit_arenas(1) if sys.argv[1] == "limit" else None
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.open_memstream.restype = ctypes.c_void_p
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.fclose.argtypes = [ctypes.c_void_p]
+ready, release = threading.Barrier(9), threading.Event()
+def allocate():
+    libc.malloc(64)
+    ready.wait()
+    release.wait()
+threads = [threading.Thread(target=allocate) for _ in range(8)]
+for thread in threads:
+    thread.start()
+ready.wait()
+buffer, size = ctypes.c_char_p(), ctypes.c_size_t()
+stream = libc.open_memstream(ctypes.byref(buffer), ctypes.byref(size))
+libc.malloc_info(0, stream)
+libc.fclose(stream)
+release.set()
+print(limited, buffer.value.decode().count("<heap nr="))
+"""
+
+
+def test_threads_share_the_arenas_the_limit_allows():
+    if platform.libc_ver()[0] != "glibc":
+        assert heap.limit_arenas() is False
+        return
+    heaps = {}
+    for mode in ("limit", "default"):
+        out = subprocess.run([sys.executable, "-c", _ARENAS_USED, mode], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        heaps[mode] = out.stdout.split()
+    assert heaps["limit"] == ["True", "1"]
+    assert int(heaps["default"][1]) > 1  # without the limit glibc gives the threads arenas of their own
