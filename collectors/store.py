@@ -177,26 +177,26 @@ class _Attributes:
     taken from it by key (numpy and Arrow, no Python work per value where the text is plain)."""
 
     def __init__(self, maps: list[dict[str, str]]):
-        lengths = list(map(len, maps))
-        self.keys = _strings(list(chain.from_iterable(maps)))
-        self.values = _strings(list(chain.from_iterable(m.values() for m in maps)))
-        self.map = pa.MapArray.from_arrays(_offsets(lengths), self.keys, self.values)
-        self._row_of = np.repeat(np.arange(len(maps)), lengths)
+        self.map = arrow(maps, "map")
+        self._row_of = np.repeat(np.arange(len(maps)), list(map(len, maps)))
         self._rows = len(maps)
+        encoded = self.map.keys.dictionary_encode()
+        self._key_names = encoded.dictionary.to_pylist()  # the distinct keys, and each entry's index among them
+        self._key_codes = _numpy(encoded.indices, np.int32)
+        self._texts = pa.concat_arrays([self.map.items, _strings([""])])  # the last: where a row lacks the key
 
     def columns(self, spec, rows: np.ndarray) -> dict[str, pa.Array]:
         """``spec``'s columns of ``rows`` (indices of the maps), a missing key's text read as ""."""
-        encoded = self.keys.dictionary_encode()
         wanted = {key: i for i, (_, key, _) in enumerate(spec)}
-        code_of = np.array([wanted.get(key, -1) for key in encoded.dictionary.to_pylist()], np.int64)
-        codes = code_of[_numpy(encoded.indices, np.int32)] if len(code_of) else np.zeros(0, np.int64)
-        values = pa.concat_arrays([self.values, _strings([""])])  # the last: where a row lacks the key
+        code_of = np.array([wanted.get(key, -1) for key in self._key_names], np.int64)
+        codes = code_of[self._key_codes] if len(code_of) else np.zeros(0, np.int64)
+        missing = len(self._texts) - 1
         out = {}
         for i, (column, _, how) in enumerate(spec):
-            where = np.full(self._rows, len(self.values), np.int64)
+            where = np.full(self._rows, missing, np.int64)
             entries = np.flatnonzero(codes == i)
             where[self._row_of[entries]] = entries  # a map holds a key once
-            out[column] = _typed(values.take(_buffer(where[rows], "i64")), how)
+            out[column] = _typed(self._texts.take(_buffer(where[rows], "i64")), how)
         return out
 
 
