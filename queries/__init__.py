@@ -184,8 +184,20 @@ def load(name: str) -> SavedQuery:
     return SavedQuery(name, " ".join(header.get("answers", [""])), tuple(params), columns, sql)
 
 
+ANALYSIS_SETTINGS = {
+    "optimize_and_compare_chain": 0,
+    "optimize_aggregators_of_group_by_keys": 0,
+    "optimize_group_by_function_keys": 0,
+    "optimize_redundant_functions_in_order_by": 0,
+}
+"""Query-tree rewrites that find nothing to fold in these queries but cost up to a third of their analysis
+(docs/ARCHITECTURE.md, "A new question"); turning them off never changes a result."""
+
+
 def run(client, name: str, values: Optional[dict[str, Any]] = None):
     """Run saved query ``name`` with bound parameters; returns (column names, rows)."""
     query = load(name)
-    result = client.query(query.sql, parameters=query.bind(values or {}))
+    known = getattr(client, "server_settings", None) or ANALYSIS_SETTINGS  # a server too old for one: left out
+    settings = {setting: value for setting, value in ANALYSIS_SETTINGS.items() if setting in known}
+    result = client.query(query.sql, parameters=query.bind(values or {}), settings=settings)
     return list(result.column_names), result.result_rows

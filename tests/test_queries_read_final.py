@@ -28,16 +28,22 @@ def counts(client) -> list[int]:
     return [client.query(f"SELECT count() FROM {table}").result_rows[0][0] for table in SPAN_TABLES]
 
 
-def test_every_saved_query_counts_a_span_stored_twice_once(tmp_path):
+def scenario_database(tmp_path):
+    """A database of two forked runs and four passes of the rates' episodes (two arms)."""
     book = ScenarioBook(tmp_path / "spool")
     record_fork_scenarios(book, "A", "B")
     for r in range(2):
         record_pass(book, f"rates/off/r{r}", "off")
         record_pass(book, f"rates/reuse/r{r}", "reuse", FORKED)
     client = connect(f"chdb://{tmp_path / 'db'}")
+    init_schema(client)
+    book.ingest(client)
+    return client
+
+
+def test_every_saved_query_counts_a_span_stored_twice_once(tmp_path):
+    client = scenario_database(tmp_path)
     try:
-        init_schema(client)
-        book.ingest(client)
         for table in SPAN_TABLES:
             client.command(f"OPTIMIZE TABLE {table} FINAL")
             client.command(f"SYSTEM STOP MERGES {table}")
@@ -53,5 +59,21 @@ def test_every_saved_query_counts_a_span_stored_twice_once(tmp_path):
         assert answers(client) == once
         # The tokens view reads kvtrace_requests FINAL: the copies' tokens once.
         assert client.query("SELECT count() FROM kvtrace_tokens").result_rows[0][0] == tokens > 0
+    finally:
+        client.close()
+
+
+def test_the_rewrites_saved_queries_run_without_change_no_answer(tmp_path):
+    """queries.run turns some of ClickHouse's query-tree rewrites off for speed; with ClickHouse's
+    defaults every saved query gives the same rows."""
+    client = scenario_database(tmp_path)
+    try:
+        for name, params in SAVED:
+            query = queries.load(name)
+            bound = query.bind(params)
+            rows = client.query(query.sql, parameters=bound, settings=queries.ANALYSIS_SETTINGS).result_rows
+            assert rows, name
+            assert repr(client.query(query.sql, parameters=bound).result_rows) == repr(rows), name
+            assert repr(queries.run(client, name, params)[1]) == repr(rows), name
     finally:
         client.close()
