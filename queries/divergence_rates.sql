@@ -33,6 +33,7 @@
 --   interval_method, median_fork_turn, median_fork_position, mean_cached_tokens
 WITH
 ${shared_requests_once}
+(run) -> startsWith(run, {run_prefix:String}) AS in_runs,
 ${shared_output_divergence}
 ${shared_wilson_interval}
 ${shared_cluster_interval}
@@ -45,7 +46,7 @@ scoped AS (
            token_digest, reused_tokens, engine,
            model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings
     FROM requests_once AS q
-    WHERE startsWith(run_id, {run_prefix:String}) AND (q.episode_id != '' OR {baseline_arm:String} = '${ARM_SHADOW}')
+    WHERE (q.episode_id != '' OR {baseline_arm:String} = '${ARM_SHADOW}')  -- the runs: in_runs
       AND in_request_scope(q.Timestamp, q.engine, q.model, q.weight_format)  -- columns, not the aggregates' aliases
 ),
 requests AS (

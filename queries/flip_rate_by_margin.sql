@@ -19,6 +19,7 @@
 --   flip_rate, ci_low, ci_high, interval_method
 WITH
 ${shared_requests_once}
+(run) -> true AS in_runs,
 ${shared_output_divergence}
 ${shared_wilson_interval}
 ${shared_cluster_interval}

@@ -9,6 +9,7 @@
 --   source_span_id, prompt_tokens, prompt_token_ids, token_ids
 WITH
 ${shared_requests_once}
+(run) -> true AS in_runs,
 run_requests AS (
     SELECT TraceId, SpanId, Timestamp, run_id, episode_id, turn, capture_mode, engine, engine_version, model,
            model_fingerprint, numerics_settings, sampling_settings, cache_layer, reused_tokens, source_span_id,

@@ -10,6 +10,7 @@
 --   cached_prompt_tokens, prompt_tokens, first_seen, last_seen, shadow_twins, integrity_violations
 WITH
 ${shared_requests_once}
+(run) -> true AS in_runs,
 per_run AS (
     SELECT
         run_id,

@@ -6,14 +6,17 @@
 -- engine child (an untraced server) and an imported log stay. Every saved query reads requests
 -- through it. The traces searched are only those that hold records made outside an engine. The table is
 -- read FINAL, so a span stored twice is one request; the subqueries only test membership, where a copy
--- changes nothing.
+-- changes nothing. Needs `in_runs(run_id)`, a WITH lambda naming the runs the query reads
+-- (`(run) -> true AS in_runs` for every run): they are chosen where the table is read, so the primary
+-- key skips the other runs' rows whatever plan the query gets.
 requests_once AS (
     SELECT *, token_digest  -- a MATERIALIZED column: not in *
     FROM kvtrace_requests FINAL
-    WHERE reused_tokens_source = ''
-       OR (TraceId, SpanId) NOT IN (
-           SELECT TraceId, ParentSpanId
-           FROM kvtrace_requests
-           WHERE reused_tokens_source = '' AND ParentSpanId != ''
-             AND TraceId IN (SELECT TraceId FROM kvtrace_requests WHERE reused_tokens_source != ''))
+    WHERE in_runs(run_id)
+      AND (reused_tokens_source = ''
+           OR (TraceId, SpanId) NOT IN (
+               SELECT TraceId, ParentSpanId
+               FROM kvtrace_requests
+               WHERE reused_tokens_source = '' AND ParentSpanId != ''
+                 AND TraceId IN (SELECT TraceId FROM kvtrace_requests WHERE reused_tokens_source != '')))
 ),
