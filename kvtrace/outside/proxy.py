@@ -53,7 +53,7 @@ from kvtrace.outside.heap import PeriodicTrim, limit_arenas
 from kvtrace.outside.http1 import ClientGone, Headers, Request, Responder, Server
 from kvtrace.outside.limits import Limits, ShadowBudget
 from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
-from kvtrace.outside.llama_server_tasks import (MARKER_FIELD, TaskProvenance, fingerprint, json_post,
+from kvtrace.outside.llama_server_tasks import (MARKER_FIELD, Fingerprint, TaskProvenance, fingerprint, json_post,
                                                 server_tokenizer)
 from kvtrace.outside.margin_request import (ENDPOINTS, NATIVE, MarginPlan, UpstreamProfile, cut,
                                             plan_request, with_marker)
@@ -268,14 +268,14 @@ class ProxyApp:
 
     # --- tracing: never fails the request ---------------------------------------------------
 
-    def _read_log(self, traced: Traced, record: RequestRecord, recorder: Recorder, answer: answers.UpstreamAnswer,
+    def _read_log(self, traced: Traced, record: RequestRecord, recorder: Recorder, answer_fingerprint: Fingerprint,
                   cached_tokens: Optional[int]) -> None:
         """The request's task from llama-server's log, its cache decisions and their integrity, on the record."""
         provenance = self.provenance
         if provenance is None:
             return
         try:
-            provenance.find(traced, fingerprint(answer.response, answer.slot))
+            provenance.find(traced, answer_fingerprint)
             provenance.prepare_chain(traced, recorder.settings.hash_key, traced.plan.endpoint)
             provenance.describe(traced, record, cached_tokens)
             provenance.remember(traced, record)
@@ -333,13 +333,20 @@ class ProxyApp:
         if recorder is None:
             return
         try:
-            record = self._filled(traced, recorder, status, read_answer(), cancelled, broken)
+            # The decoded answer is let go here, before the log is waited on: dozens of records wait at once.
+            record, answer_fingerprint, cached_tokens = self._filled(traced, recorder, status, read_answer(),
+                                                                     cancelled, broken)
         except Exception as exc:
             # Still a span: the request happened; what kvtrace could not read is said on it.
             log.debug("kvtrace proxy: an answer could not be read", exc_info=True)
             self._finish_error(traced, status, f"kvtrace could not read the answer ({type(exc).__name__})",
                                str(exc)[:200])
             return
+        self._read_log(traced, record, recorder, answer_fingerprint, cached_tokens)
+        if record.reused_tokens > 0:
+            # What the server reported reusing, as the engine patches record a reuse.
+            record.events.append(CacheEvent(sc.EVENT_CACHE_REUSE, record.cache_layer, outcome=sc.OUTCOME_HIT,
+                                            tokens=record.reused_tokens, source=record.state_origin))
         recorder.finish(record)  # never raises
         if self.shadows is not None:
             try:
@@ -349,8 +356,8 @@ class ProxyApp:
                 log.warning("kvtrace proxy: a shadow twin could not be sent", exc_info=True)
 
     def _filled(self, traced: Traced, recorder: Recorder, status: int, answer: answers.UpstreamAnswer,
-                cancelled: bool, broken: Optional[str]) -> RequestRecord:
-        """The request's record with what the answer says."""
+                cancelled: bool, broken: Optional[str]) -> tuple[RequestRecord, Fingerprint, Optional[int]]:
+        """The request's record with what the answer says; the answer's fingerprint and cached tokens."""
         response = answer.response
         choice = response["choices"][0] if response.get("choices") else {}
         if not isinstance(choice.get("logprobs"), dict):
@@ -373,12 +380,7 @@ class ProxyApp:
             record.error, record.error_detail = "upstream error", answer.error
         elif broken:
             record.error = broken
-        self._read_log(traced, record, recorder, answer, exchange.cached_tokens)
-        if record.reused_tokens > 0:
-            # What the server reported reusing, as the engine patches record a reuse.
-            record.events.append(CacheEvent(sc.EVENT_CACHE_REUSE, record.cache_layer, outcome=sc.OUTCOME_HIT,
-                                            tokens=record.reused_tokens, source=record.state_origin))
-        return record
+        return record, fingerprint(response, answer.slot), exchange.cached_tokens
 
     def _finish_error(self, traced: Traced, status: int, message: str, detail: Optional[str] = None) -> None:
         """``message``: kvtrace's own words; ``detail``: the upstream's, kept as the capture policy says."""
