@@ -190,7 +190,7 @@ ANALYSIS_SETTINGS = {
     "optimize_group_by_function_keys": 0,
     "optimize_redundant_functions_in_order_by": 0,
 }
-"""Query-tree rewrites that find nothing to fold in these queries but cost up to a third of their analysis
+"""Query-tree rewrites that find nothing to fold in these queries but took a third or more of their analysis
 (docs/ARCHITECTURE.md, "A new question"); turning them off never changes a result."""
 
 

@@ -36,8 +36,12 @@ def scenario_database(tmp_path):
         record_pass(book, f"rates/off/r{r}", "off")
         record_pass(book, f"rates/reuse/r{r}", "reuse", FORKED)
     client = connect(f"chdb://{tmp_path / 'db'}")
-    init_schema(client)
-    book.ingest(client)
+    try:
+        init_schema(client)
+        book.ingest(client)
+    except BaseException:
+        client.close()
+        raise
     return client
 
 
