@@ -237,6 +237,6 @@ FROM rates AS r
 LEFT JOIN cached AS c ON c.configuration = r.configuration
 ORDER BY engine, weight_format, kv_cache_type, numerics_settings, arm, cache_settings
 -- a missing array from the joins that fetch the forking turns' tokens reads as empty, as the lambdas expect;
--- with merged expression steps the planner fused those two joins into one and carried the pairing's
--- expressions into its conditions (0.83x the CPU without, at 12.8M token rows)
+-- with merged expression steps the plan runs slower from the first subquery on and fuses those two joins
+-- into one (0.83x the CPU without, at 12.8M token rows; fork_attribution is faster with them)
 SETTINGS join_use_nulls = 0, query_plan_merge_expressions = 0
