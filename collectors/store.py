@@ -178,7 +178,7 @@ class _Attributes:
 
     def __init__(self, maps: list[dict[str, str]]):
         self.map = arrow(maps, "map")
-        self._row_of = np.repeat(np.arange(len(maps)), list(map(len, maps)))
+        self._row_of = np.repeat(np.arange(len(maps)), np.diff(_numpy(self.map.offsets, np.int32)))  # each entry's map
         self._rows = len(maps)
         encoded = self.map.keys.dictionary_encode()
         self._key_names = encoded.dictionary.to_pylist()  # the distinct keys, and each entry's index among them
