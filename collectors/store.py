@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
+from decimal import Decimal
 from itertools import chain
 from typing import Callable, NamedTuple, Optional
 
@@ -29,6 +31,7 @@ from kvtrace.collectors.otlp_rows import COLUMNS, SpanRow
 # ASCII digits only, as ClickHouse reads them ("٣" and "１２" are its default, not 3 and 12).
 _SIGNED, _UNSIGNED = re.compile(r"[+-]?[0-9]+"), re.compile(r"\+?[0-9]+")
 _STRINGS = msgspec.json.Decoder(list[str]).decode
+_INTEGERS = msgspec.json.Decoder(list[int]).decode
 
 
 class Conversion(NamedTuple):
@@ -47,27 +50,88 @@ def _integer(pattern: re.Pattern, low: int, high: int, default: int, kind: str) 
     return Conversion(convert, kind, (low, high, default))
 
 
-def _json_array(element: type, default) -> Callable[[str], list]:
+def _json_array(element: type) -> Callable[[str], list]:
+    """JSON array text → its elements as ``JSONExtract(…, 'Array(String)')`` or ``'Array(Int64)'`` reads them:
+    an element of another JSON type is converted (a number's text, a numeric string's value), never a reason
+    to refuse the span, and text that is not a JSON array of finite numbers is an empty array."""
+    fast, each = (_STRINGS, _element_text) if element is str else (_INTEGERS, _element_integer)
+
     def convert(text: str) -> list:
-        if element is str:  # the common case (block hashes), decoded in C; other shapes as below
-            try:
-                return _STRINGS(text) if text else []
-            except msgspec.MsgspecError:
-                pass
-        try:
-            values = json.loads(text) if text else []
-        except ValueError:
+        if not text:
             return []
-        return [v if type(v) is element else default for v in values] if isinstance(values, list) else []
+        try:  # the common case (hashes, ids as written by kvtrace), decoded in C
+            values = fast(text)
+            if element is str or all(-2**63 <= v < 2**63 for v in values):
+                return values
+        except msgspec.MsgspecError:
+            pass
+        try:
+            values = json.loads(text, parse_constant=_finite, parse_float=_finite)
+            return [each(v) for v in values] if isinstance(values, list) else []
+        except ValueError:  # not JSON, or a number JSON cannot hold (NaN, 1e400)
+            return []
     return convert
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
+def _element_text(value) -> str:
+    """An element as ClickHouse writes it into Array(String): a string as itself, anything else as compact JSON."""
+    return value if isinstance(value, str) else "" if value is None else _json_text(value)
+
+
+def _json_text(value) -> str:
+    if isinstance(value, float):
+        return _number_text(value)
+    if isinstance(value, list):
+        return "[" + ",".join(map(_json_text, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(json.dumps(k, ensure_ascii=False) + ":" + _json_text(v) for k, v in value.items()) + "}"
+    return json.dumps(value, ensure_ascii=False)  # str, int, bool, None
+
+
+def _number_text(value: float) -> str:
+    """The shortest digits that read back as ``value``, in fixed notation from 1e-6 to below 1e21 and as
+    ``1.5e-7`` outside it (ECMAScript's rule, which ClickHouse follows, less the exponent's "+")."""
+    sign, digits, exponent = Decimal(repr(value)).normalize().as_tuple()
+    text = "".join(map(str, digits))
+    point = len(text) + exponent  # digits before the decimal point
+    if -6 < point <= 21:
+        text = (text + "0" * exponent if exponent >= 0 else
+                text[:point] + "." + text[point:] if point > 0 else "0." + "0" * -point + text)
+    else:
+        text = text[0] + ("." + text[1:] if len(text) > 1 else "") + f"e{point - 1}"
+    return "-" * sign + text
+
+
+_DECIMAL = re.compile(r"[+-]?[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?")
+
+
+def _element_integer(value) -> int:
+    """An element as ClickHouse reads it into Array(Int64): a number (or a string holding one) truncated,
+    0 for anything else or outside Int64."""
+    if isinstance(value, str):
+        if not _DECIMAL.fullmatch(value):
+            return 0
+        value = int(value) if value.lstrip("+-").isdigit() else float(value)
+    if isinstance(value, int) and not -2**63 <= value < 2**64:  # bool is an int
+        value = float(value) if value.bit_length() <= 1024 else 0.0  # past UInt64, JSON's parser reads a double
+    if isinstance(value, float):
+        return int(value) if -2**63 <= value < 2**63 else 0  # NaN and infinities are outside
+    return int(value) if isinstance(value, int) and value < 2**63 else 0
 
 
 TEXT = Conversion(str, "s")
 INT32_OR_MINUS_1 = _integer(_SIGNED, -2**31, 2**31 - 1, -1, "i32")  # toInt32OrDefault(…, -1)
 UINT32_OR_ZERO = _integer(_UNSIGNED, 0, 2**32 - 1, 0, "u32")
 UINT64_OR_ZERO = _integer(_UNSIGNED, 0, 2**64 - 1, 0, "u64")
-STRINGS = Conversion(_json_array(str, ""), ("list", "s"))  # JSONExtract(…, 'Array(String)')
-INT64S = Conversion(_json_array(int, 0), ("list", "i64"))
+STRINGS = Conversion(_json_array(str), ("list", "s"))  # JSONExtract(…, 'Array(String)')
+INT64S = Conversion(_json_array(int), ("list", "i64"))
 LAYER = Conversion(lambda text: text or sc.LAYER_NONE, "s")
 
 

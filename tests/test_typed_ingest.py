@@ -321,3 +321,45 @@ def test_odd_text_in_typed_columns_reads_the_same_through_ingest_and_a_collector
     assert differences(ingested, collector) == []
     assert [row["turn"] for row in ingested] == ["0", "2147483647", "-1", "7", "0", "0", "2147483647", "-1", "7"]
     assert [row["source_turn"] for row in ingested][:8] == ["3", "-5", "-1", "-1", "-1", "-1", "-1", "-1"]
+
+
+# JSON arrays a client may put in an array attribute, with elements of every JSON type: numbers whose text
+# Go, Python and ClickHouse spell differently, integers past Int64 (a span once refused whole by ingest),
+# numeric strings, nesting, and text that is no array.
+ODD_ARRAYS = [
+    '["a", 1, true, null, [1, 2.50], {"a b" : -0.0}, "\\u00e9\\n"]',
+    '[1.5, 1e21, 1e-7, 1e-6, 2.5e20, 1e16, -0.0, 1.0, 0.30000000000000004, 5e-324, 123e-20]',
+    '[18446744073709551616, -9223372036854775809, 9223372036854775807, 12345678901234567890123]',
+    '[1, "3", 1.5, false, null, "x", -2, 1e3, "1.5", [1], " 4", "+3", "0x10", "1e2", -1.9, 1e21, "1_000", "5."]',
+    '[9223372036854775807.0, -9223372036854775808.0, "9223372036854775808", "00012", ".5"]',
+    '[1e400]', "[NaN]", "[1,]", '{"a": [1]}', "",
+]
+
+
+def test_odd_json_arrays_read_the_same_through_ingest_and_a_collector(tmp_path):
+    lines = []
+    for i, text in enumerate(ODD_ARRAYS):
+        line = _request_line([{"key": sc.PROMPT_BLOCK_HASHES, "value": {"stringValue": text}}], i)
+        line["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["events"] = [{
+            "name": sc.EVENT_CACHE_LOOKUP, "timeUnixNano": "1700000000000000000", "attributes": [
+                {"key": sc.EVENT_BLOCK_IDS, "value": {"stringValue": text}},
+                {"key": sc.EVENT_BLOCK_HASHES, "value": {"stringValue": text}}]}]
+        lines.append(line)
+    path = tmp_path / "spans.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = []
+    for name, store in (("ingested", lambda client: ingest_paths(client, [path], quarantine_dir=tmp_path / "q")),
+                        ("collector", lambda client: client.insert("otel_traces", [
+                            row for line in lines for row in rows_from_request(json.dumps(line))], column_names=COLUMNS))):
+        client = database(tmp_path / name)
+        store(client)
+        rows.append(table_rows(client))
+        client.close()
+    ingested, collector = rows
+    for table in ("kvtrace_requests", "kvtrace_cache_events"):
+        assert len(ingested[table]) == len(ODD_ARRAYS)
+        assert differences(ingested[table], collector[table]) == []
+    assert ingested["kvtrace_cache_events"][2]["block_ids"] == "[0, -9223372036854775808, 9223372036854775807, 0]"
+    assert ingested["kvtrace_requests"][1]["prompt_block_hashes"] == (
+        "['1.5', '1e21', '1e-7', '0.000001', '250000000000000000000', '10000000000000000', '-0', '1', "
+        "'0.30000000000000004', '5e-324', '1.23e-18']")
