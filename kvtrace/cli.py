@@ -7,7 +7,8 @@ callable taking the parsed args and returning an exit code) through
 module and its one-line help, so ``kvtrace --help`` lists them without
 importing any, and a command line imports only the module of the command it
 chose: ``kvtrace diff ...`` never loads what ``kvtrace experiment`` needs.
-A new command is one line in ``COMMANDS`` and its module.
+A new command is one line in ``COMMANDS`` and its module. The shared options
+(``--db``, ``--spool-dir``, ``-q``...) are taken before the command or after it.
 
 Exit codes: 0 success, 1 runtime failure (database, run not found...), 2
 usage or configuration error.  Errors go to stderr as one line, ``kvtrace:
@@ -75,31 +76,7 @@ def build_parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
         description="Trace cache provenance and token margins inside LLM engines; find why two runs forked.",
     )
     parser.add_argument("--version", action="version", version=f"kvtrace {__version__}")
-    parser.add_argument(
-        "--db",
-        metavar="URL",
-        default=None,
-        help="ClickHouse to use: chdb:///path (embedded, default: per-user data dir), "
-        "chdb://memory, or http(s)://user:password@host:port/database "
-        "(env KVTRACE_CLICKHOUSE_URL; a password on the command line is visible to every user in ps: "
-        "give it in the environment or with --db-file)",
-    )
-    parser.add_argument(
-        "--db-file",
-        metavar="FILE",
-        default=None,
-        help="read the --db URL from FILE (env KVTRACE_CLICKHOUSE_URL_FILE)",
-    )
-    parser.add_argument(
-        "--spool-dir",
-        metavar="DIR",
-        default=None,
-        help="spool directory engines write to (env KVTRACE_SPOOL_DIR)",
-    )
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress output on stderr")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debugging detail")
-    parser.add_argument("--debug", action="store_true",
-                        help="show the traceback of an error instead of one line (env KVTRACE_DEBUG=1)")
+    add_global_options(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # add_help=False: in the first pass a command's --help is one of its arguments still to come.
     parsers = {name: sub.add_parser(name, help=command.summary, add_help=False) for name, command in COMMANDS.items()}
@@ -109,7 +86,49 @@ def build_parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
         command_parser.add_argument("-h", "--help", action="help", default=argparse.SUPPRESS,
                                     help="show this help message and exit")
         importlib.import_module(COMMANDS[chosen].module).add_arguments(command_parser)
+        _add_after_command(command_parser)
     return parser
+
+
+def add_global_options(parser, after_command: bool = False) -> None:
+    """The options every command shares, before the command or after it. After it they are SUPPRESSed when
+    left out, so what was given before the command stands."""
+    default, flag = (argparse.SUPPRESS, argparse.SUPPRESS) if after_command else (None, False)
+    parser.add_argument(
+        "--db",
+        metavar="URL",
+        default=default,
+        help="ClickHouse to use: chdb:///path (embedded, default: per-user data dir), "
+        "chdb://memory, or http(s)://user:password@host:port/database "
+        "(env KVTRACE_CLICKHOUSE_URL; a password on the command line is visible to every user in ps: "
+        "give it in the environment or with --db-file)",
+    )
+    parser.add_argument(
+        "--db-file",
+        metavar="FILE",
+        default=default,
+        help="read the --db URL from FILE (env KVTRACE_CLICKHOUSE_URL_FILE)",
+    )
+    parser.add_argument(
+        "--spool-dir",
+        metavar="DIR",
+        default=default,
+        help="spool directory engines write to (env KVTRACE_SPOOL_DIR)",
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", default=flag, help="no progress output on stderr")
+    parser.add_argument("-v", "--verbose", action="store_true", default=flag, help="log debugging detail")
+    parser.add_argument("--debug", action="store_true", default=flag,
+                        help="show the traceback of an error instead of one line (env KVTRACE_DEBUG=1)")
+
+
+
+def _add_after_command(parser: argparse.ArgumentParser) -> None:
+    """The shared options on a command's parser and on those of its own commands (``db status``)."""
+    add_global_options(parser.add_argument_group("options also given before the command"), after_command=True)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command_parser in set(action.choices.values()):
+                _add_after_command(command_parser)
 
 
 LIBRARY_LOGGERS = ("urllib3", "clickhouse_connect", "chdb")

@@ -51,6 +51,21 @@ def test_bad_input_gets_a_clear_error_and_exit_code(capsys):
     assert info.value.code == 2
 
 
+
+def test_the_shared_options_count_after_the_command_and_its_own_command_too(capsys, tmp_path):
+    assert main(["db", "status", "--db", "mysql://x"]) == 2
+    assert "not understood" in capsys.readouterr().err
+    assert main(["--db", "mysql://x", "runs", "--format", "json", "--db", f"chdb://{tmp_path / 'after'}"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    assert (tmp_path / "after").is_dir()
+    from kvtrace.cli import build_parser
+    before = ["--db", "chdb://memory", "-q", "db", "ingest"]
+    args = build_parser(before).parse_args(before)  # left out after the command, what came before stands
+    assert (args.db, args.quiet, args.verbose, args.spool_dir) == ("chdb://memory", True, False, None)
+    after = ["db", "ingest", "--spool-dir", "s", "-v"]
+    args = build_parser(after).parse_args(after)
+    assert (args.db, args.quiet, args.verbose, args.spool_dir) == (None, False, True, "s")
+
 def test_otel_traces_is_the_collector_exporters_table(db):
     columns = db.query("SELECT name, type FROM system.columns WHERE database = currentDatabase() "
                        "AND table = 'otel_traces' ORDER BY position").result_rows
