@@ -391,3 +391,35 @@ def test_the_cut_of_text_that_is_not_json_fails_only_as_a_value_error(text, plan
         cut(plan, text)
     except ValueError:
         pass  # the proxy passes such an event on as the upstream sent it (and counts it)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),  # NaN, infinities, lone surrogates too
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=JSON_VALUES, ascii_only=st.booleans(), encoding=st.sampled_from(["utf-8", "utf-16", "utf-8-sig", None]))
+def test_the_proxys_json_decoder_gives_what_json_loads_gives(value, ascii_only, encoding):
+    from kvtrace.outside.json_decode import loads
+
+    text = json.dumps(value, ensure_ascii=ascii_only)
+    try:
+        data = text if encoding is None else text.encode(encoding)
+    except UnicodeEncodeError:  # a lone surrogate has no UTF-8 bytes
+        return
+    assert repr(loads(data)) == repr(json.loads(data))
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=40) | st.text(alphabet='[]{}",:0123456789.eE+-tfrunalsNIy \\u', max_size=30))
+def test_the_proxys_json_decoder_refuses_what_json_loads_refuses(data):
+    from kvtrace.outside.json_decode import loads
+
+    try:
+        expected = repr(json.loads(data))
+    except (ValueError, RecursionError) as exc:
+        with pytest.raises(type(exc) if isinstance(exc, RecursionError) else ValueError):
+            loads(data)
+    else:
+        assert repr(loads(data)) == expected

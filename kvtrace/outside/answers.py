@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from kvtrace import semconv as sc
+from kvtrace.outside.json_decode import loads
 from kvtrace.outside.margin_request import CHAT, NATIVE
 
 
@@ -43,7 +44,7 @@ class UpstreamAnswer:
 
 def whole_answer(endpoint: str, body: str) -> UpstreamAnswer:
     """A non-streamed answer body (``ValueError`` when it is not a JSON object)."""
-    document = json.loads(body)
+    document = loads(body)
     if not isinstance(document, dict):
         raise ValueError("the answer is not a JSON object")
     if endpoint == NATIVE:
@@ -63,7 +64,7 @@ def stream_events(raw: bytes) -> Iterable[dict[str, Any]]:
         if not payload or payload == "[DONE]":
             continue
         try:
-            document = json.loads(payload)
+            document = loads(payload)
         except ValueError:
             continue
         if isinstance(document, dict):

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 
 from kvtrace import semconv as sc
+from kvtrace.outside.json_decode import loads
 from kvtrace.outside.llama_server_log import LogFollower, TaskDecision, started_after
 from kvtrace.outside.upstream import UpstreamBrokeOff, UpstreamUnreachable
 from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
@@ -412,7 +413,7 @@ def json_post(upstream) -> Callable[[str, dict[str, Any]], Optional[dict[str, An
             except (UpstreamUnreachable, UpstreamBrokeOff):
                 continue
             try:
-                return json.loads(raw) if answer.status == 200 else None
+                return loads(raw) if answer.status == 200 else None
             except ValueError:
                 return None
         return None

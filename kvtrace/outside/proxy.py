@@ -51,6 +51,7 @@ from kvtrace.outside import answers
 from kvtrace.outside.background import Background
 from kvtrace.outside.heap import PeriodicTrim, limit_arenas
 from kvtrace.outside.http1 import ClientGone, Headers, Request, Responder, Server
+from kvtrace.outside.json_decode import loads
 from kvtrace.outside.limits import Limits, ShadowBudget
 from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
 from kvtrace.outside.llama_server_tasks import (MARKER_FIELD, Fingerprint, TaskProvenance, fingerprint, json_post,
@@ -288,7 +289,7 @@ class ProxyApp:
             recorder = self._recorder()
             if recorder is None:
                 return None
-            body = json.loads(request.body)
+            body = loads(request.body)
             if not isinstance(body, dict):
                 return None  # the upstream will say what is wrong with it
             profile = self.profiles.get()
