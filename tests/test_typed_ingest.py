@@ -265,6 +265,21 @@ def _request_line(attributes: list[dict], i: int) -> dict:
                                                   {"key": sc.TURN, "value": {"intValue": str(i)}}, *attributes]}]}]}]}
 
 
+def stored_both_ways(lines: list[dict], tmp_path) -> tuple[dict, dict]:
+    """Every typed table's rows (``table_rows``) after ``lines`` went through ingest, and through a Collector."""
+    path = tmp_path / "spans.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = []
+    for name, store in (("ingested", lambda client: ingest_paths(client, [path], quarantine_dir=tmp_path / "q")),
+                        ("collector", lambda client: client.insert("otel_traces", [
+                            row for line in lines for row in rows_from_request(json.dumps(line))], column_names=COLUMNS))):
+        client = database(tmp_path / name)
+        store(client)
+        rows.append(table_rows(client))
+        client.close()
+    return rows[0], rows[1]
+
+
 def test_standard_arrays_in_any_order_or_place_end_the_same_both_ways(tmp_path):
     ids = {"key": sc.OUTPUT_TOKEN_IDS, "value": {"arrayValue": {"values": [{"intValue": "7"}, {"intValue": "8"}]}}}
     margins = {"key": sc.OUTPUT_MARGINS, "value": {"arrayValue": {"values": [{"doubleValue": 0.5},
@@ -306,17 +321,7 @@ def test_odd_text_in_typed_columns_reads_the_same_through_ingest_and_a_collector
     lines = [_request_line([{"key": key, "value": {"stringValue": values[i % len(values)]}}
                             for key, values in ODD_TEXT.items() if values[i % len(values)] is not None], i)
              for i in range(9)]
-    path = tmp_path / "spans.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    rows = []
-    for name, store in (("ingested", lambda client: ingest_paths(client, [path], quarantine_dir=tmp_path / "q")),
-                        ("collector", lambda client: client.insert("otel_traces", [
-                            row for line in lines for row in rows_from_request(json.dumps(line))], column_names=COLUMNS))):
-        client = database(tmp_path / name)
-        store(client)
-        rows.append(table_rows(client)["kvtrace_requests"])
-        client.close()
-    ingested, collector = rows
+    ingested, collector = (rows["kvtrace_requests"] for rows in stored_both_ways(lines, tmp_path))
     assert len(ingested) == 9
     assert differences(ingested, collector) == []
     assert [row["turn"] for row in ingested] == ["0", "2147483647", "-1", "7", "0", "0", "2147483647", "-1", "7"]
@@ -345,17 +350,7 @@ def test_odd_json_arrays_read_the_same_through_ingest_and_a_collector(tmp_path):
                 {"key": sc.EVENT_BLOCK_IDS, "value": {"stringValue": text}},
                 {"key": sc.EVENT_BLOCK_HASHES, "value": {"stringValue": text}}]}]
         lines.append(line)
-    path = tmp_path / "spans.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    rows = []
-    for name, store in (("ingested", lambda client: ingest_paths(client, [path], quarantine_dir=tmp_path / "q")),
-                        ("collector", lambda client: client.insert("otel_traces", [
-                            row for line in lines for row in rows_from_request(json.dumps(line))], column_names=COLUMNS))):
-        client = database(tmp_path / name)
-        store(client)
-        rows.append(table_rows(client))
-        client.close()
-    ingested, collector = rows
+    ingested, collector = stored_both_ways(lines, tmp_path)
     for table in ("kvtrace_requests", "kvtrace_cache_events"):
         assert len(ingested[table]) == len(ODD_ARRAYS)
         assert differences(ingested[table], collector[table]) == []
