@@ -34,6 +34,8 @@ shadowed proxy sent are counted beside its client spans. After each block the cl
 second (inside the block's CPU window, outside its latencies) so that a block's trailing twins are
 charged to it, not to the next block of the other arm.
 
+Beside the pooled p50 ratio it prints the median of the ratios of adjacent block pairs with a 95 %
+bootstrap interval over the pairs (the independent samples), which says whether a 2 % effect is resolved.
 Prints a table; asserts nothing (the timings belong to the machine they were taken on).
 """
 
@@ -44,6 +46,7 @@ import contextlib
 import itertools
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -467,6 +470,8 @@ def measure(client: Client, untraced: Arm, traced: Arm, concurrency: int, reques
     out = {"completed": completed, "spans": spans - spans_before, "resent": client.resent - resent_before,
            "twins": twins - twins_before,
            "dropped": twins_dropped(traced.spool) - dropped_before}
+    out["p50_pairs"] = [statistics.median(t.latencies) / statistics.median(u.latencies)
+                        for t, u in zip(arms[True], arms[False])]
     for is_traced, name in ((False, "untraced"), (True, "traced")):
         latencies = [x for b in arms[is_traced] for x in b.latencies]
         wall = sum(b.wall_s for b in arms[is_traced])
@@ -502,6 +507,14 @@ def ratio(out: dict, key: str) -> float:
     return out["traced"][key] / out["untraced"][key]
 
 
+def pair_interval(ratios: list[float], resamples: int = 2000) -> tuple[float, float, float]:
+    """The median of per-block-pair ratios with a 95 % percentile-bootstrap interval over the pairs: a pair
+    of adjacent blocks is the independent sample (its requests share the same moment of the machine)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return statistics.median(ratios), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def report_cell(server: str, concurrency: int, stream: bool, out: dict, shadow: bool = False) -> None:
     t, u = out["traced"], out["untraced"]
     lost = out["completed"] - out["spans"]
@@ -514,8 +527,12 @@ def report_cell(server: str, concurrency: int, stream: bool, out: dict, shadow: 
             target += f"  target: twins add <= {TARGET_P50_PCT:g} % to p50"
     elif server == "llama-server" and concurrency == 32:
         target = f"  target: proxy adds <= {TARGET_P50_PCT:g} % to p50"
+    pairs = out["p50_pairs"]
+    by_pair = (" [by block pair %.3f, 95 %% interval %.3f-%.3f, n=%d]" % (*pair_interval(pairs), len(pairs))
+               if len(pairs) >= 5 else "")  # fewer pairs bound nothing
     print(f"  c={concurrency:<3} {'stream' if stream else 'whole ':6}  throughput {ratio(out, 'rps'):6.3f}  "
-          f"p50 {ratio(out, 'p50'):6.3f} ({u['p50'] * 1e3:.1f} / {t['p50'] * 1e3:.1f} ms, {p50_pct:+.1f} %)  p99 {ratio(out, 'p99'):6.3f}  "
+          f"p50 {ratio(out, 'p50'):6.3f}{by_pair} ({u['p50'] * 1e3:.1f} / {t['p50'] * 1e3:.1f} ms, {p50_pct:+.1f} %)  "
+          f"p99 {ratio(out, 'p99'):6.3f}  "
           f"CPU/request {ratio(out, 'cpu_per_request'):6.3f} ({u['cpu_per_request'] * 1e3:.1f} / "
           f"{t['cpu_per_request'] * 1e3:.1f} ms)  wall/request {u['wall_per_request'] * 1e3:.1f} / "
           f"{t['wall_per_request'] * 1e3:.1f} ms  spans {out['spans']}/{out['completed']} (lost {lost}; target 0)"
