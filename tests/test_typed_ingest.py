@@ -340,20 +340,29 @@ ODD_ARRAYS = [
     '[1e400]', "[NaN]", "[1,]", '{"a": [1]}', "",
 ]
 
+# Text in the events' integer attributes, from UInt32 to UInt64 and Int32, at and past each bound.
+ODD_EVENT_NUMBERS = ["18446744073709551615", "18446744073709551616", "4294967295", "4294967296", "-1", "+5", "1e3",
+                     " 5", "", "2147483648", "-2147483648", "0x1f", "٣"]
 
-def test_odd_json_arrays_read_the_same_through_ingest_and_a_collector(tmp_path):
+
+def test_odd_json_arrays_and_event_numbers_read_the_same_through_ingest_and_a_collector(tmp_path):
     lines = []
     for i, text in enumerate(ODD_ARRAYS):
         line = _request_line([{"key": sc.PROMPT_BLOCK_HASHES, "value": {"stringValue": text}}], i)
         line["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["events"] = [{
             "name": sc.EVENT_CACHE_LOOKUP, "timeUnixNano": "1700000000000000000", "attributes": [
                 {"key": sc.EVENT_BLOCK_IDS, "value": {"stringValue": text}},
-                {"key": sc.EVENT_BLOCK_HASHES, "value": {"stringValue": text}}]}]
+                {"key": sc.EVENT_BLOCK_HASHES, "value": {"stringValue": text}},
+                *({"key": key, "value": {"stringValue": ODD_EVENT_NUMBERS[(i + k) % len(ODD_EVENT_NUMBERS)]}}
+                  for k, key in enumerate((sc.EVENT_TOKENS, sc.EVENT_SIZE_BYTES, sc.EVENT_SOURCE_TIME,
+                                           sc.EVENT_SOURCE_TURN)))]}]
         lines.append(line)
     ingested, collector = stored_both_ways(lines, tmp_path)
     for table in ("kvtrace_requests", "kvtrace_cache_events"):
         assert len(ingested[table]) == len(ODD_ARRAYS)
         assert differences(ingested[table], collector[table]) == []
+    events = ingested["kvtrace_cache_events"]
+    assert (events[3]["tokens"], events[2]["size_bytes"], events[0]["size_bytes"]) == ("0", "4294967296", "0")
     assert ingested["kvtrace_cache_events"][2]["block_ids"] == "[0, -9223372036854775808, 9223372036854775807, 0]"
     assert ingested["kvtrace_requests"][1]["prompt_block_hashes"] == (
         "['1.5', '1e21', '1e-7', '0.000001', '250000000000000000000', '10000000000000000', '-0', '1', "
