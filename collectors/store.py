@@ -53,7 +53,7 @@ def _integer(pattern: re.Pattern, low: int, high: int, default: int, kind: str) 
 def _json_array(element: type) -> Callable[[str], list]:
     """JSON array text → its elements as ``JSONExtract(…, 'Array(String)')`` or ``'Array(Int64)'`` reads them:
     an element of another JSON type is converted (a number's text, a numeric string's value), never a reason
-    to refuse the span, and text that is not a JSON array of finite numbers is an empty array."""
+    to refuse the span. Text that is no JSON array, or holds a number past a double's range, is an empty array."""
     fast, each = (_STRINGS, _element_text) if element is str else (_INTEGERS, _element_integer)
 
     def convert(text: str) -> list:

@@ -76,7 +76,7 @@ def build_parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
         description="Trace cache provenance and token margins inside LLM engines; find why two runs forked.",
     )
     parser.add_argument("--version", action="version", version=f"kvtrace {__version__}")
-    add_global_options(parser)
+    _add_shared_options(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # add_help=False: in the first pass a command's --help is one of its arguments still to come.
     parsers = {name: sub.add_parser(name, help=command.summary, add_help=False) for name, command in COMMANDS.items()}
@@ -90,7 +90,7 @@ def build_parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
     return parser
 
 
-def add_global_options(parser, after_command: bool = False) -> None:
+def _add_shared_options(parser, after_command: bool = False) -> None:
     """The options every command shares, before the command or after it. After it they are SUPPRESSed when
     left out, so what was given before the command stands."""
     default, flag = (argparse.SUPPRESS, argparse.SUPPRESS) if after_command else (None, False)
@@ -121,10 +121,9 @@ def add_global_options(parser, after_command: bool = False) -> None:
                         help="show the traceback of an error instead of one line (env KVTRACE_DEBUG=1)")
 
 
-
 def _add_after_command(parser: argparse.ArgumentParser) -> None:
     """The shared options on a command's parser and on those of its own commands (``db status``)."""
-    add_global_options(parser.add_argument_group("options also given before the command"), after_command=True)
+    _add_shared_options(parser.add_argument_group("options also given before the command"), after_command=True)
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for command_parser in set(action.choices.values()):
