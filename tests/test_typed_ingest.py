@@ -330,7 +330,8 @@ def test_odd_text_in_typed_columns_reads_the_same_through_ingest_and_a_collector
 
 # JSON arrays a client may put in an array attribute, with elements of every JSON type: numbers whose text
 # Go, Python and ClickHouse spell differently, integers past Int64 (a span once refused whole by ingest),
-# numeric strings, nesting, and text that is no array.
+# numeric strings, nesting, and text that is no array. Left out, as quirks ingest does not copy: ClickHouse
+# reads the string "nan" into Array(Int64) as -2**63, and an array whose one element is past UInt64 as [].
 ODD_ARRAYS = [
     '["a", 1, true, null, [1, 2.50], {"a b" : -0.0}, "\\u00e9\\n"]',
     '[1.5, 1e21, 1e-7, 1e-6, 2.5e20, 1e16, -0.0, 1.0, 0.30000000000000004, 5e-324, 123e-20]',
