@@ -214,3 +214,47 @@ def test_a_listing_that_leaves_the_models_order_midway_or_ends_short_keeps_each_
                                                ("0.857", "0.750")))
     restore = feed(first_only + restore_first).decisions[4].restore
     assert (restore.source_task, restore.doubt) == (1, None)
+
+
+def model_state(parser: LogParser) -> tuple:
+    """What a parser concluded: each task's decision and the model of the cache, comparable."""
+    decisions = {number: (d.slot, d.selected_by, d.prompt_tokens, d.cached_tokens, d.looked_up,
+                          d.restore and (d.restore.source_task, d.restore.length, d.restore.common_prefix,
+                                         d.restore.doubt))
+                 for number, d in parser.decisions.items()}
+    return decisions, [(entry.length, entry.address, entry.source_task) for entry in parser._cache]
+
+
+def test_the_follower_reads_blocks_of_the_cache_listing_as_feeding_each_line_would(tmp_path, monkeypatch):
+    # A cache of 40 prompts stored one task at a time, listed whole after each update (as llama-server does);
+    # a line of another thread inside one listing, a listing that leaves the model's order, and a restore
+    # after them. Read in pieces of several sizes, the follower must conclude what feeding each line does.
+    miss = [(21, 1, "0.048", "0.042")]
+    log, entries = START + task(0, 18, 20 + 0), []
+    for number in range(1, 41):
+        entries.append((f"0x56{number:08x}", 20 + number - 1))
+        updates = lru_switch(20 + number - 1, miss, None)
+        if number % 10 == 0:  # two prompts stored before one listing: two lines of it new to the model
+            entries.append((f"0x58{number:08x}", 300 + number))
+            updates += lru_switch(300 + number, miss, None, slot=1)
+        updates += listing(*entries)
+        if number == 20:  # another thread's line in the middle of the listing
+            lines = updates.splitlines(keepends=True)
+            updates = "".join(lines[:-10] + ["0.02.000.011 I slot get_availabl: id  1 | task -1 | - skipping\n"]
+                              + lines[-10:])
+        log += task(number, 18 + number, 20 + number, updates)
+    log += listing(*entries[:10], ("0x5700000000", 99), *entries[10:])  # a prompt the log never showed stored
+    found = ("0.909", "0.833")
+    candidates = [(length, 1, "0.019", "0.028") for _, length in entries[:10]] + [(99, 1, "0.01", "0.02")] + [
+        (length, 30 if length == 45 else 1, *(found if length == 45 else ("0.019", "0.028")))
+        for _, length in entries[10:]]
+    log += task(41, 36, 39, lru_switch(60, candidates, found))
+    expected = model_state(feed(log))
+    assert expected[0][41][5][:2] == (25, 45) and len(expected[1]) >= 40  # the restore names task 25's state
+    path = tmp_path / "server.log"
+    path.write_text(log)
+    for piece in (61, 997, 1 << 16):
+        monkeypatch.setattr(LogFollower, "READ_BYTES", piece)
+        follower = LogFollower(path)
+        follower.poll()
+        assert model_state(follower.parser) == expected, piece

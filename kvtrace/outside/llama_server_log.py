@@ -19,10 +19,16 @@ each cached prompt is — so that a restore names the earlier *task* whose state
 the log leaves a doubt (two cached prompts of the same length and similarity, a cache entry the
 model did not see stored), the decision says so (``source_task`` ``None`` and ``doubt``) instead of
 guessing. Matching tasks to HTTP requests is :mod:`llama_server_tasks`'s business.
+
+After every cache update llama-server lists every cached prompt, and a lookup logs each as a
+candidate, so with a large cache most of the log is these lines (thousands a request). A listing
+line that repeats a model entry as printed is passed over without a parse, blocks of new ones are
+parsed with one expression, and candidates are parsed only for a lookup that restores one.
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 from dataclasses import dataclass, field
@@ -80,6 +86,9 @@ _CANDIDATE = _Screened("- prompt with length", r"- prompt with length\s+(?P<n>\d
                                               r"f_keep = (?P<keep>[\d.]+), f_sim = (?P<sim>[\d.]+)")
 _CACHE_STATE = _Screened("- cache state: ", r"- cache state: (?P<n>\d+) prompts")
 _LISTED = _Screened("- prompt ", r"- prompt (?P<address>(?:0x)?[0-9a-fA-F]+):\s+(?P<n>\d+) tokens")
+_LISTED_TEXT = operator.attrgetter("listed")
+_LISTED_LINES = re.compile(r"^[^\n]*?- prompt ((?:0x)?[0-9a-fA-F]+):[^\S\n]+(\d+) tokens[^\n]*$", re.M)
+"""``_LISTED`` over a block of lines joined: one match per line at most, each within its line."""
 _FOUND = _Screened("- found better prompt with f_keep = ",
                    r"- found better prompt with f_keep = (?P<keep>[\d.]+), f_sim = (?P<sim>[\d.]+)")
 
@@ -136,6 +145,12 @@ class _CachedPrompt:
     source_task: Optional[int]
     address: Optional[str] = None
     """Where llama-server keeps it, as its cache listing prints it (the entry's identity between listings)."""
+    listed: str = "\n"
+    """What a line of the listing says of it once its address is known: a line holding this repeats it (no
+    line holds a newline)."""
+
+    def learn(self, address: str) -> None:
+        self.address, self.listed = address, f"- prompt {address}: {self.length:7d} tokens"
 
 
 @dataclass
@@ -145,7 +160,8 @@ class _Pending:
     slot: Optional[int] = None
     selected_by: Optional[str] = None
     similarity: Optional[float] = None
-    candidates: list[tuple[int, int, str, str]] = field(default_factory=list)
+    candidate_lines: list[str] = field(default_factory=list)
+    """The lookup's "- prompt with length" lines, read only if it restores one (every cached prompt is one)."""
     looked_up: bool = False
     restore: Optional[Restore] = None
 
@@ -179,10 +195,17 @@ class LogParser:
         if "\x1b" in line:
             line = _ANSI.sub("", line)
         pending = self._pending
-        if self._reading_listing and (m := _LISTED.search(line)) is not None:
-            # First: llama-server lists its whole cache after every update, so most lines are these.
-            self._listed(m["address"], int(m["n"]))
-        elif (m := _SELECTED.search(line)) is not None:
+        if "- prompt " in line:
+            # First: llama-server lists its whole cache after every update, and every cached prompt as a
+            # lookup's candidate, so with a large cache most lines are these two.
+            if self._reading_listing and (m := _LISTED.search(line)) is not None:
+                address, length = m.groups()  # one call: by name, a listing line's groups cost a third more
+                self._listed(address, int(length))
+                return None
+            if _CANDIDATE.literal in line:
+                pending.candidate_lines.append(line)
+                return None
+        if (m := _SELECTED.search(line)) is not None:
             self._idle_slot = None  # an empty idle slot saves nothing
             pending.slot, pending.selected_by = int(m["slot"]), SELECTED_BY[m["how"]]
             pending.similarity = float(m["sim"]) if m["sim"] else None
@@ -198,7 +221,7 @@ class LogParser:
             if self._cache:
                 self._cache.pop(0)  # never the one being stored: llama-server makes room before adding it
         elif _LOOKING.search(line):
-            pending.candidates, pending.looked_up, self._storing, self._idle_slot = [], True, None, None
+            pending.candidate_lines, pending.looked_up, self._storing, self._idle_slot = [], True, None, None
         elif (m := _CACHE_STATE.search(line)) is not None:
             self._reading_listing, self._listing_size, self._listing_seen = True, int(m["n"]), 0
             self._listing, self._learned = ([] if self._alike is not None else None), {}
@@ -206,8 +229,6 @@ class LogParser:
                 self._reconcile()
         elif (m := _IDLE_SAVE.search(line)) is not None:
             self._idle_slot = int(m["slot"])
-        elif (m := _CANDIDATE.search(line)) is not None:
-            pending.candidates.append((int(m["n"]), int(m["lcp"]), m["keep"], m["sim"]))
         elif (m := _FOUND.search(line)) is not None:
             pending.restore = self._restored(m["keep"], m["sim"])
         elif (m := _PROCESSING.search(line)) is not None:
@@ -266,6 +287,46 @@ class LogParser:
         self._storing = _CachedPrompt(length, source)
         self._cache.append(self._storing)
 
+    @property
+    def listing_left(self) -> int:
+        """Lines of the cache's listing still to come (0 outside one)."""
+        return self._listing_size - self._listing_seen if self._reading_listing else 0
+
+    def feed_listing(self, lines: list[str]) -> int:
+        """Reads at once the lines of the cache's listing that ``lines`` (at most ``listing_left``) begins with:
+        with a large cache nearly all of a log is these. Returns how many it read: 0 where the block holds
+        a line of another kind, which is then for :meth:`feed`, line by line."""
+        start = self._listing_seen
+        if self._listing is None:
+            # Most lines repeat the model's entries, addresses and lengths as llama-server prints them: those
+            # are passed over without a parse, up to the first line that does not (a new entry, another line).
+            entries = self._cache[start:start + len(lines)]
+            same = list(map(str.__contains__, lines, map(_LISTED_TEXT, entries)))
+            held = same.index(False) if False in same else len(same)
+            if held:
+                self._listing_seen += held
+                if self._listing_seen == self._listing_size:
+                    self._reconcile()
+                return held
+        text = "\n".join(lines)
+        found = _LISTED_LINES.findall(text) if "\x1b" not in text else []
+        if len(found) != len(lines) or not lines:
+            return 0
+        entries = self._cache[start:start + len(found)] if self._listing is None else []
+        lengths = [int(length) for _, length in found]
+        if len(entries) == len(found) and [entry.length for entry in entries] == lengths:
+            # The model holds for the whole block: the addresses it did not know yet are learned.
+            for index, entry, (address, _) in zip(range(start, start + len(found)), entries, found):
+                if entry.address != address:
+                    self._learned[index] = address
+            self._listing_seen += len(found)
+            if self._listing_seen == self._listing_size:
+                self._reconcile()
+        else:
+            for (address, _), length in zip(found, lengths):
+                self._listed(address, length)
+        return len(found)
+
     def _listed(self, address: str, length: int) -> None:
         """One line of the listing. Most listings repeat the model, so each line is compared as it comes
         and nothing of it is kept; only a listing that leaves the model's order is kept whole."""
@@ -298,7 +359,7 @@ class LogParser:
         restored, self._restored_entry = self._restored_entry, None
         if listed is None and self._listing_seen == len(self._cache):
             for index, address in self._learned.items():
-                self._cache[index].address = address
+                self._cache[index].learn(address)
             return
         if listed is None:  # in order, but shorter than the model
             listed = self._listing_so_far(self._listing_seen)
@@ -315,7 +376,7 @@ class LogParser:
         if [entry.length for entry in self._cache] == [length for _, length in listed]:
             for entry, (address, _) in zip(self._cache, listed):
                 if entry.address != address:  # an equal one stays: a listing's strings are short-lived
-                    entry.address = address
+                    entry.learn(address)
             return
         # The entry last restored counts among the model's: a listing that still shows it (a log that
         # contradicts itself) keeps its origin.
@@ -331,7 +392,7 @@ class LogParser:
                 if entry in unlisted:
                     unlisted.remove(entry)
             if entry.address != address:
-                entry.address = address
+                entry.learn(address)
             rebuilt.append(entry)
         self._cache = rebuilt
 
@@ -347,21 +408,22 @@ class LogParser:
                 entry.source_task = None
 
     def _restored(self, keep: str, sim: str) -> Restore:
-        chosen = [c for c in self._pending.candidates if (c[2], c[3]) == (keep, sim)]
+        candidates = [(int(m["n"]), int(m["lcp"]), m["keep"], m["sim"]) for line in self._pending.candidate_lines
+                      if (m := _CANDIDATE.search(line)) is not None]
+        chosen = [c for c in candidates if (c[2], c[3]) == (keep, sim)]
         if not chosen:
             return Restore(0, 0, float(sim), float(keep), doubt="the restored prompt is not among the logged ones")
         length, common_prefix = chosen[-1][0], chosen[-1][1]
         restore = Restore(length, common_prefix, float(sim), float(keep))
         if len(chosen) > 1:
             restore.doubt = f"{len(chosen)} cached prompts have the same length and similarity"
-            if len(self._pending.candidates) == len(self._cache):
+            if len(candidates) == len(self._cache):
                 # The listing that follows shows which of them left the cache: that one was restored.
-                candidates = self._pending.candidates
                 self._alike = (restore, [self._cache[i] for i, c in enumerate(candidates) if (c[2], c[3]) == (keep, sim)
                                          and c[0] == length])
             return restore
-        index = self._pending.candidates.index(chosen[-1])
-        if len(self._pending.candidates) != len(self._cache) or self._cache[index].length != length:
+        index = candidates.index(chosen[-1])
+        if len(candidates) != len(self._cache) or self._cache[index].length != length:
             restore.doubt = "the cache held prompts the log did not show being stored"
             matching = [e for e in self._cache if e.length == length]
             if len(matching) == 1:
@@ -438,13 +500,24 @@ class LogFollower:
         begins = self._offset - len(data) - len(self._partial)  # where the pending bytes start in the file
         whole, _, self._partial = (self._partial + data).rpartition(b"\n")
         line_ends = None
-        for number, line in enumerate(whole.decode("utf-8", "replace").split("\n") if whole else ()):
-            decision = self.parser.feed(line)
-            if decision is not None:
-                if line_ends is None:  # in bytes, counted only for a piece where a task starts (a few lines of many)
-                    line_ends = list(accumulate(len(raw) + 1 for raw in whole.split(b"\n")))
-                decision.logged_at = (self._inode or 0, begins + line_ends[number])
-                started.append(decision)
+        lines = whole.decode("utf-8", "replace").split("\n") if whole else []
+        parser = self.parser
+        number = 0
+        while number < len(lines):
+            # A block of the cache's listing is read at once; one that holds another line, line by line.
+            left = parser.listing_left
+            block = lines[number:number + left] if left > 1 else lines[number:number + 1]
+            if left > 1 and (read := parser.feed_listing(block)):
+                number += read
+                continue
+            for line in block:
+                decision = parser.feed(line)
+                if decision is not None:
+                    if line_ends is None:  # in bytes, counted only for a piece where a task starts (a few of many)
+                        line_ends = list(accumulate(len(raw) + 1 for raw in whole.split(b"\n")))
+                    decision.logged_at = (self._inode or 0, begins + line_ends[number])
+                    started.append(decision)
+                number += 1
 
 
 def started_after(decision: TaskDecision, end: tuple[int, int]) -> bool:
