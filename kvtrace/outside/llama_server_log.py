@@ -22,8 +22,8 @@ guessing. Matching tasks to HTTP requests is :mod:`llama_server_tasks`'s busines
 
 After every cache update llama-server lists every cached prompt, and a lookup logs each as a
 candidate, so with a large cache most of the log is these lines (thousands a request). A listing
-line that repeats a model entry as printed is passed over without a parse, blocks of new ones are
-parsed with one expression, and candidates are parsed only for a lookup that restores one.
+line that repeats a model entry as printed is passed over without a parse (the few new ones are
+parsed as before), and candidates are parsed only for a lookup that restores one.
 """
 
 from __future__ import annotations
@@ -87,8 +87,6 @@ _CANDIDATE = _Screened("- prompt with length", r"- prompt with length\s+(?P<n>\d
 _CACHE_STATE = _Screened("- cache state: ", r"- cache state: (?P<n>\d+) prompts")
 _LISTED = _Screened("- prompt ", r"- prompt (?P<address>(?:0x)?[0-9a-fA-F]+):\s+(?P<n>\d+) tokens")
 _LISTED_TEXT = operator.attrgetter("listed")
-_LISTED_LINES = re.compile(r"^[^\n]*?- prompt ((?:0x)?[0-9a-fA-F]+):[^\S\n]+(\d+) tokens[^\n]*$", re.M)
-"""``_LISTED`` over a block of lines joined: one match per line at most, each within its line."""
 _FOUND = _Screened("- found better prompt with f_keep = ",
                    r"- found better prompt with f_keep = (?P<keep>[\d.]+), f_sim = (?P<sim>[\d.]+)")
 
@@ -198,7 +196,7 @@ class LogParser:
         if "- prompt " in line:
             # First: llama-server lists its whole cache after every update, and every cached prompt as a
             # lookup's candidate, so with a large cache most lines are these two.
-            if self._reading_listing and (m := _LISTED.search(line)) is not None:
+            if self._reading_listing and (m := _LISTED.pattern.search(line)) is not None:
                 address, length = m.groups()  # one call: by name, a listing line's groups cost a third more
                 self._listed(address, int(length))
                 return None
@@ -296,11 +294,10 @@ class LogParser:
         """Reads at once the lines of the cache's listing that ``lines`` (at most ``listing_left``) begins with:
         with a large cache nearly all of a log is these. Returns how many it read: 0 where the block holds
         a line of another kind, which is then for :meth:`feed`, line by line."""
-        start = self._listing_seen
         if self._listing is None:
             # Most lines repeat the model's entries, addresses and lengths as llama-server prints them: those
             # are passed over without a parse, up to the first line that does not (a new entry, another line).
-            entries = self._cache[start:start + len(lines)]
+            entries = self._cache[self._listing_seen:self._listing_seen + len(lines)]
             same = list(map(str.__contains__, lines, map(_LISTED_TEXT, entries)))
             held = same.index(False) if False in same else len(same)
             if held:
@@ -308,23 +305,12 @@ class LogParser:
                 if self._listing_seen == self._listing_size:
                     self._reconcile()
                 return held
-        text = "\n".join(lines)
-        found = _LISTED_LINES.findall(text) if "\x1b" not in text else []
-        if len(found) != len(lines) or not lines:
+        found = list(map(_LISTED.pattern.search, lines))
+        if None in found:
             return 0
-        entries = self._cache[start:start + len(found)] if self._listing is None else []
-        lengths = [int(length) for _, length in found]
-        if len(entries) == len(found) and [entry.length for entry in entries] == lengths:
-            # The model holds for the whole block: the addresses it did not know yet are learned.
-            for index, entry, (address, _) in zip(range(start, start + len(found)), entries, found):
-                if entry.address != address:
-                    self._learned[index] = address
-            self._listing_seen += len(found)
-            if self._listing_seen == self._listing_size:
-                self._reconcile()
-        else:
-            for (address, _), length in zip(found, lengths):
-                self._listed(address, length)
+        for m in found:
+            address, length = m.groups()
+            self._listed(address, int(length))
         return len(found)
 
     def _listed(self, address: str, length: int) -> None:
@@ -504,20 +490,23 @@ class LogFollower:
         parser = self.parser
         number = 0
         while number < len(lines):
-            # A block of the cache's listing is read at once; one that holds another line, line by line.
+            # A block of the cache's listing is read at once; one that holds another line, line by line to its
+            # end; outside a listing, line by line until one starts.
             left = parser.listing_left
-            block = lines[number:number + left] if left > 1 else lines[number:number + 1]
-            if left > 1 and (read := parser.feed_listing(block)):
+            if left > 1 and (read := parser.feed_listing(lines[number:number + left])):
                 number += read
                 continue
-            for line in block:
-                decision = parser.feed(line)
+            stop = number + left if left > 1 else len(lines)
+            for number in range(number, min(stop, len(lines))):
+                decision = parser.feed(lines[number])
                 if decision is not None:
                     if line_ends is None:  # in bytes, counted only for a piece where a task starts (a few of many)
                         line_ends = list(accumulate(len(raw) + 1 for raw in whole.split(b"\n")))
                     decision.logged_at = (self._inode or 0, begins + line_ends[number])
                     started.append(decision)
-                number += 1
+                if left <= 1 and parser.listing_left:
+                    break
+            number += 1
 
 
 def started_after(decision: TaskDecision, end: tuple[int, int]) -> bool:
