@@ -61,7 +61,7 @@ def _json_array(element: type) -> Callable[[str], list]:
             return []
         try:  # the common case (hashes, ids as written by kvtrace), decoded in C
             values = fast(text)
-            if element is str or all(-2**63 <= v < 2**63 for v in values):
+            if element is str or not values or (-2**63 <= min(values) and max(values) < 2**63):
                 return values
         except msgspec.MsgspecError:
             pass
