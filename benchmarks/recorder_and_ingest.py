@@ -10,7 +10,8 @@ shared: wall time is printed next to it, never instead of it):
   two-point fit splits the cost into per request and per token;
 * ingest: ``kvtrace db ingest`` of a spool of >= 1M token rows into a fresh embedded chDB, until
   ``kvtrace_tokens`` (a view of ``kvtrace_requests`` read FINAL) answers a count (end to end: spool
-  file → rows a query sees), process CPU (chDB runs in this process) next to wall time;
+  file → rows a query sees), process CPU (chDB runs in this process) next to wall time, and the part of that CPU
+  spent inside the database's inserts (``kvtrace_requests`` and ``otel_traces``' span rows);
 * the ceiling: the database's own ``INSERT INTO … SELECT … FROM numbers(N)`` of as many token rows, as
   request rows with their per-token arrays, into a table with ``kvtrace_requests``' columns and engine,
   counted the same way — what chDB itself stores on this machine, with no client in between.
@@ -30,6 +31,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from kvtrace import correlate
@@ -94,16 +96,28 @@ def write_spool(requests: int, tokens: int, spool: Path, seed: int) -> None:
     recorder.shutdown()
 
 
-def ingest_round(spool: Path, db: Path) -> tuple[float, float, int, int]:
-    """Wall and process-CPU seconds to ingest ``spool`` into a fresh chDB until kvtrace_tokens counts it."""
+def ingest_round(spool: Path, db: Path) -> tuple[float, float, Counter, int, int]:
+    """Wall and process-CPU seconds to ingest ``spool`` into a fresh chDB until kvtrace_tokens counts it, and the
+    CPU seconds of that inside the database's insert of each table (handing over its Arrow included)."""
     client = connect(f"chdb://{db}")
     init_schema(client)
+    insert_cpu: Counter = Counter()
+    insert_arrow = client.insert_arrow
+
+    def timed_insert(table: str, *args, **kwargs):
+        start = time.process_time()
+        try:
+            return insert_arrow(table, *args, **kwargs)
+        finally:
+            insert_cpu[table] += time.process_time() - start
+
+    client.insert_arrow = timed_insert
     wall, cpu = time.perf_counter(), time.process_time()
     report = ingest_paths(client, [spool], quarantine_dir=db.parent / "quarantine")
     rows = client.query("SELECT count() FROM kvtrace_tokens").result_rows[0][0]  # a view: kvtrace_requests FINAL
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     client.close()
-    return wall, cpu, rows, report.spans
+    return wall, cpu, insert_cpu, rows, report.spans
 
 
 CEILING_SQL = """
@@ -180,18 +194,22 @@ def main() -> None:
         spool = work / "spool-ingest"
         write_spool(args.ingest_requests, args.tokens, spool, seed=999)
         size = sum(f.stat().st_size for f in spool.glob("*.jsonl"))
-        rates, cpu_rates, ceiling, ceiling_cpu = [], [], [], []
+        rates, cpu_rates, ceiling, ceiling_cpu, inserts_per_ceiling = [], [], [], [], []
+        tables_per_ceiling: dict[str, list[float]] = {}
         for i in range(args.rounds):
-            wall, cpu, rows, spans = ingest_round(spool, work / f"db-{i}")
+            wall, cpu, insert_cpu, rows, spans = ingest_round(spool, work / f"db-{i}")
             rates.append(rows / wall)
             cpu_rates.append(rows / cpu)
             shutil.rmtree(work / f"db-{i}", ignore_errors=True)
             c_wall, c_cpu = ceiling_round(rows, args.tokens, work / f"ceiling-{i}")
             ceiling.append(rows / c_wall)
             ceiling_cpu.append(rows / c_cpu)
+            inserts_per_ceiling.append(sum(insert_cpu.values()) / c_cpu)
+            for table, seconds in insert_cpu.items():
+                tables_per_ceiling.setdefault(table, []).append(seconds / c_cpu)
             shutil.rmtree(work / f"ceiling-{i}", ignore_errors=True)
-            print(f"  round {i + 1}: ingest {wall:.2f} s wall / {cpu:.2f} s CPU; ceiling {c_wall:.2f} s / "
-                  f"{c_cpu:.2f} s CPU")
+            print(f"  round {i + 1}: ingest {wall:.2f} s wall / {cpu:.2f} s CPU, of which its inserts "
+                  f"{sum(insert_cpu.values()):.2f} s; ceiling {c_wall:.2f} s / {c_cpu:.2f} s CPU")
         print(f"ingest into chDB, spool → kvtrace_tokens queryable: {spans} spans, {rows:,} token rows, "
               f"{size / 1e6:.1f} MB of spool ({size / rows:.0f} bytes/token)")
         print(f"  token rows/s by wall time  : {_best_median(rates, higher_is_better=True)}")
@@ -201,6 +219,11 @@ def main() -> None:
         print(f"  token rows/s by CPU time   : {_best_median(ceiling_cpu, higher_is_better=True)}")
         print(f"  ingest / ceiling (medians) : wall {statistics.median(rates) / statistics.median(ceiling):.2f}, "
               f"CPU {statistics.median(cpu_rates) / statistics.median(ceiling_cpu):.2f}")
+        # A ratio of 0.5 gives ingest twice the ceiling's CPU for everything: its inserts alone show what is left.
+        print(f"  ingest's inserts alone / ceiling, CPU: {_best_median(inserts_per_ceiling)} "
+              "(at 0.5 ingest has 2.00 for everything)")
+        for table, ratios in sorted(tables_per_ceiling.items()):
+            print(f"    {table:<28}: {_best_median(ratios)}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

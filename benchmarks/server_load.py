@@ -16,7 +16,9 @@ requests, sent through that many client threads), so drift on a shared machine h
   ``KVTRACE_DISABLED=1``;
 * ``llama-server``: llama.cpp's server (``-np 4``, the build
   ``python -m kvtrace.outside.llama_server_build`` caches) behind ``kvtrace proxy``, against the
-  same llama-server called directly.
+  same llama-server called directly. A third arm, the same server called directly with the top two
+  the proxy asks for (``n_probs``), gives the server's own share of the proxy's cost: its ratios
+  to the plain direct server are printed under each cell, as a floor no proxy can go below.
 
 For each concurrency, non-streamed and streamed ``/v1/completions`` (a shared 120-word prefix, a
 distinct tail and W3C baggage per request), it prints traced/untraced ratios of throughput
@@ -56,12 +58,13 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Optional
 
 import httpx
 
+from kvtrace.outside.margin_request import COMPLETIONS, UpstreamProfile, plan_request
 from kvtrace.recording.stats import SHADOW_TWINS_DROPPED, read_stats
 from kvtrace.semconv import ARM, ARM_SHADOW, SPAN_REQUEST
 from kvtrace.testmodels.llama_gguf import SIZES as GGUF_SIZES, make_model as make_gguf_model
@@ -217,6 +220,8 @@ class Arm:
     """RSS to sample over the soak: a label -> the process."""
     completed: int = 0
     """Requests this arm has completed so far: the spans its spool should come to hold."""
+    body: dict = field(default_factory=dict)
+    """Fields every request to this arm carries besides the client's own."""
 
 
 def base_env(root: Path, traced: bool) -> dict:
@@ -393,10 +398,10 @@ class Client:
         self.resends = itertools.count()
         self.resent = 0
 
-    def one(self, base: str, stream: bool) -> float:
+    def one(self, base: str, stream: bool, extra: dict) -> float:
         n = next(self.numbers)
         body = {"model": MODEL_NAME, "prompt": f"{PREFIX} request {n}:", "max_tokens": self.tokens,
-                "temperature": 0.0, "stream": stream}
+                "temperature": 0.0, "stream": stream, **extra}
         headers = {"baggage": f"kvtrace.run_id=server-load,kvtrace.episode_id=e{n},kvtrace.turn=0"}
         start = time.perf_counter()
         for attempt in range(3):  # llama-server closes a kept-alive connection now and then: send again
@@ -422,7 +427,7 @@ class Client:
         """``settle_s``: a wait after the requests, inside the CPU window (work they left behind counts)."""
         cpu, wall = cpu_seconds(arm.pids), time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
-            latencies = list(pool.map(lambda _: self.one(arm.base, stream), range(count)))
+            latencies = list(pool.map(lambda _: self.one(arm.base, stream, arm.body), range(count)))
         wall_s = time.perf_counter() - wall
         time.sleep(settle_s)
         arm.completed += len(latencies)
@@ -451,12 +456,18 @@ def wait_for_spans(spool: Path, expected: int) -> tuple[int, int]:
 
 def measure(client: Client, untraced: Arm, traced: Arm, concurrency: int, requests: int, stream: bool,
             settle_s: float = 0.0) -> dict:
-    """Both arms, ABBA block by block; the traced arm's spans counted against its completed requests."""
+    """Both arms, ABBA block by block; the traced arm's spans (where it has a spool) counted against its
+    completed requests."""
     size = 2 * concurrency
     blocks = max(1, -(-requests // size))
-    # Counted against every request so far, so a span of an earlier cell arriving late is not one of this cell's.
-    spans_before, twins_before = wait_for_spans(traced.spool, traced.completed)
-    dropped_before = twins_dropped(traced.spool)
+
+    def counts() -> tuple[int, int, int]:
+        # Counted against every request so far, so a span of an earlier cell arriving late is not one of this cell's.
+        if traced.spool is None:
+            return 0, 0, 0
+        return (*wait_for_spans(traced.spool, traced.completed), twins_dropped(traced.spool))
+
+    before = counts()
     arms: dict[bool, list[Block]] = {False: [], True: []}
     resent_before = client.resent
     for index in range(blocks):
@@ -466,10 +477,9 @@ def measure(client: Client, untraced: Arm, traced: Arm, concurrency: int, reques
             arms[is_traced].append(client.block(traced if is_traced else untraced, concurrency, count, stream,
                                                 settle_s))
     completed = sum(len(b.latencies) for b in arms[True])
-    spans, twins = wait_for_spans(traced.spool, traced.completed)
-    out = {"completed": completed, "spans": spans - spans_before, "resent": client.resent - resent_before,
-           "twins": twins - twins_before,
-           "dropped": twins_dropped(traced.spool) - dropped_before}
+    spans, twins, dropped = (after - first for after, first in zip(counts(), before))
+    out = {"completed": completed, "spans": spans, "resent": client.resent - resent_before, "twins": twins,
+           "dropped": dropped}
     out["p50_pairs"] = [statistics.median(t.latencies) / statistics.median(u.latencies)
                         for t, u in zip(arms[True], arms[False])]
     for is_traced, name in ((False, "untraced"), (True, "traced")):
@@ -515,16 +525,21 @@ def pair_interval(ratios: list[float], resamples: int = 2000) -> tuple[float, fl
     return statistics.median(ratios), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
-def report_cell(server: str, concurrency: int, stream: bool, out: dict, shadow: bool = False) -> None:
+def report_cell(server: str, concurrency: int, stream: bool, out: dict, shadow: bool = False,
+                floor: bool = False) -> None:
+    """``floor``: the server asked directly for the top two the proxy asks for, against the plain direct server."""
     t, u = out["traced"], out["untraced"]
     lost = out["completed"] - out["spans"]
     resent = f"  resent after a dropped connection: {out['resent']}" if out["resent"] else ""
+    spans = "" if floor else f"  spans {out['spans']}/{out['completed']} (lost {lost}; target 0)"
     p50_pct = 100 * (ratio(out, "p50") - 1)
     target = ""
     if shadow:
         target = f"  twins {out['twins']} (dropped {out['dropped']})"
         if concurrency == SHADOW_TARGET_CONCURRENCY:
             target += f"  target: twins add <= {TARGET_P50_PCT:g} % to p50"
+    elif floor:
+        target = "  (no proxy: the server's own share of the proxy's cost)"
     elif server == "llama-server" and concurrency == 32:
         target = f"  target: proxy adds <= {TARGET_P50_PCT:g} % to p50"
     pairs = out["p50_pairs"]
@@ -535,8 +550,7 @@ def report_cell(server: str, concurrency: int, stream: bool, out: dict, shadow: 
           f"p99 {ratio(out, 'p99'):6.3f}  "
           f"CPU/request {ratio(out, 'cpu_per_request'):6.3f} ({u['cpu_per_request'] * 1e3:.1f} / "
           f"{t['cpu_per_request'] * 1e3:.1f} ms)  wall/request {u['wall_per_request'] * 1e3:.1f} / "
-          f"{t['wall_per_request'] * 1e3:.1f} ms  spans {out['spans']}/{out['completed']} (lost {lost}; target 0)"
-          f"{resent}{target}")
+          f"{t['wall_per_request'] * 1e3:.1f} ms{spans}{resent}{target}")
 
 
 def growth(label: str, values: list[float], what: str) -> None:
@@ -562,6 +576,13 @@ def growth(label: str, values: list[float], what: str) -> None:
           f"(target < {TARGET_RSS_PCT:g} % over a 20-minute soak){halves}{kind}")
 
 
+def top_two_fields() -> dict:
+    """What the proxy adds to a llama-server completion to be sent the top two (its marker aside)."""
+    request = {"prompt": "", "max_tokens": 1}
+    plan = plan_request(COMPLETIONS, request, UpstreamProfile(engine="llama-server", llama_server=True))
+    return {key: value for key, value in plan.upstream_request.items() if key not in request}
+
+
 def run_server(name: str, args: argparse.Namespace, tmp: Path) -> None:
     if args.shadow is not None:
         print(f"\n{name}: shadowed/plain proxy ratios at --shadow {args.shadow:g} (plain / shadowed absolute "
@@ -575,11 +596,17 @@ def run_server(name: str, args: argparse.Namespace, tmp: Path) -> None:
         for arm in (untraced, traced):  # first calls: the model's first batch, the exporter thread
             client.block(arm, 2, 4, stream=False, settle_s=settle_s)
         before = {label: rss_mb(pid) for label, pid in traced.rss.items()}
+        # llama-server's top two cost the server itself: the direct server asked for them shows that share.
+        floor = (replace(untraced, body=top_two_fields(), completed=0)
+                 if name == "llama-server" and args.shadow is None else None)
         for concurrency in args.concurrency:
             for stream in (False, True):
                 report_cell(name, concurrency, stream, measure(client, untraced, traced, concurrency,
                                                                args.requests, stream, settle_s),
                             shadow=args.shadow is not None)
+                if floor is not None:
+                    report_cell(name, concurrency, stream,
+                                measure(client, untraced, floor, concurrency, args.requests, stream), floor=True)
         for label, pid in traced.rss.items():
             growth(label, [before[label], rss_mb(pid)], "the load above")
         if args.minutes:
