@@ -204,12 +204,13 @@ def main() -> None:
             c_wall, c_cpu = ceiling_round(rows, args.tokens, work / f"ceiling-{i}")
             ceiling.append(rows / c_wall)
             ceiling_cpu.append(rows / c_cpu)
-            inserts_per_ceiling.append(sum(insert_cpu.values()) / c_cpu)
+            inserts = sum(insert_cpu.values())
+            inserts_per_ceiling.append(inserts / c_cpu)
             for table, seconds in insert_cpu.items():
                 tables_per_ceiling.setdefault(table, []).append(seconds / c_cpu)
             shutil.rmtree(work / f"ceiling-{i}", ignore_errors=True)
             print(f"  round {i + 1}: ingest {wall:.2f} s wall / {cpu:.2f} s CPU, of which its inserts "
-                  f"{sum(insert_cpu.values()):.2f} s; ceiling {c_wall:.2f} s / {c_cpu:.2f} s CPU")
+                  f"{inserts:.2f} s; ceiling {c_wall:.2f} s / {c_cpu:.2f} s CPU")
         print(f"ingest into chDB, spool → kvtrace_tokens queryable: {spans} spans, {rows:,} token rows, "
               f"{size / 1e6:.1f} MB of spool ({size / rows:.0f} bytes/token)")
         print(f"  token rows/s by wall time  : {_best_median(rates, higher_is_better=True)}")

@@ -398,10 +398,11 @@ class Client:
         self.resends = itertools.count()
         self.resent = 0
 
-    def one(self, base: str, stream: bool, extra: dict) -> float:
+    def one(self, arm: Arm, stream: bool) -> float:
         n = next(self.numbers)
         body = {"model": MODEL_NAME, "prompt": f"{PREFIX} request {n}:", "max_tokens": self.tokens,
-                "temperature": 0.0, "stream": stream, **extra}
+                "temperature": 0.0, "stream": stream, **arm.body}
+        base = arm.base
         headers = {"baggage": f"kvtrace.run_id=server-load,kvtrace.episode_id=e{n},kvtrace.turn=0"}
         start = time.perf_counter()
         for attempt in range(3):  # llama-server closes a kept-alive connection now and then: send again
@@ -427,7 +428,7 @@ class Client:
         """``settle_s``: a wait after the requests, inside the CPU window (work they left behind counts)."""
         cpu, wall = cpu_seconds(arm.pids), time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
-            latencies = list(pool.map(lambda _: self.one(arm.base, stream, arm.body), range(count)))
+            latencies = list(pool.map(lambda _: self.one(arm, stream), range(count)))
         wall_s = time.perf_counter() - wall
         time.sleep(settle_s)
         arm.completed += len(latencies)
