@@ -24,6 +24,14 @@ def count(text: str) -> int:
     return value
 
 
+def whole_number(text: str) -> int:
+    """A whole number >= 0 (a bound where 0 means none at all)."""
+    value = _whole(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return value
+
+
 def seed(text: str) -> int:
     """A random seed: a whole number from 0 to 2**32 - 1 (what numpy and llama.cpp take)."""
     value = _whole(text)

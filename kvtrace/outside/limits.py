@@ -37,3 +37,5 @@ class ShadowBudget:
     """Twins upstream at once (with llama-server, also only while one of its slots is idle)."""
     tokens_per_minute: int = 20_000
     """Prompt plus generated tokens of the twins sent in a minute."""
+    vllm_busy: int = 0
+    """With vLLM, twins only while at most this many other requests are upstream through the proxy (0: idle)."""

@@ -126,11 +126,29 @@ class ProxyApp:
         self.profiles = UpstreamProfiles(self.upstream)
         self._hasher: Optional[TextHasher] = None
         self.background = Background(RECORDS_IN_FLIGHT)
-        self.shadows = Shadows(shadow, self.upstream, self.handle, self.count) if shadow else None
+        self._upstream_records: set[int] = set()
+        """``id`` of each traced request's record while the request is upstream (twins included)."""
+        self.shadows = Shadows(shadow, self.upstream, self.handle, self.count, self.others_upstream) \
+            if shadow else None
 
     def handle(self, request: Request, responder: Responder) -> None:
         endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
         traced = self._begin(request, endpoint) if endpoint else None
+        if traced is None:
+            self._forward(request, responder, None)
+            return
+        key = id(traced.record)
+        self._upstream_records.add(key)
+        try:
+            self._forward(request, responder, traced)
+        finally:
+            self._upstream_records.discard(key)
+
+    def others_upstream(self, record: RequestRecord) -> int:
+        """Traced requests upstream now, ``record``'s own left out (one C call: no thread changes the set in it)."""
+        return len(self._upstream_records - {id(record)})
+
+    def _forward(self, request: Request, responder: Responder, traced: Optional[Traced]) -> None:
         upstream_body = request.body
         if traced is not None and traced.plan.injected:
             upstream_body = json.dumps(traced.plan.upstream_request, ensure_ascii=False).encode("utf-8")

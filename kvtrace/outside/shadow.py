@@ -7,10 +7,10 @@ bypass, recorded as a request of arm ``shadow``, a child of the original's span,
 prompt hash. The twin and its answer never reach a client. docs/proxy.md ("Shadow twins") says
 what twins cost and how to size the rate.
 
-The budget keeps twins off the critical path: at most ``in_flight`` at once, only while llama-server
-has an idle slot (its ``/slots``; other servers: the in-flight bound alone), and at most
-``tokens_per_minute`` prompt plus generated tokens. A twin the budget has no room for is dropped
-and counted, never queued.
+The budget keeps twins off the critical path: at most ``in_flight`` at once, only while the server
+has room (llama-server: an idle slot, its ``/slots``; vLLM: at most ``vllm_busy`` other requests
+upstream through this proxy), and at most ``tokens_per_minute`` prompt plus generated tokens. A
+twin the budget has no room for is dropped and counted, never queued.
 """
 
 from __future__ import annotations
@@ -95,11 +95,13 @@ class Shadows:
     """Decides, sends and counts twins; ``send(request, responder)`` is the proxy's own request handler."""
 
     def __init__(self, budget: ShadowBudget, upstream: Upstream, send: Callable[[Request, Any], None],
-                 count: Callable[[str], None], rng: Optional[random.Random] = None):
+                 count: Callable[[str], None], others_upstream: Callable[[RequestRecord], int],
+                 rng: Optional[random.Random] = None):
         self.budget = budget
         self._upstream = upstream
         self._send = send
         self._count = count
+        self._others_upstream = others_upstream
         self._rng = rng or random.Random()
         self._in_flight = Background(budget.in_flight, name="kvtrace-shadow")
         self._lock = threading.Lock()
@@ -131,7 +133,7 @@ class Shadows:
 
     def _run(self, twin: dict[str, Any], target: str, profile: UpstreamProfile, record: RequestRecord) -> None:
         try:
-            if profile.llama_server and not self._idle_slot():
+            if not self._room_upstream(profile, record):
                 self._count(SHADOW_TWINS_DROPPED)
                 return
             twin["stream"] = False
@@ -145,16 +147,21 @@ class Shadows:
         except Exception:
             log.warning("kvtrace proxy: a shadow twin failed", exc_info=True)
 
-    def _idle_slot(self) -> bool:
-        """Whether llama-server has a slot processing nothing (its ``/slots``). Started without the endpoint
-        (``--no-slots``): assumed so, the in-flight bound alone holds twins back; not reachable: no."""
+    def _room_upstream(self, profile: UpstreamProfile, record: RequestRecord) -> bool:
+        """Whether the server has room for a twin. llama-server: a slot processing nothing (its ``/slots``;
+        started without it, ``--no-slots``: assumed so; not reachable: no). vLLM: at most ``vllm_busy``
+        other requests upstream through this proxy (on a CPU each sequence in its batch costs compute,
+        so batch room is not spare room; its ``/metrics`` costs it tens of ms of CPU a call)."""
+        if profile.engine == "vllm":
+            return self._others_upstream(record) <= self.budget.vllm_busy
+        if not profile.llama_server:
+            return True
         try:
             answer = self._upstream.request("GET", "/slots", [], b"", timeout=5.0)
             body = answer.read()
             if answer.status != 200:
                 return True
-            slots = json.loads(body)
-            return any(isinstance(s, dict) and not s.get("is_processing") for s in slots)
+            return any(isinstance(s, dict) and not s.get("is_processing") for s in json.loads(body))
         except (UpstreamUnreachable, UpstreamBrokeOff, ValueError, TypeError):
             return False
 
