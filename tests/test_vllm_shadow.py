@@ -77,7 +77,7 @@ def streamed_usage(raw: bytes) -> dict:
 
 
 def twins_decided_while_busy(base: str, prompt: str, recorder, attempts: int = 3) -> tuple[list[bool], int]:
-    """Hits streamed through a shadowing proxy (``vllm_busy`` 0), each joined while it runs by a long answer
+    """Hits streamed through a shadowing proxy (``busy`` 0), each joined while it runs by a long answer
     through the same proxy. An attempt counts when the long answer was still on its way as the budget
     decided on the hit's twin (one that had ended first proves nothing, so another is made). Returns,
     for the attempts that count, whether the twin was dropped; and the twins all of them sent."""

@@ -34,16 +34,15 @@ def add_arguments(p) -> None:
                              "server's cache bypass (llama-server, vLLM) and record the answer as its cold twin, "
                              "arm 'shadow' (e.g. 0.01; default: none)")
     shadow.add_argument("--shadow-in-flight", type=count, default=ShadowBudget.in_flight, metavar="N",
-                        help=f"twins upstream at once (default {ShadowBudget.in_flight}), and only while the server "
-                             "has room (llama-server: an idle slot; vLLM: --shadow-vllm-busy). A twin beyond the "
-                             "budget is dropped and counted")
+                        help=f"twins upstream at once (default {ShadowBudget.in_flight}). A twin beyond the budget "
+                             "is dropped and counted")
     shadow.add_argument("--shadow-tokens-per-minute", type=count, default=ShadowBudget.tokens_per_minute,
                         metavar="N", help=f"prompt plus generated tokens of twins per minute "
                                           f"(default {ShadowBudget.tokens_per_minute})")
-    shadow.add_argument("--shadow-vllm-busy", type=whole_number, default=ShadowBudget.vllm_busy, metavar="N",
-                        help="with vLLM, twins only while at most N other requests are upstream through this "
-                             f"proxy (default {ShadowBudget.vllm_busy}: only while it is idle). On a GPU, where "
-                             "a batch has spare room, raise it")
+    shadow.add_argument("--shadow-busy", type=whole_number, default=ShadowBudget.busy, metavar="N",
+                        help="twins only while at most N other requests are upstream through this proxy "
+                             f"(default {ShadowBudget.busy}: only while it is idle; with llama-server also only "
+                             "while one of its slots is idle). On a GPU, where a batch has spare room, raise it")
     limits = p.add_argument_group("limits per client (docs/proxy-limits.md; each refusal is counted)")
     limits.add_argument("--max-header-bytes", type=count, default=DEFAULTS.max_header_bytes, metavar="N",
                         help=f"a request's line and headers (default {DEFAULTS.max_header_bytes}; over it: 431)")
@@ -82,7 +81,7 @@ def run(args) -> int:
                         max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
                         request_timeout_s=args.request_timeout)
         shadow = ShadowBudget(args.shadow, args.shadow_in_flight, args.shadow_tokens_per_minute,
-                              args.shadow_vllm_busy) if args.shadow else None
+                              args.shadow_busy) if args.shadow else None
         serve(args.upstream, host, port, llama_server_log=args.llama_server_log, on_listening=listening,
               limits=limits, shadow=shadow)
     except OSError as exc:  # the address is taken or not this machine's

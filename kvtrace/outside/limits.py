@@ -34,8 +34,8 @@ class ShadowBudget:
     rate: float
     """The share of cache-hit requests that get a twin (0 < rate <= 1)."""
     in_flight: int = 1
-    """Twins upstream at once (with llama-server, also only while one of its slots is idle)."""
+    """Twins upstream at once."""
     tokens_per_minute: int = 20_000
     """Prompt plus generated tokens of the twins sent in a minute."""
-    vllm_busy: int = 0
-    """With vLLM, twins only while at most this many other requests are upstream through the proxy (0: idle)."""
+    busy: int = 0
+    """Twins only while at most this many other requests are upstream through the proxy (0: while it is idle)."""

@@ -7,10 +7,10 @@ bypass, recorded as a request of arm ``shadow``, a child of the original's span,
 prompt hash. The twin and its answer never reach a client. docs/proxy.md ("Shadow twins") says
 what twins cost and how to size the rate.
 
-The budget keeps twins off the critical path: at most ``in_flight`` at once, only while the server
-has room (llama-server: an idle slot, its ``/slots``; vLLM: at most ``vllm_busy`` other requests
-upstream through this proxy), and at most ``tokens_per_minute`` prompt plus generated tokens. A
-twin the budget has no room for is dropped and counted, never queued.
+The budget keeps twins off the critical path: at most ``in_flight`` at once, only while at most
+``busy`` other requests are upstream through this proxy (and llama-server has an idle slot, its
+``/slots``), and at most ``tokens_per_minute`` prompt plus generated tokens. A twin the budget has
+no room for is dropped and counted, never queued.
 """
 
 from __future__ import annotations
@@ -126,15 +126,19 @@ class Shadows:
         if not affordable:
             self._count(SHADOW_TWINS_DROPPED)
             return
-        if not self._in_flight.try_run(lambda: self._run({**request, **bypass}, target, profile, record)):
-            with self._lock:
-                self._tokens.refund(cost)
-            self._count(SHADOW_TWINS_DROPPED)
+        if not self._in_flight.try_run(lambda: self._run({**request, **bypass}, target, profile, record, cost)):
+            self._drop(cost)
 
-    def _run(self, twin: dict[str, Any], target: str, profile: UpstreamProfile, record: RequestRecord) -> None:
+    def _drop(self, cost: int) -> None:
+        with self._lock:
+            self._tokens.refund(cost)  # a twin never sent spends none of the minute's tokens
+        self._count(SHADOW_TWINS_DROPPED)
+
+    def _run(self, twin: dict[str, Any], target: str, profile: UpstreamProfile, record: RequestRecord,
+             cost: int) -> None:
         try:
             if not self._room_upstream(profile, record):
-                self._count(SHADOW_TWINS_DROPPED)
+                self._drop(cost)
                 return
             twin["stream"] = False
             twin.pop("stream_options", None)
@@ -148,12 +152,12 @@ class Shadows:
             log.warning("kvtrace proxy: a shadow twin failed", exc_info=True)
 
     def _room_upstream(self, profile: UpstreamProfile, record: RequestRecord) -> bool:
-        """Whether the server has room for a twin. llama-server: a slot processing nothing (its ``/slots``;
-        started without it, ``--no-slots``: assumed so; not reachable: no). vLLM: at most ``vllm_busy``
-        other requests upstream through this proxy (on a CPU each sequence in its batch costs compute,
-        so batch room is not spare room; its ``/metrics`` costs it tens of ms of CPU a call)."""
-        if profile.engine == "vllm":
-            return self._others_upstream(record) <= self.budget.vllm_busy
+        """Whether the server has room for a twin: at most ``busy`` other requests upstream through this
+        proxy (on a CPU every sequence a server runs costs its compute, so a free slot in its batch is
+        not spare room), and on llama-server a slot processing nothing, whoever sent the others (its
+        ``/slots``; started without it, ``--no-slots``: assumed so; not reachable: no)."""
+        if self._others_upstream(record) > self.budget.busy:
+            return False
         if not profile.llama_server:
             return True
         try:
