@@ -141,7 +141,8 @@ def prompts_of(answers: list[bytes]) -> list[str]:
 
 def test_a_full_budget_drops_twins_and_counts_them_while_every_client_is_served(tiny_gguf, tmp_path,
                                                                               memory_recorder, finished_requests):
-    # Room for about one twin a minute, whatever else is upstream (busy): the tokens and in-flight bounds.
+    # The minute's tokens have room for about one twin; ``busy`` lets twins go beside clients' requests,
+    # so what drops them here is the tokens and the in-flight bound.
     budget = ShadowBudget(1.0, in_flight=1, tokens_per_minute=60, busy=12)
     with running_llama_server(tiny_gguf, log_path=tmp_path / "server.log", slots=2) as server:
         with proxy_in_thread(server, memory_recorder, shadow=budget) as proxy:

@@ -8,7 +8,6 @@ see what they would see without the proxy's twins.
 
 from __future__ import annotations
 
-import json
 import secrets
 import threading
 import time
@@ -70,52 +69,44 @@ def margins(choice: dict) -> tuple[list[str], list[float]]:
     return choice["logprobs"]["tokens"], [a - b for a, b, *_ in tops]
 
 
-def streamed_usage(raw: bytes) -> dict:
-    """The usage a streamed answer's last chunk carries (``stream_options.include_usage``)."""
-    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith(b"data: {")]
-    return [event["usage"] for event in events if event.get("usage")][-1]
-
-
-def twins_decided_while_busy(base: str, prompt: str, recorder, attempts: int = 3) -> tuple[list[bool], int]:
-    """Hits streamed through a shadowing proxy (``busy`` 0), each joined while it runs by a long answer
-    through the same proxy. An attempt counts when the long answer was still on its way as the budget
-    decided on the hit's twin (one that had ended first proves nothing, so another is made). Returns,
-    for the attempts that count, whether the twin was dropped; and the twins all of them sent."""
-    counters, baggage = recorder.pipeline.counters, {"baggage": "kvtrace.run_id=busy"}
-    dropped, sent = [], 0
-    with proxy_in_thread(base, recorder, shadow=ShadowBudget(1.0)) as proxy, ThreadPoolExecutor(2) as pool, \
-            httpx.Client(base_url=proxy, timeout=120, headers=baggage) as client:
-        for _ in range(attempts):
-            before, streaming = counters.snapshot(), threading.Event()
-
-            def hit() -> bytes:
-                # ignore_eos: a few hundred ms, for the long answer to be on its way before it ends.
+def twins_decided_while_busy(base: str, prompt: str, recorder, hits: int = 3) -> tuple[int, int]:
+    """Hits sent one by one through a shadowing proxy (``busy`` 0) while three clients keep long answers
+    of different lengths on their way through it, each sending its next as the last ends (so their gaps
+    seldom meet). Returns the twins of the hits the budget sent and dropped."""
+    counters, stop = recorder.pipeline.counters, threading.Event()
+    with proxy_in_thread(base, recorder, shadow=ShadowBudget(1.0)) as proxy, ThreadPoolExecutor(3) as pool, \
+            httpx.Client(base_url=proxy, timeout=120, headers={"baggage": "kvtrace.run_id=busy"}) as client:
+        def keep_busy(prompt: str, tokens: int, started: threading.Event) -> None:
+            while not stop.is_set():
                 with client.stream("POST", "/v1/completions", json={
-                        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 96, "temperature": 0,
+                        "model": MODEL_NAME, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as answer:
-                    chunks = []
-                    for chunk in answer.iter_bytes():
-                        streaming.set()
-                        chunks.append(chunk)
-                return b"".join(chunks)
+                    for _ in answer.iter_bytes():
+                        started.set()
+                    assert answer.status_code == 200
 
-            hit_answer = pool.submit(hit)
-            assert streaming.wait(WAIT_S), "the hit did not start"
-            long = pool.submit(client.post, "/v1/completions", json={
-                "model": MODEL_NAME, "prompt": "a", "max_tokens": 240, "temperature": 0, "ignore_eos": True})
-            assert streamed_usage(hit_answer.result())["prompt_tokens_details"]["cached_tokens"] > 0
+        try:
+            loops = []
+            # Misses that say so (their usage): no twin of their own.
+            for loop_prompt, tokens in (("a", 240), ("b", 170), ("c", 110)):
+                started = threading.Event()
+                loops.append(pool.submit(keep_busy, loop_prompt, tokens, started))
+                assert started.wait(WAIT_S), "a long answer did not start"
+            before = counters.snapshot()
+            for _ in range(hits):
+                assert cached(client.post("/v1/completions", json={
+                    "model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0}).content) > 0
             deadline = time.monotonic() + WAIT_S
-            while (now := counters.snapshot())[SHADOW_TWINS_SENT] + now[SHADOW_TWINS_DROPPED] == \
-                    before[SHADOW_TWINS_SENT] + before[SHADOW_TWINS_DROPPED]:
-                assert time.monotonic() < deadline, "the proxy did not decide on the hit's twin"
+            while (now := counters.snapshot())[SHADOW_TWINS_SENT] + now[SHADOW_TWINS_DROPPED] < \
+                    before[SHADOW_TWINS_SENT] + before[SHADOW_TWINS_DROPPED] + hits:
+                assert time.monotonic() < deadline, "the proxy did not decide on the hits' twins"
                 time.sleep(0.01)
-            busy = not long.done()
-            assert long.result().status_code == 200
-            sent += now[SHADOW_TWINS_SENT] - before[SHADOW_TWINS_SENT]
-            if busy:
-                dropped.append(now[SHADOW_TWINS_DROPPED] > before[SHADOW_TWINS_DROPPED])
-                break
-    return dropped, sent
+            assert all(not loop.done() for loop in loops)  # still busy as the last was decided
+        finally:
+            stop.set()
+        for loop in loops:
+            loop.result()
+    return now[SHADOW_TWINS_SENT] - before[SHADOW_TWINS_SENT], now[SHADOW_TWINS_DROPPED] - before[SHADOW_TWINS_DROPPED]
 
 
 @pytest.mark.slow
@@ -141,14 +132,14 @@ def test_vllm_hits_are_paired_with_salted_cold_twins_and_clients_see_no_differen
         cold = [httpx.post(base + "/v1/completions", timeout=120, json={
             "model": MODEL_NAME, "prompt": prompts[n], "max_tokens": 8, "temperature": 0, "logprobs": 2,
             "cache_salt": secrets.token_hex(16)}).json()["choices"][0] for n in hit_turns]
-        dropped_while_busy, sent_while_busy = twins_decided_while_busy(base, prompts[1], spool_recorder)
+        twins_so_far = spool_recorder.pipeline.counters.snapshot()
+        sent_while_busy, dropped_while_busy = twins_decided_while_busy(base, prompts[1], spool_recorder)
         stop()
     assert hit_turns == [1, 2], log_path.read_text(errors="replace")[-3000:]  # each follow-up reuses blocks
-    # The conversation's hits were answered on an idle server (twins sent); a hit decided on while
-    # another request was upstream had its twin dropped.
-    assert dropped_while_busy == [True]
-    counters = spool_recorder.pipeline.counters.snapshot()
-    assert (counters[SHADOW_TWINS_SENT], counters[SHADOW_TWINS_DROPPED] >= 1) == (2 + sent_while_busy, True)
+    # The conversation's hits were answered with nothing else upstream (twins sent); a hit decided on
+    # while another request was upstream had its twin dropped.
+    assert (twins_so_far[SHADOW_TWINS_SENT], twins_so_far[SHADOW_TWINS_DROPPED]) == (2, 0)
+    assert (sent_while_busy, dropped_while_busy) == (0, 3)
     assert [same_bytes(raw) for raw in shadowed] == [same_bytes(raw) for raw in plain]
 
     store(spool_recorder, spool_dir, db)
