@@ -402,18 +402,18 @@ class Client:
         n = next(self.numbers)
         body = {"model": MODEL_NAME, "prompt": f"{PREFIX} request {n}:", "max_tokens": self.tokens,
                 "temperature": 0.0, "stream": stream, **arm.body}
-        base = arm.base
+        url = arm.base + "/v1/completions"
         headers = {"baggage": f"kvtrace.run_id=server-load,kvtrace.episode_id=e{n},kvtrace.turn=0"}
         start = time.perf_counter()
         for attempt in range(3):  # llama-server closes a kept-alive connection now and then: send again
             try:
                 if stream:
-                    with self.http.stream("POST", base + "/v1/completions", json=body, headers=headers) as answer:
+                    with self.http.stream("POST", url, json=body, headers=headers) as answer:
                         answer.raise_for_status()
                         for _ in answer.iter_lines():
                             pass
                 else:
-                    self.http.post(base + "/v1/completions", json=body, headers=headers).raise_for_status()
+                    self.http.post(url, json=body, headers=headers).raise_for_status()
                 return time.perf_counter() - start
             except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
                 # a kept-alive connection the server closed, seen as a protocol error or, when the pool

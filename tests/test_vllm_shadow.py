@@ -76,10 +76,10 @@ def twins_decided_while_busy(base: str, prompt: str, recorder, hits: int = 3) ->
     counters, stop = recorder.pipeline.counters, threading.Event()
     with proxy_in_thread(base, recorder, shadow=ShadowBudget(1.0)) as proxy, ThreadPoolExecutor(3) as pool, \
             httpx.Client(base_url=proxy, timeout=120, headers={"baggage": "kvtrace.run_id=busy"}) as client:
-        def keep_busy(prompt: str, tokens: int, started: threading.Event) -> None:
+        def keep_busy(long_prompt: str, tokens: int, started: threading.Event) -> None:
             while not stop.is_set():
                 with client.stream("POST", "/v1/completions", json={
-                        "model": MODEL_NAME, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                        "model": MODEL_NAME, "prompt": long_prompt, "max_tokens": tokens, "temperature": 0,
                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as answer:
                     for _ in answer.iter_bytes():
                         started.set()
@@ -88,9 +88,9 @@ def twins_decided_while_busy(base: str, prompt: str, recorder, hits: int = 3) ->
         try:
             loops = []
             # Misses that say so (their usage): no twin of their own.
-            for loop_prompt, tokens in (("a", 240), ("b", 170), ("c", 110)):
+            for long_prompt, tokens in (("a", 240), ("b", 170), ("c", 110)):
                 started = threading.Event()
-                loops.append(pool.submit(keep_busy, loop_prompt, tokens, started))
+                loops.append(pool.submit(keep_busy, long_prompt, tokens, started))
                 assert started.wait(WAIT_S), "a long answer did not start"
             before = counters.snapshot()
             for _ in range(hits):

@@ -127,15 +127,16 @@ class ProxyApp:
         self._hasher: Optional[TextHasher] = None
         self.background = Background(RECORDS_IN_FLIGHT)
         self._upstream_records: set[int] = set()
-        """``id`` of each traced request's record while the request is upstream (twins included)."""
+        """``id`` of each traced request's record while the request is upstream (twins included), kept
+        only for the shadow budget."""
         self.shadows = Shadows(shadow, self.upstream, self.handle, self.count, self.others_upstream) \
             if shadow else None
 
     def handle(self, request: Request, responder: Responder) -> None:
         endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
         traced = self._begin(request, endpoint) if endpoint else None
-        if traced is None:
-            self._forward(request, responder, None)
+        if traced is None or self.shadows is None:
+            self._forward(request, responder, traced)
             return
         key = id(traced.record)
         self._upstream_records.add(key)
