@@ -18,7 +18,7 @@ import pytest
 from integrity_readback import store
 from kvtrace import queries, semconv as sc
 from kvtrace.outside.limits import ShadowBudget
-from kvtrace.recording.stats import SHADOW_TWINS_DROPPED, SHADOW_TWINS_SENT
+from kvtrace.recording.stats import SHADOW_TWINS_DROPPED, SHADOW_TWINS_SENT, SHADOW_TWINS_STATE_LEFT
 from llama_server_process import free_port, proxy_process, running_llama_server, same_bytes
 from readme_commands import readme_command
 
@@ -74,12 +74,16 @@ def matched_shift(hit: list[dict], cold: list[dict]) -> list[float]:
 
 def test_a_shadowed_clients_answers_are_unchanged_and_each_hit_is_paired_with_its_cold_twin(
         tiny_gguf, tmp_path, spool_recorder, spool_dir, db):
-    with running_llama_server(tiny_gguf, log_path=tmp_path / "a.log", slots=2) as shadowed_server, \
-            running_llama_server(tiny_gguf, log_path=tmp_path / "b.log", slots=2) as plain_server:
-        with proxy_in_thread(shadowed_server, spool_recorder, shadow=ShadowBudget(1.0)) as proxy:
+    # The log tells the proxy each original's slot, and slot files let it put that slot back after the twin.
+    kept = ("-lv", "4", "--slot-save-path", str(tmp_path / "slots"))
+    (tmp_path / "slots").mkdir()
+    with running_llama_server(tiny_gguf, *kept, log_path=tmp_path / "a.log", slots=2) as shadowed_server, \
+            running_llama_server(tiny_gguf, *kept, log_path=tmp_path / "b.log", slots=2) as plain_server:
+        with proxy_in_thread(shadowed_server, spool_recorder, llama_server_log=tmp_path / "a.log",
+                             shadow=ShadowBudget(1.0)) as proxy:
             shadowed = {logprobs: conversation(proxy, spool_recorder, f"shadowed-{logprobs}", logprobs, twins=True)
                         for logprobs in (False, True)}
-        with proxy_in_thread(plain_server, spool_recorder) as proxy:
+        with proxy_in_thread(plain_server, spool_recorder, llama_server_log=tmp_path / "b.log") as proxy:
             plain = {logprobs: conversation(proxy, spool_recorder, f"plain-{logprobs}", logprobs, twins=False)
                      for logprobs in (False, True)}
         # The hits' cold answers, asked of the server that sent no twins, independently of kvtrace.
@@ -96,6 +100,7 @@ def test_a_shadowed_clients_answers_are_unchanged_and_each_hit_is_paired_with_it
     # Clients: the same bytes with and without twins (ids and clocks aside), with and without logprobs.
     for logprobs in (False, True):
         assert [same_bytes(raw) for raw in shadowed[logprobs]] == [same_bytes(raw) for raw in plain[logprobs]]
+    assert counters[SHADOW_TWINS_STATE_LEFT] == 0  # because every twin's slot was put back
 
     store(spool_recorder, spool_dir, db)
     rows = db.query(
@@ -193,3 +198,22 @@ def test_the_readme_command_sends_twins_that_kvtrace_runs_counts(tiny_gguf, tmp_
     (rate,) = [dict(zip(columns, row)) for row in rows]
     forked = answer.json()["choices"][0]["text"] != cold
     assert (rate["compared_with"], rate["episodes_compared"], rate["episodes_forked"]) == (sc.ARM_SHADOW, 1, forked)
+
+
+def test_without_slot_files_a_twins_state_is_counted_and_the_next_hit_names_the_twin_as_its_source(
+        tiny_gguf, tmp_path, memory_recorder, finished_requests):
+    # The server keeps no slot files: each twin's recompute stays in the slot the conversation goes on in.
+    with running_llama_server(tiny_gguf, "-lv", "4", log_path=tmp_path / "server.log", slots=2) as server:
+        with proxy_in_thread(server, memory_recorder, llama_server_log=tmp_path / "server.log",
+                             shadow=ShadowBudget(1.0)) as proxy:
+            conversation(proxy, memory_recorder, "left", logprobs=True, twins=True)
+    counters = memory_recorder.pipeline.counters.snapshot()
+    assert counters[SHADOW_TWINS_SENT] >= 2 and counters[SHADOW_TWINS_STATE_LEFT] == counters[SHADOW_TWINS_SENT]
+
+    spans = [(attributes, f"{span.context.span_id:016x}") for attributes, _, span in finished_requests(memory_recorder)]
+    twins = {attributes[sc.TURN]: span_id for attributes, span_id in spans if attributes.get(sc.ARM) == sc.ARM_SHADOW}
+    later_hits = [attributes for attributes, _ in spans
+                  if attributes.get(sc.ARM) != sc.ARM_SHADOW and attributes[sc.TURN] - 1 in twins]
+    assert len(later_hits) == len(twins) - (max(twins) == 2)  # the last turn's twin has no turn after it
+    for hit in later_hits:  # the state a hit reused was written by the twin of the turn before, and says so
+        assert hit[sc.CACHE_REUSED_TOKENS] > 0 and hit[sc.CACHE_SOURCE_SPAN_ID] == twins[hit[sc.TURN] - 1]

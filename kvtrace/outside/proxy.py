@@ -129,8 +129,10 @@ class ProxyApp:
         self._upstream_records: set[int] = set()
         """``id`` of each traced request's record while the request is upstream (twins included), kept
         only for the shadow budget."""
-        self.shadows = Shadows(shadow, self.upstream, self.handle, self.count, self.others_upstream) \
-            if shadow else None
+        self._sent_upstream = 0
+        self._sent_lock = threading.Lock()
+        self.shadows = Shadows(shadow, self.upstream, self.handle, self.count, self.others_upstream,
+                               self.sent_upstream) if shadow else None
 
     def handle(self, request: Request, responder: Responder) -> None:
         endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
@@ -139,11 +141,18 @@ class ProxyApp:
             self._forward(request, responder, traced)
             return
         key = id(traced.record)
+        with self._sent_lock:
+            self._sent_upstream += 1
         self._upstream_records.add(key)
         try:
             self._forward(request, responder, traced)
         finally:
             self._upstream_records.discard(key)
+
+    def sent_upstream(self) -> int:
+        """Traced requests sent upstream so far (twins included), counted only for the shadow budget."""
+        with self._sent_lock:
+            return self._sent_upstream
 
     def others_upstream(self, record: RequestRecord) -> int:
         """Traced requests upstream now, ``record``'s own left out (one C call: no thread changes the set in it)."""

@@ -30,9 +30,11 @@ from kvtrace.outside.http1 import Request
 from kvtrace.outside.limits import ShadowBudget
 from kvtrace.outside.margin_request import UpstreamProfile
 from kvtrace.outside.recorder import trace_headers
+from kvtrace.outside.shadow_slots import SlotKeeper
 from kvtrace.outside.upstream import Upstream, UpstreamBrokeOff, UpstreamUnreachable
 from kvtrace.recording.records import RequestRecord
-from kvtrace.recording.stats import SHADOW_TWINS_DROPPED, SHADOW_TWINS_SENT, SHADOW_TWINS_UNSUPPORTED
+from kvtrace.recording.stats import (SHADOW_TWINS_DROPPED, SHADOW_TWINS_SENT, SHADOW_TWINS_STATE_LEFT,
+                                     SHADOW_TWINS_UNSUPPORTED)
 
 log = logging.getLogger("kvtrace.proxy")
 
@@ -96,7 +98,7 @@ class Shadows:
 
     def __init__(self, budget: ShadowBudget, upstream: Upstream, send: Callable[[Request, Any], None],
                  count: Callable[[str], None], others_upstream: Callable[[RequestRecord], int],
-                 rng: Optional[random.Random] = None):
+                 sent_upstream: Callable[[], int], rng: Optional[random.Random] = None):
         self.budget = budget
         self._upstream = upstream
         self._send = send
@@ -107,6 +109,7 @@ class Shadows:
         self._lock = threading.Lock()
         self._tokens = _TokenBucket(budget.tokens_per_minute)
         self._warned_unsupported = False
+        self._slots = SlotKeeper(upstream, sent_upstream)
 
     def offer(self, request: dict[str, Any], target: str, profile: UpstreamProfile, record: RequestRecord) -> None:
         """After the original's record is made: send its twin if it is sampled and the budget has room."""
@@ -142,12 +145,19 @@ class Shadows:
                 return
             twin["stream"] = False
             twin.pop("stream_options", None)
+            saved = self._slots.save(profile, record)
+            if saved is not None:
+                twin["id_slot"] = saved.slot
             headers = trace_headers(record, arm=sc.ARM_SHADOW)
             shadow = Request("POST", target, target.split("?", 1)[0], [(b"content-type", b"application/json")] + [
                 (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()],
                 json.dumps(twin, ensure_ascii=False).encode("utf-8"))
             self._count(SHADOW_TWINS_SENT)
-            self._send(shadow, _Discarded())
+            try:
+                self._send(shadow, _Discarded())
+            finally:
+                if profile.llama_server and not self._slots.restore(saved):
+                    self._count(SHADOW_TWINS_STATE_LEFT)
         except Exception:
             log.warning("kvtrace proxy: a shadow twin failed", exc_info=True)
 

@@ -69,10 +69,11 @@ COUNTERS = (
     "shadow_twins_sent",          # sent upstream
     "shadow_twins_dropped",       # sampled, but the budget had no room (in flight, tokens per minute, no idle slot)
     "shadow_twins_unsupported",   # sampled, but the upstream has no cache bypass
+    "shadow_twins_state_left",    # sent, but its state stayed in llama-server's slot (shadow_slots.py)
 )
 (PROXY_BAD_REQUESTS, PROXY_CLIENT_TIMEOUTS, PROXY_REFUSED_BODY, PROXY_REFUSED_HEADERS, PROXY_REFUSED_BUSY,
- PROXY_ACCEPT_ERRORS) = COUNTERS[-9:-3]
-SHADOW_TWINS_SENT, SHADOW_TWINS_DROPPED, SHADOW_TWINS_UNSUPPORTED = COUNTERS[-3:]
+ PROXY_ACCEPT_ERRORS) = COUNTERS[-10:-4]
+SHADOW_TWINS_SENT, SHADOW_TWINS_DROPPED, SHADOW_TWINS_UNSUPPORTED, SHADOW_TWINS_STATE_LEFT = COUNTERS[-4:]
 LOST_COUNTERS = ("spans_dropped_queue_full", "spans_failed_export", "spans_dropped_at_shutdown")
 
 SLOT_BYTES = 2048
