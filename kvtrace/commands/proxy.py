@@ -32,7 +32,8 @@ def add_arguments(p) -> None:
     shadow.add_argument("--shadow", type=share, default=None, metavar="RATE",
                         help="after a cache-hit request is answered, send this share of them again with the "
                              "server's cache bypass (llama-server, vLLM) and record the answer as its cold twin, "
-                             "arm 'shadow' (e.g. 0.01; default: none)")
+                             "arm 'shadow' (e.g. 0.01; default: none). On llama-server, start it with "
+                             "--slot-save-path and give --llama-server-log, so each twin's slot is put back")
     shadow.add_argument("--shadow-in-flight", type=count, default=ShadowBudget.in_flight, metavar="N",
                         help=f"twins upstream at once (default {ShadowBudget.in_flight}). A twin beyond the budget "
                              "is dropped and counted")
