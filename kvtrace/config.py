@@ -26,7 +26,6 @@ from urllib.parse import urlparse
 from kvtrace import semconv
 from kvtrace.credentials import read_secret_file
 from kvtrace.errors import BadEndpoint, BadSetting, UnwritableDirectory
-from kvtrace.recording.records import TURN_MAX, TURN_MIN
 from kvtrace.safe_files import create_private
 
 EXPORTERS = ("spool", "otlp", "clickhouse", "none")
@@ -236,7 +235,7 @@ class Settings:
                                           minimum=1, unit="milliseconds"),
             run_id=environ.get("KVTRACE_RUN_ID", ""),
             episode_id=environ.get("KVTRACE_EPISODE_ID", ""),
-            turn=env.integer("KVTRACE_TURN", -1, minimum=TURN_MIN, maximum=TURN_MAX),
+            turn=env.integer("KVTRACE_TURN", -1, minimum=semconv.TURN_MIN, maximum=semconv.TURN_MAX),
             arm=environ.get("KVTRACE_ARM", ""),
             connect_timeout_s=env.milliseconds(("KVTRACE_CONNECT_TIMEOUT",), 250),
             export_timeout_s=export_timeout_s,

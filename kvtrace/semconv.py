@@ -23,6 +23,8 @@ and its per-token arrays are in kvtrace's tables, written there by ingest, so th
 RUN_ID = "kvtrace.run_id"
 EPISODE_ID = "kvtrace.episode_id"
 TURN = "kvtrace.turn"
+TURN_MIN, TURN_MAX = -(2**31), 2**31 - 1
+"""A turn's range: Int32 in the typed tables."""
 REQUEST_ID = "kvtrace.request_id"
 
 # --- configuration ------------------------------------------------------------

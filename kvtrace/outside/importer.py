@@ -32,7 +32,6 @@ from typing import Any, Iterable, Optional
 from kvtrace import semconv as sc
 from kvtrace.outside.openai_exchange import ExchangeError, parse_exchange
 from kvtrace.outside.recorder import OutsideRecorder
-from kvtrace.recording.records import TURN_MAX
 from kvtrace.timestamps import ImplausibleTime, check_unix_nanos, epoch_number_to_nanos
 
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
@@ -110,8 +109,8 @@ def import_line(recorder: OutsideRecorder, line: str, path: Path, number: int, o
     index = entry.get("request_index")
     if episode is None or str(episode) == "":
         raise LineError("missing episode_id")
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index <= TURN_MAX:
-        raise LineError(f"request_index must be a whole number from 0 to {TURN_MAX}, got {index!r:.40}")
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index <= sc.TURN_MAX:
+        raise LineError(f"request_index must be a whole number from 0 to {sc.TURN_MAX}, got {index!r:.40}")
     for key in ("request", "response"):
         if not isinstance(entry.get(key), dict):
             raise LineError(f"missing `{key}` object")

@@ -42,7 +42,7 @@ from kvtrace.errors import KvtraceError
 from kvtrace.recording.capture import CapturePolicy
 from kvtrace.recording.exporters import build_exporter
 from kvtrace.recording.pipeline import Deferred, SpanPipeline
-from kvtrace.recording.records import TURN_MAX, TURN_MIN, CacheEvent, Correlation, RequestRecord, StateOrigin
+from kvtrace.recording.records import CacheEvent, Correlation, RequestRecord, StateOrigin
 from kvtrace.recording.stats import StatsFile
 
 log = logging.getLogger("kvtrace")
@@ -99,7 +99,7 @@ class Recorder:
                 parsed = int(turn_raw)
             except (TypeError, ValueError):
                 parsed = None
-            if parsed is not None and TURN_MIN <= parsed <= TURN_MAX:
+            if parsed is not None and sc.TURN_MIN <= parsed <= sc.TURN_MAX:
                 turn = parsed
             else:  # a caller's turn that is no Int32 is left out (the configured one stands), and counted
                 self.pipeline.count_repairs(1)

@@ -13,10 +13,6 @@ from typing import Any, Optional
 
 from kvtrace import semconv
 
-TURN_MIN, TURN_MAX = -(2**31), 2**31 - 1
-"""Turns are Int32 in the typed tables."""
-
-
 @dataclass
 class CacheEvent:
     """One thing a cache did on behalf of a request.
