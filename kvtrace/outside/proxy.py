@@ -533,7 +533,7 @@ def _send_error(responder: Responder, status: int, kind: str, message: str) -> N
 
 def _error_message(body: bytes) -> str:
     try:
-        document = json.loads(body)
+        document = loads(body)
         error = document.get("error") if isinstance(document, dict) else None
         if isinstance(error, dict) and error.get("message"):
             return str(error["message"])[:500]

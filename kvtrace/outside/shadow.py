@@ -27,6 +27,7 @@ from kvtrace import semconv as sc
 from kvtrace.errors import ConfigError
 from kvtrace.outside.background import Background
 from kvtrace.outside.http1 import Request
+from kvtrace.outside.json_decode import loads
 from kvtrace.outside.limits import ShadowBudget
 from kvtrace.outside.margin_request import UpstreamProfile
 from kvtrace.outside.recorder import trace_headers
@@ -175,7 +176,7 @@ class Shadows:
             body = answer.read()
             if answer.status != 200:
                 return True
-            return any(isinstance(s, dict) and not s.get("is_processing") for s in json.loads(body))
+            return any(isinstance(s, dict) and not s.get("is_processing") for s in loads(body))
         except (UpstreamUnreachable, UpstreamBrokeOff, ValueError, TypeError):
             return False
 

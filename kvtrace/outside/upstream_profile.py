@@ -3,11 +3,11 @@ defaults, weight format), vLLM, or another OpenAI-compatible server (``/v1/model
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from typing import Any, Optional
 
+from kvtrace.outside.json_decode import loads
 from kvtrace.outside.margin_request import OPENAI_COMPATIBLE, UpstreamProfile
 from kvtrace.outside.upstream import Upstream, UpstreamBrokeOff, UpstreamUnreachable
 
@@ -43,7 +43,7 @@ class UpstreamProfiles:
         body = answer.read()
         if answer.status == 503:  # llama-server loading its model answers so on every path
             raise _NotYet(f"{path} answered 503")
-        return json.loads(body) if answer.status == 200 else None
+        return loads(body) if answer.status == 200 else None
 
     def _detect(self) -> Optional[UpstreamProfile]:
         try:
