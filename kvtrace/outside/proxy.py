@@ -61,6 +61,7 @@ from kvtrace.outside.margin_request import (ENDPOINTS, NATIVE, MarginPlan, Upstr
 from kvtrace.outside.openai_exchange import TextHasher, fill_record, parse_exchange
 from kvtrace.outside.recorder import trace_headers
 from kvtrace.outside.shadow import Shadows, refuse_without_bypass
+from kvtrace.outside.shadow_ledger import ShadowLedger
 from kvtrace.outside.upstream import Upstream, UpstreamBrokeOff, UpstreamResponse, UpstreamUnreachable
 from kvtrace.outside.upstream_profile import UpstreamProfiles
 from kvtrace.recording.recorder import Recorder, get_recorder
@@ -117,22 +118,23 @@ class ProxyApp:
     """The proxy: :meth:`handle` answers one client request (served by :class:`http1.Server`)."""
 
     def __init__(self, upstream: str, recorder: Callable[[], Optional[Recorder]] = get_recorder,
-                 llama_server_log: Optional[Path] = None, shadow: Optional[ShadowBudget] = None):
+                 llama_server_log: Optional[Path] = None, shadow: Optional[ShadowBudget] = None,
+                 ledger: Optional[ShadowLedger] = None, lane: tuple[int, int] = (0, 1)):
         self.upstream_url = upstream.rstrip("/")
         self.upstream = Upstream(self.upstream_url)
-        self.provenance = TaskProvenance(LogFollower(llama_server_log), server_tokenizer(json_post(self.upstream))) \
-            if llama_server_log else None
+        self.provenance = TaskProvenance(LogFollower(llama_server_log), server_tokenizer(json_post(self.upstream)),
+                                         lane) if llama_server_log else None
         self._recorder = recorder
         self.profiles = UpstreamProfiles(self.upstream)
         self._hasher: Optional[TextHasher] = None
         self.background = Background(RECORDS_IN_FLIGHT)
         self._upstream_records: set[int] = set()
-        """``id`` of each traced request's record while the request is upstream (twins included), kept
+        """``id`` of each traced request's record while this worker has it upstream (twins included), kept
         only for the shadow budget."""
-        self._sent_upstream = 0
-        self._sent_lock = threading.Lock()
+        self.ledger = (ledger or ShadowLedger(shadow)) if shadow else None
+        """The shadow budget's state, shared with the proxy's other workers."""
         self.shadows = Shadows(shadow, self.upstream, self.handle, self.count, self.others_upstream,
-                               self.sent_upstream) if shadow else None
+                               self.ledger.sent, self.ledger) if shadow else None
 
     def handle(self, request: Request, responder: Responder) -> None:
         endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
@@ -141,22 +143,17 @@ class ProxyApp:
             self._forward(request, responder, traced)
             return
         key = id(traced.record)
-        with self._sent_lock:
-            self._sent_upstream += 1
+        self.ledger.request_sent()
         self._upstream_records.add(key)
         try:
             self._forward(request, responder, traced)
         finally:
             self._upstream_records.discard(key)
-
-    def sent_upstream(self) -> int:
-        """Traced requests sent upstream so far (twins included), counted only for the shadow budget."""
-        with self._sent_lock:
-            return self._sent_upstream
+            self.ledger.request_back()
 
     def others_upstream(self, record: RequestRecord) -> int:
-        """Traced requests upstream now, ``record``'s own left out (one C call: no thread changes the set in it)."""
-        return len(self._upstream_records - {id(record)})
+        """Traced requests upstream now through every worker, ``record``'s own left out."""
+        return self.ledger.upstream() - (id(record) in self._upstream_records)
 
     def _forward(self, request: Request, responder: Responder, traced: Optional[Traced]) -> None:
         upstream_body = request.body
@@ -564,19 +561,21 @@ def proxy_in_thread(upstream: str, recorder: Optional[Recorder] = None, llama_se
 
 def serve(upstream: str, host: str, port: int, llama_server_log: Optional[Path] = None,
           on_listening: Optional[Callable[[int], None]] = None, limits: Limits = Limits(),
-          shadow: Optional[ShadowBudget] = None) -> None:
+          shadow: Optional[ShadowBudget] = None, ledger: Optional[ShadowLedger] = None,
+          lane: tuple[int, int] = (0, 1)) -> None:
     """Run the proxy until SIGINT or SIGTERM (both a normal stop: the spans are flushed, exit 0).
 
-    With ``shadow``, an upstream known to have no cache bypass is refused (``ConfigError``)."""
+    With ``shadow``, an upstream known to have no cache bypass is refused (``ConfigError``). ``ledger`` and
+    ``lane``: this proxy is worker ``lane[0]`` of ``lane[1]`` (:mod:`workers`), sharing the shadow budget."""
     limit_arenas()  # before the proxy's threads start: they share the arenas
-    app = ProxyApp(upstream, llama_server_log=llama_server_log, shadow=shadow)
+    app = ProxyApp(upstream, llama_server_log=llama_server_log, shadow=shadow, ledger=ledger, lane=lane)
     if shadow is not None:
         try:
             refuse_without_bypass(app.profiles.detected())
         except ConfigError:
             app.close()
             raise
-    server = Server(app.handle, host, port, limits, app.count)
+    server = Server(app.handle, host, port, limits, app.count, reuse_port=lane[1] > 1)
     stop = threading.Event()
     for number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(number, lambda signum, frame: stop.set())

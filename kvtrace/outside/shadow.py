@@ -19,8 +19,6 @@ import json
 import logging
 import random
 import secrets
-import threading
-import time
 from typing import Any, Callable, Optional
 
 from kvtrace import semconv as sc
@@ -31,6 +29,7 @@ from kvtrace.outside.json_decode import loads
 from kvtrace.outside.limits import ShadowBudget
 from kvtrace.outside.margin_request import UpstreamProfile
 from kvtrace.outside.recorder import trace_headers
+from kvtrace.outside.shadow_ledger import ShadowLedger
 from kvtrace.outside.shadow_slots import SlotKeeper
 from kvtrace.outside.upstream import Upstream, UpstreamBrokeOff, UpstreamUnreachable
 from kvtrace.recording.records import RequestRecord
@@ -75,31 +74,12 @@ class _Discarded:
         self.finished = True
 
 
-class _TokenBucket:
-    def __init__(self, per_minute: int):
-        self._capacity = float(per_minute)
-        self._level = float(per_minute)
-        self._at = time.monotonic()
-
-    def take(self, n: int) -> bool:
-        now = time.monotonic()
-        self._level = min(self._capacity, self._level + (now - self._at) * self._capacity / 60.0)
-        self._at = now
-        if n > self._level:
-            return False
-        self._level -= n
-        return True
-
-    def refund(self, n: int) -> None:
-        self._level = min(self._capacity, self._level + n)
-
-
 class Shadows:
     """Decides, sends and counts twins; ``send(request, responder)`` is the proxy's own request handler."""
 
     def __init__(self, budget: ShadowBudget, upstream: Upstream, send: Callable[[Request, Any], None],
                  count: Callable[[str], None], others_upstream: Callable[[RequestRecord], int],
-                 sent_upstream: Callable[[], int], rng: Optional[random.Random] = None):
+                 sent_upstream: Callable[[], int], ledger: ShadowLedger, rng: Optional[random.Random] = None):
         self.budget = budget
         self._upstream = upstream
         self._send = send
@@ -107,8 +87,7 @@ class Shadows:
         self._others_upstream = others_upstream
         self._rng = rng or random.Random()
         self._in_flight = Background(budget.in_flight, name="kvtrace-shadow")
-        self._lock = threading.Lock()
-        self._tokens = _TokenBucket(budget.tokens_per_minute)
+        self._ledger = ledger
         self._warned_unsupported = False
         self._slots = SlotKeeper(upstream, sent_upstream)
 
@@ -125,17 +104,18 @@ class Shadows:
             self._unsupported(profile)
             return
         cost = record.prompt_tokens + len(record.output_token_ids)
-        with self._lock:
-            affordable = self._tokens.take(cost)
-        if not affordable:
+        if not self._ledger.take_tokens(cost):
             self._count(SHADOW_TWINS_DROPPED)
             return
+        if not self._ledger.take_twin():  # as many twins upstream as the whole proxy may have
+            self._drop(cost)
+            return
         if not self._in_flight.try_run(lambda: self._run({**request, **bypass}, target, profile, record, cost)):
+            self._ledger.twin_done()
             self._drop(cost)
 
     def _drop(self, cost: int) -> None:
-        with self._lock:
-            self._tokens.refund(cost)  # a twin never sent spends none of the minute's tokens
+        self._ledger.refund_tokens(cost)  # a twin never sent spends none of the minute's tokens
         self._count(SHADOW_TWINS_DROPPED)
 
     def _run(self, twin: dict[str, Any], target: str, profile: UpstreamProfile, record: RequestRecord,
@@ -161,6 +141,8 @@ class Shadows:
                     self._count(SHADOW_TWINS_STATE_LEFT)
         except Exception:
             log.warning("kvtrace proxy: a shadow twin failed", exc_info=True)
+        finally:
+            self._ledger.twin_done()
 
     def _room_upstream(self, profile: UpstreamProfile, record: RequestRecord) -> bool:
         """Whether the server has room for a twin: at most ``busy`` other requests upstream through this
