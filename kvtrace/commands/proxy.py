@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -12,6 +13,15 @@ from kvtrace.outside.limits import Limits, ShadowBudget
 from kvtrace.preflight import check_settings
 
 DEFAULTS = Limits()
+MAX_WORKERS = 64
+"""As kvtrace.outside.workers.MAX_WORKERS (not imported: --help imports nothing it need not)."""
+
+
+def workers(text: str) -> int:
+    value = count(text)
+    if value > MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than {MAX_WORKERS} workers")
+    return value
 
 
 def add_arguments(p) -> None:
@@ -28,6 +38,10 @@ def add_arguments(p) -> None:
                    help="llama-server's log (its --log-file, or standard error in a file; start it with -lv 4): "
                         "its prompt-cache decisions become cache events naming the request whose state was restored")
     p.add_argument("--run-id", default=None, help="run id for requests without baggage (env KVTRACE_RUN_ID)")
+    p.add_argument("--workers", type=workers, default=1, metavar="N",
+                   help="proxy processes on the one port, each with its own GIL (default 1; up to "
+                        f"{MAX_WORKERS}). Raise it toward the cores free beside the server when one proxy's CPU "
+                        "is the bottleneck; the limits below hold per worker, the shadow budget for them all")
     shadow = p.add_argument_group("shadow twins (docs/proxy.md, 'Shadow twins'): margin shift measured on live traffic")
     shadow.add_argument("--shadow", type=share, default=None, metavar="RATE",
                         help="after a cache-hit request is answered, send this share of them again with the "
@@ -83,8 +97,14 @@ def run(args) -> int:
                         request_timeout_s=args.request_timeout)
         shadow = ShadowBudget(args.shadow, args.shadow_in_flight, args.shadow_tokens_per_minute,
                               args.shadow_busy) if args.shadow else None
-        serve(args.upstream, host, port, llama_server_log=args.llama_server_log, on_listening=listening,
-              limits=limits, shadow=shadow)
+        if args.workers > 1:
+            from kvtrace.outside.workers import WorkerPlan, serve_workers
+
+            serve_workers(WorkerPlan(args.upstream, host, port, args.llama_server_log, limits, shadow), args.workers,
+                          on_listening=listening)
+        else:
+            serve(args.upstream, host, port, llama_server_log=args.llama_server_log, on_listening=listening,
+                  limits=limits, shadow=shadow)
     except OSError as exc:  # the address is taken or not this machine's
         raise ConfigError(f"--listen {host}:{port}: {exc.strerror or exc}") from None
     return 0

@@ -157,11 +157,12 @@ class Server:
     """
 
     def __init__(self, handler: Handler, host: str, port: int, limits: Limits = Limits(),
-                 count: Counter = lambda name: None):
+                 count: Counter = lambda name: None, reuse_port: bool = False):
         self._handler = handler
         self._limits = limits
         self._count = count
-        self._listener = socket.create_server((host, port), backlog=128)
+        # reuse_port: the workers of one proxy listen on the same port, the kernel spreading connections.
+        self._listener = socket.create_server((host, port), backlog=128, reuse_port=reuse_port)
         self.port = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._accept, name="kvtrace-proxy-accept", daemon=True)
         self._clients: set[_Client] = set()

@@ -138,7 +138,7 @@ class TaskProvenance:
     MAX_UNCLAIMED = 4096
 
     def __init__(self, follower: LogFollower, tokenize: Optional[Callable[[dict[str, Any], str], Optional[list[int]]]]
-                 = None):
+                 = None, lane: tuple[int, int] = (0, 1)):
         self.follower = follower
         self._tokenize = tokenize
         """(request, endpoint) → the prompt's token ids as the server tokenizes them, or ``None``."""
@@ -146,8 +146,10 @@ class TaskProvenance:
         self._waiting: list[Traced] = []
         self._origins: OrderedDict[int, StateOrigin] = OrderedDict()
         self._chains: Optional[PromptChains] = None
-        # From a random start: two proxies in front of one server seldom send the same markers at once.
-        self._markers = itertools.count(random.randrange(MARKER_SPAN))
+        # From a random start: two proxies in front of one server seldom send the same markers at once. The
+        # workers of one proxy each take their own lane (index, count): markers n with n % count == index.
+        index, lanes = lane
+        self._markers = itertools.count(random.randrange(MARKER_SPAN // lanes) * lanes + index, lanes)
         self._unremembered: set[int] = set()  # tasks matched whose request's state is not remembered yet
         self._lock = threading.Lock()  # requests are served by threads of their own
         self._settled = threading.Condition(self._lock)  # a task's request remembered or let go: waiters look again
