@@ -79,6 +79,17 @@ def recording_disabled(environ: Mapping[str, str]) -> bool:
     return _truthy(environ.get("KVTRACE_DISABLED")) or otel_disabled
 
 
+LLAMA_REPACK_VARIABLE = "KVTRACE_LLAMA_REPACK"
+LLAMA_REPACK_CHOICES = ("default", "off")
+
+
+def llama_repack(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``KVTRACE_LLAMA_REPACK``: ``off`` loads a user's ``llama_cpp.Llama`` without llama.cpp's weight repack,
+    as kvtrace's own ``load_llama`` does; ``default`` (unset) leaves the repack as the user's code loads it."""
+    env = os.environ if environ is None else environ
+    return _Env(env).choice(LLAMA_REPACK_VARIABLE, "default", LLAMA_REPACK_CHOICES)
+
+
 class _Env:
     """Typed, validated reads of one environment; every refusal says what to set instead."""
 
@@ -193,6 +204,9 @@ class Settings:
     (OTLP: OTEL_EXPORTER_OTLP_TRACES_TIMEOUT / OTEL_EXPORTER_OTLP_TIMEOUT first), ms."""
     shutdown_timeout_s: float = 2.0
     """Longest time the exit of the host may wait for kvtrace; env KVTRACE_SHUTDOWN_TIMEOUT, ms."""
+    llama_repack: str = "default"
+    """Whether instrumented llama-cpp-python models load with the weight repack off; env KVTRACE_LLAMA_REPACK
+    (read again by the patch at each load, and checked here so ``kvtrace run`` refuses a bad value early)."""
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -240,6 +254,7 @@ class Settings:
             connect_timeout_s=env.milliseconds(("KVTRACE_CONNECT_TIMEOUT",), 250),
             export_timeout_s=export_timeout_s,
             shutdown_timeout_s=env.milliseconds(("KVTRACE_SHUTDOWN_TIMEOUT",), 2000),
+            llama_repack=llama_repack(environ),
         )
 
 

@@ -57,7 +57,8 @@ def kvtrace_env(tmp_path, monkeypatch):
     monkeypatch.setenv("KVTRACE_CAPTURE", "ids")
     monkeypatch.setenv("KVTRACE_HASH_KEY", "test-deployment-key")
     for name in ("KVTRACE_EXPORTER", "KVTRACE_RUN_ID", "KVTRACE_EPISODE_ID", "KVTRACE_TURN", "KVTRACE_DISABLED",
-                 "KVTRACE_ARM", "KVTRACE_ENGINES", "KVTRACE_ENABLED", "KVTRACE_CLICKHOUSE_URL_FILE"):
+                 "KVTRACE_ARM", "KVTRACE_ENGINES", "KVTRACE_ENABLED", "KVTRACE_CLICKHOUSE_URL_FILE",
+                 "KVTRACE_LLAMA_REPACK"):
         monkeypatch.delenv(name, raising=False)
     from kvtrace.recording.recorder import set_recorder
 

@@ -10,6 +10,7 @@ engine keeps llama.cpp's defaults; ``kvtrace selfcheck`` tells a user on such a 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -140,3 +141,110 @@ def test_selfcheck_warns_on_an_amx_machine_and_keeps_its_exit_code(monkeypatch, 
         assert line.startswith("kvtrace: warning:") and "--no-repack" in line and "use_extra_bufts" in line
     else:
         assert warnings == []
+
+
+# --- a user's own Llama(...): the AMX warning and KVTRACE_LLAMA_REPACK=off --------------------
+
+USERS_SCRIPT = """
+import sys
+import kvtrace
+from kvtrace.patches.llama_cpp import repack
+repack._proc_cpuinfo = lambda: sys.argv[2]  # the CPU this story is told on
+kvtrace.instrument(["llama_cpp"])
+import llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1, n_threads_batch=1,
+                      verbose=False)
+print(int(llm.model_params.use_extra_bufts))
+if not llm.model_params.use_extra_bufts:  # never decode a quantized model with the repack on: that is the crash
+    print(llm.create_completion("the agent opens the file and", max_tokens=4, temperature=0.0)["choices"][0]["text"])
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_0(tmp_path_factory):
+    from kvtrace.testmodels.llama_gguf import make_model
+
+    return make_model(tmp_path_factory.mktemp("models") / "tiny-Q4_0.gguf", "Q4_0", "tiny")
+
+
+def run_users_script(model, cpuinfo: str, repack_setting=None):
+    env = {key: value for key, value in os.environ.items() if key != "KVTRACE_LLAMA_REPACK"}
+    env["KVTRACE_EXPORTER"] = "none"
+    if repack_setting is not None:
+        env["KVTRACE_LLAMA_REPACK"] = repack_setting
+    try:
+        result = subprocess.run([sys.executable, "-c", USERS_SCRIPT, str(model), cpuinfo], capture_output=True,
+                                text=True, timeout=120, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the user's script hung; {repack.amx_hint() or 'no AMX on this CPU'}")
+    warnings = [line for line in result.stderr.splitlines() if "Intel AMX" in line]
+    return result, warnings
+
+
+def test_a_users_quantized_model_loaded_with_the_repack_on_an_amx_cpu_is_warned_about_before_its_decode(tiny_q4_0):
+    result, warnings = run_users_script(tiny_q4_0, SAPPHIRE_RAPIDS)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["1"]  # the user's load, as llama.cpp's defaults make it
+    (line,) = warnings
+    assert "tiny-Q4_0.gguf is quantized (Q4_0)" in line
+    assert "load_llama" in line and "KVTRACE_LLAMA_REPACK=off" in line
+
+
+def test_the_same_model_on_a_cpu_without_amx_is_not_warned_about(tiny_q4_0):
+    result, warnings = run_users_script(tiny_q4_0, EPYC)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["1"] and warnings == []
+
+
+def test_kvtrace_llama_repack_off_lets_a_users_quantized_model_decode_on_an_amx_cpu(tiny_q4_0):
+    """On this machine's CPU (an AMX Xeon) the same load with the repack on crashes in its first decode."""
+    result, warnings = run_users_script(tiny_q4_0, SAPPHIRE_RAPIDS, repack_setting="off")
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}; {repack.amx_hint()}"
+    repack_flag, text = result.stdout.split("\n", 1)
+    assert repack_flag == "0" and text.strip() and warnings == []
+
+
+def test_kvtrace_llama_repack_off_loads_a_users_llama_without_the_repack_and_the_request_says_so(
+        llama_patched, memory_recorder, tiny_gguf, finished_requests, monkeypatch, caplog):
+    from kvtrace.patches.llama_cpp import model_load
+
+    model_load.NOTICES.forget()
+    monkeypatch.setattr(repack, "_proc_cpuinfo", lambda: SAPPHIRE_RAPIDS)
+    monkeypatch.setenv("KVTRACE_LLAMA_REPACK", "off")
+    with caplog.at_level("WARNING", logger="kvtrace"):
+        llm = llama_cpp.Llama(model_path=str(tiny_gguf), n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1,
+                              n_threads_batch=1, verbose=False)
+    try:
+        assert llm.model_params.use_extra_bufts is False  # what llama.cpp's loader was handed
+        llm.create_completion("the user's engine", max_tokens=2, temperature=0.0)
+    finally:
+        llm.close()
+    ((attrs, _, _),) = finished_requests(memory_recorder)
+    assert numerics_of(attrs)["weight_repack"] is False
+    assert "Intel AMX" not in caplog.text
+
+
+def test_an_f32_model_loaded_with_the_repack_on_an_amx_cpu_is_not_warned_about(llama_patched, memory_recorder,
+                                                                               tiny_gguf, monkeypatch, caplog):
+    from kvtrace.patches.llama_cpp import model_load
+
+    model_load.NOTICES.forget()
+    monkeypatch.setattr(repack, "_proc_cpuinfo", lambda: SAPPHIRE_RAPIDS)
+    monkeypatch.delenv("KVTRACE_LLAMA_REPACK", raising=False)
+    with caplog.at_level("WARNING", logger="kvtrace"):
+        llm = llama_cpp.Llama(model_path=str(tiny_gguf), n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1,
+                              n_threads_batch=1, verbose=False)
+    try:
+        assert bool(llm.model_params.use_extra_bufts) is bool(llama_cpp.llama_model_default_params().use_extra_bufts)
+    finally:
+        llm.close()
+    assert "Intel AMX" not in caplog.text
+
+
+def test_load_llama_keeps_its_own_choice_whatever_the_variable_says(llama_patched, tiny_gguf, monkeypatch):
+    monkeypatch.setenv("KVTRACE_LLAMA_REPACK", "off")
+    llm = repack.load_llama(tiny_gguf, weight_repack=True, vocab_only=True)
+    try:
+        assert bool(llm.model_params.use_extra_bufts) is bool(llama_cpp.llama_model_default_params().use_extra_bufts)
+    finally:
+        llm.close()

@@ -13,6 +13,8 @@ per hook area:
   from the raw logits row, in one pass (:mod:`kvtrace.patches.rowstats`, compiled where it was built);
 * :mod:`.prompt_cache` — ``Llama.load_state`` and the ``BaseLlamaCache`` classes: lookups,
   restores, stores and evictions, each with the origin of the state;
+* :mod:`.model_load` — ``Llama.__init__``: the weight repack off where ``KVTRACE_LLAMA_REPACK=off``
+  asks, and a warning for a quantized model loaded with the repack on an Intel AMX CPU;
 * :mod:`.config` — what the ``Llama`` is configured with (fingerprint, weight format, numerics);
 * :mod:`.batching` — at the call's end, its batch composition: how the prompt was split into
   micro-batches, and the one-row steps of its tokens (from the settings, nothing watched per token);
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 from kvtrace import semconv as sc
 from kvtrace.patches.hooks import Hook, HookTable
-from kvtrace.patches.llama_cpp import prompt_cache, request, reuse, sampling, server
+from kvtrace.patches.llama_cpp import model_load, prompt_cache, request, reuse, sampling, server
 from kvtrace.patches.llama_cpp.engine import ENGINE, FAILURES, MODULE, VERSION
 
 __all__ = ["ENGINE", "MODULE", "VERSION", "HOOKS", "get_version", "supported_versions", "patch", "unpatch"]
@@ -39,6 +41,7 @@ __all__ = ["ENGINE", "MODULE", "VERSION", "HOOKS", "get_version", "supported_ver
 LLAMA_MODULE = "llama_cpp.llama"
 
 HOOKS = HookTable(ENGINE, [
+    Hook(LLAMA_MODULE, "Llama.__init__", model_load.init_wrapper),
     Hook(LLAMA_MODULE, "Llama.create_completion", request.completion_wrapper(sc.OPERATION_TEXT_COMPLETION)),
     Hook(LLAMA_MODULE, "Llama.create_chat_completion", request.completion_wrapper(sc.OPERATION_CHAT)),
     Hook(LLAMA_MODULE, "Llama.generate", reuse.generate_wrapper),

@@ -11,7 +11,8 @@ with ``llama_model_params.use_extra_bufts = False``, on every CPU rather than on
 present: the same kernels then run on every kind of machine, so numbers from AMX and non-AMX
 machines compare, and the AMX crash cannot happen.  The instrumentation records the setting the
 engine actually loaded with (numerics settings, ``weight_repack``), for kvtrace's engines and
-users' alike.  A user's engine is never changed.
+users' alike.  A user's engine is not changed unless the user opts in with ``KVTRACE_LLAMA_REPACK=off``
+(:mod:`.model_load`, which also warns about a quantized model loaded with the repack on an AMX CPU).
 
 **How.** llama-cpp-python (written against 0.3.36) has no ``Llama(...)`` argument for
 ``use_extra_bufts``.  ``Llama.__init__`` fills ``self.model_params`` and hands that same struct
@@ -98,7 +99,8 @@ def amx_hint(cpuinfo: Optional[str] = None, system_info: Optional[str] = None) -
     return (f"this CPU has Intel AMX and the installed llama.cpp repacks quantized weights for it, a path "
             f"known to crash or hang in decode ({UPSTREAM_ISSUE}); load with the repack off "
             f"(model_params.use_extra_bufts = False: kvtrace's own commands and "
-            f"kvtrace.patches.llama_cpp.repack.load_llama do; llama-server: --no-repack) or use an F16/F32 model")
+            f"kvtrace.patches.llama_cpp.repack.load_llama do; an instrumented Llama(...) with KVTRACE_LLAMA_REPACK=off; "
+            f"llama-server: --no-repack) or use an F16/F32 model")
 
 
 def loaded_with_repack(llama: Any) -> Optional[bool]:
@@ -114,27 +116,38 @@ class RepackSwitch:
     """The wrapper on ``LlamaModel.__init__`` that turns the repack off inside :func:`load_llama`.
 
     Installed on first use, once per process, and never removed: it is a pass-through whenever no
-    :func:`load_llama` of this context is constructing a ``Llama``.
+    :func:`load_llama` of this context (nor a load that ``KVTRACE_LLAMA_REPACK=off`` turns off) is
+    constructing a ``Llama``.
     """
 
     def __init__(self) -> None:
-        self._off: contextvars.ContextVar[bool] = contextvars.ContextVar("kvtrace_repack_off", default=False)
+        self._choice: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("kvtrace_weight_repack",
+                                                                                      default=None)
         self._lock = threading.Lock()
         self.installed: Optional[bool] = None
         """Whether the wrapper is in place (``None``: not tried yet)."""
 
     @contextlib.contextmanager
-    def off(self) -> Iterator[None]:
-        """Models loaded in this block (in this context) load without the repack."""
-        token = self._off.set(True)
+    def choose(self, weight_repack: bool) -> Iterator[None]:
+        """Models loaded in this block (in this context) load with the repack on or off, as kvtrace chose."""
+        token = self._choice.set(bool(weight_repack))
         try:
             yield
         finally:
-            self._off.reset(token)
+            self._choice.reset(token)
+
+    def off(self) -> contextlib.AbstractContextManager[None]:
+        """Models loaded in this block (in this context) load without the repack."""
+        return self.choose(False)
+
+    @property
+    def chosen(self) -> Optional[bool]:
+        """What kvtrace chose for the load in progress in this context (``None``: nothing, the user's load)."""
+        return self._choice.get()
 
     def without_repack(self, wrapped, instance, args, kwargs):
         """``LlamaModel.__init__``: inside :meth:`off`, the params lose the extra buffer types."""
-        if self._off.get():
+        if self._choice.get() is False:
             params = kwargs.get("params")
             if params is not None:
                 params.use_extra_bufts = False
@@ -171,12 +184,11 @@ def load_llama(model_path: str | Path, *, weight_repack: bool = False, **llama_k
     import llama_cpp  # optional heavy engine import: kvtrace runs without llama-cpp-python
 
     llama_kwargs.setdefault("verbose", False)
-    with llama_log_to_logging():
-        if weight_repack or not REPACK.install():
-            llm = llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
-        else:
-            with REPACK.off():
-                llm = llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
+    if not weight_repack:
+        REPACK.install()
+    # The choice is set either way: the instrumented Llama (.model_load) leaves kvtrace's own loads alone.
+    with llama_log_to_logging(), REPACK.choose(weight_repack):
+        llm = llama_cpp.Llama(model_path=str(model_path), **llama_kwargs)
     if not weight_repack and REPACK.installed and loaded_with_repack(llm):
         log.warning("kvtrace: %s was loaded with llama.cpp's weight repack on although kvtrace turned it off "
                     "(llama-cpp-python %s)", model_path, getattr(llama_cpp, "__version__", "?"))

@@ -7,16 +7,20 @@ kvtrace recorded; none needs llama-cpp-python.  The real engine's stories are te
 from __future__ import annotations
 
 import json
+import logging
 import types
 
 import numpy as np
 import pytest
+import wrapt
 from fake_llama import DiskCache, FakeLlama, FakeRAMCache, Llama, RAMCache
 
 from kvtrace import correlate
 from kvtrace import semconv as sc
+from kvtrace.config import LLAMA_REPACK_VARIABLE, Settings, llama_repack
+from kvtrace.errors import BadSetting
 from kvtrace.patches.hooks import TraceContextMiddleware
-from kvtrace.patches.llama_cpp import config, server
+from kvtrace.patches.llama_cpp import HOOKS, config, model_load, repack, server
 from kvtrace.patches.llama_cpp.prompt_cache import CacheClasses
 
 PROMPT = list(range(1, 41))  # 40 tokens: two whole blocks of 16
@@ -370,6 +374,115 @@ def test_the_cache_settings_are_the_caches_of_the_llama_now():
     llm.cache = FakeRAMCache(capacity_bytes=4096)
     assert config.cache_settings(llm)["capacity_bytes"] == 4096
     assert config.model_name(llm, {}) == "fake-F32.gguf" and config.model_name(llm, {"model": "alias"}) == "alias"
+
+
+# --- model load: KVTRACE_LLAMA_REPACK and the Intel AMX warning --------------------------------
+
+AMX_CPU = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni amx_bf16 amx_tile amx_int8\n"
+NON_AMX_CPU = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni avx512_bf16\n"
+FILE_TYPES = {"F32": "0", "F16": "1", "BF16": "32", "Q4_0": "2", "Q8_0": "7", "Q4_K_M": "15"}
+
+
+class LoadingLlama:
+    """What ``Llama.__init__`` leaves behind that the load hook reads: the model's path, its GGUF
+    metadata and the ``model_params`` it loaded with (``use_extra_bufts``: the repack)."""
+
+    def __init__(self, model_path: str, weights: str = "Q4_0", use_extra_bufts: bool = True,
+                 vocab_only: bool = False):
+        self.model_path = model_path
+        self.metadata = {"general.file_type": FILE_TYPES[weights]}
+        self.model_params = types.SimpleNamespace(use_extra_bufts=use_extra_bufts, vocab_only=vocab_only)
+
+
+(LOAD_HOOK,) = [hook for hook in HOOKS.hooks if hook.target == "Llama.__init__"]
+HookedLoadingLlama = type("LoadingLlama", (LoadingLlama,),
+                          {"__init__": wrapt.FunctionWrapper(LoadingLlama.__init__, LOAD_HOOK.wrapper)})
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Set the CPU the load hook sees, as ``/proc/cpuinfo``'s text; starts each test with nothing warned."""
+    model_load.NOTICES.forget()
+    monkeypatch.delenv(LLAMA_REPACK_VARIABLE, raising=False)
+
+    def use(cpuinfo: str) -> None:
+        monkeypatch.setattr(repack, "_proc_cpuinfo", lambda: cpuinfo)
+
+    yield use
+    model_load.NOTICES.forget()
+
+
+def amx_warnings(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records if "Intel AMX" in record.getMessage()]
+
+
+@pytest.mark.parametrize("cpuinfo, weights, use_extra_bufts, warned", [
+    (AMX_CPU, "Q4_0", True, True),
+    (AMX_CPU, "Q8_0", True, True),
+    (AMX_CPU, "Q4_K_M", True, True),
+    (AMX_CPU, "F32", True, False),  # F32 / F16 / BF16 weights are not repacked
+    (AMX_CPU, "F16", True, False),
+    (AMX_CPU, "BF16", True, False),
+    (AMX_CPU, "Q4_0", False, False),  # loaded with the repack off
+    (NON_AMX_CPU, "Q4_0", True, False),
+])
+def test_a_quantized_model_loaded_with_the_repack_on_an_amx_cpu_is_warned_about(cpu, caplog, cpuinfo, weights,
+                                                                                use_extra_bufts, warned):
+    cpu(cpuinfo)
+    with caplog.at_level(logging.WARNING, logger="kvtrace"):
+        llm = HookedLoadingLlama(f"/models/tiny-{weights}.gguf", weights, use_extra_bufts=use_extra_bufts)
+    assert llm.model_params.use_extra_bufts is use_extra_bufts  # the user's load, untouched
+    if not warned:
+        assert amx_warnings(caplog) == []
+        return
+    (message,) = amx_warnings(caplog)
+    assert f"/models/tiny-{weights}.gguf is quantized ({weights})" in message
+    assert "load_llama" in message and "KVTRACE_LLAMA_REPACK=off" in message and "#20824" in message
+    assert "\n" not in message
+
+
+def test_the_warning_is_said_once_per_model_file(cpu, caplog):
+    cpu(AMX_CPU)
+    with caplog.at_level(logging.WARNING, logger="kvtrace"):
+        for path in ("/models/a-Q4_0.gguf", "/models/a-Q4_0.gguf", "/models/b-Q8_0.gguf", "/models/a-Q4_0.gguf"):
+            HookedLoadingLlama(path)
+    assert [message.split(" is quantized")[0] for message in amx_warnings(caplog)] == [
+        "kvtrace: /models/a-Q4_0.gguf", "kvtrace: /models/b-Q8_0.gguf"]
+
+
+def test_loads_that_cannot_crash_in_decode_are_not_warned_about(cpu, caplog):
+    cpu(AMX_CPU)
+    with caplog.at_level(logging.WARNING, logger="kvtrace"):
+        HookedLoadingLlama("/models/vocab-Q4_0.gguf", vocab_only=True)  # no weights loaded
+        with repack.REPACK.choose(True):  # kvtrace's own load_llama(weight_repack=True) chose it on purpose
+            HookedLoadingLlama("/models/chosen-Q4_0.gguf")
+        stand_in = Llama()  # the hooked stand-in engine: its params say nothing about the repack
+    assert amx_warnings(caplog) == [] and stand_in.n_tokens == 0
+
+
+def test_the_repack_setting_is_off_or_default_and_anything_else_is_refused_in_one_line():
+    assert llama_repack({}) == "default" and llama_repack({LLAMA_REPACK_VARIABLE: ""}) == "default"
+    assert llama_repack({LLAMA_REPACK_VARIABLE: " OFF "}) == "off"
+    assert llama_repack({LLAMA_REPACK_VARIABLE: "default"}) == "default"
+    with pytest.raises(BadSetting) as refused:
+        llama_repack({LLAMA_REPACK_VARIABLE: "no"})
+    assert str(refused.value) == ("KVTRACE_LLAMA_REPACK='no' is not one of default, off; "
+                                  "unset it for the default (default)")
+    with pytest.raises(BadSetting, match="KVTRACE_LLAMA_REPACK"):  # what `kvtrace run` checks before it starts
+        Settings.from_env({"KVTRACE_HASH_KEY": "test-deployment-key", LLAMA_REPACK_VARIABLE: "false"})
+
+
+def test_a_bad_repack_setting_in_an_instrumented_engine_is_said_once_and_loads_as_the_code_asks(
+        cpu, caplog, monkeypatch, memory_recorder):
+    cpu(NON_AMX_CPU)
+    monkeypatch.setenv(LLAMA_REPACK_VARIABLE, "disabled")
+    with caplog.at_level(logging.WARNING, logger="kvtrace"):
+        first, second = HookedLoadingLlama("/models/a-Q4_0.gguf"), HookedLoadingLlama("/models/b-Q4_0.gguf")
+    assert first.model_params.use_extra_bufts is second.model_params.use_extra_bufts is True
+    refusals = [record.getMessage() for record in caplog.records if LLAMA_REPACK_VARIABLE in record.getMessage()]
+    assert refusals == ["kvtrace: KVTRACE_LLAMA_REPACK='disabled' is not one of default, off; unset it for the "
+                        "default (default); models load as the code asks"]
+    assert errors(memory_recorder) == 0
 
 
 # --- server: trace context per HTTP request ---------------------------------------------------
