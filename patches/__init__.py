@@ -25,7 +25,7 @@ _registered: set[str] = set()
 
 
 def supported_requirements() -> tuple[str, ...]:
-    """Each engine distribution with the versions its patch supports (``"vllm>=0.32,<0.34"``).
+    """Each engine distribution with the versions its patch supports (``"vllm>=0.32,<0.35"``).
 
     The patch modules own their ranges (``supported_versions()``); the
     OpenTelemetry instrumentor and the packaging test read them from here.

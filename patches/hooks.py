@@ -47,6 +47,18 @@ class HookFailures:
         except Exception:
             pass
 
+    def missing(self, what: str, feature: str, recorder: Optional[Recorder] = None) -> None:
+        """An engine name a hook relies on is not there (``what``: which, and where): counted in
+        ``hooks_missing`` and logged as a warning that names it and the feature it turns off.  Never raises."""
+        try:
+            recorder = recorder or get_recorder()
+            if recorder is not None:
+                recorder.pipeline.counters.add("hooks_missing")
+            log.warning("kvtrace: %s %s; that hook is skipped%s (counted in hooks_missing)", self.engine, what,
+                        f" and {feature} is off" if feature else "")
+        except Exception:
+            pass
+
 
 @dataclass(frozen=True)
 class EngineVersion:
@@ -152,12 +164,15 @@ class Hook:
     """One wrapt wrapper on one engine attribute.
 
     ``target`` is ``"Class.method"`` or ``"function"`` inside ``module``; ``wrapper`` has wrapt's
-    signature ``(wrapped, instance, args, kwargs)`` and must return what ``wrapped`` returned.
+    signature ``(wrapped, instance, args, kwargs)`` and must return what ``wrapped`` returned (``None``
+    in a table's ``checks``: a target only checked, e.g. a function whose frame kvtrace looks for on the
+    stack).  ``feature`` is what kvtrace loses when the target is missing: the warning names it.
     """
 
     module: str
     target: str
-    wrapper: Callable
+    wrapper: Optional[Callable]
+    feature: str = ""
 
 
 class HookTable:
@@ -166,19 +181,23 @@ class HookTable:
     ``install()`` wraps the hooks of modules already imported and registers an import hook for the
     rest, so a module imported later (or in a subprocess that runs the same ``patch()``) is still
     wrapped; ``restore()`` puts every original back. Both are idempotent, and an attribute the
-    installed engine lacks is skipped with a warning rather than failing the patch.
+    installed engine lacks is skipped with one warning that names it and its feature, counted in
+    ``hooks_missing``, rather than failing the patch.  ``checks`` are targets kvtrace relies on without
+    wrapping them: checked the same way when their module is imported.
     """
 
-    def __init__(self, engine: str, hooks: Sequence[Hook], failures: HookFailures):
+    def __init__(self, engine: str, hooks: Sequence[Hook], failures: HookFailures, checks: Sequence[Hook] = ()):
         self.engine = engine
         self.hooks = tuple(hooks)
+        self.checks = tuple(checks)
         self.failures = failures
         self.wrappings = Wrappings()
         self.active = False
         self._import_hooks: set[str] = set()
+        self._missing: set[tuple[str, str]] = set()  # reported once per process, however often installed
 
     def modules(self) -> list[str]:
-        return list(dict.fromkeys(h.module for h in self.hooks))
+        return list(dict.fromkeys(h.module for h in self.hooks + self.checks))
 
     def install(self) -> None:
         import wrapt
@@ -198,22 +217,24 @@ class HookTable:
     def _wrap_module(self, module: Any) -> None:
         if not self.active:
             return
-        for hook in self.hooks:
+        for hook in self.hooks + self.checks:
             if hook.module == module.__name__:
                 self._wrap(module, hook)
 
     def _wrap(self, module: Any, hook: Hook) -> None:
         owner_name, _, attr = hook.target.rpartition(".")
         owner = getattr(module, owner_name, None) if owner_name else module
-        if owner is None or (owner, attr) in self.wrappings:
+        if owner is not None and (owner, attr) in self.wrappings:
             return
-        current = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+        current = None if owner is None else \
+            owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
         if current is None:
-            log.warning("kvtrace: %s %s has no %s; that hook is skipped", self.engine, module.__name__,
-                        hook.target)
+            if (hook.module, hook.target) not in self._missing:
+                self._missing.add((hook.module, hook.target))
+                self.failures.missing(f"{module.__name__} has no {hook.target}", hook.feature)
             return
-        if is_wrapped(current):
-            return  # wrapped by an earlier table of this process
+        if hook.wrapper is None or is_wrapped(current):
+            return  # a target only checked, or wrapped by an earlier table of this process
         try:
             self.wrappings.wrap(module, hook.target, hook.wrapper)
         except Exception:

@@ -169,6 +169,9 @@ def run_status(args) -> int:
         print(f"warning: {lost(totals)} span(s) could not be delivered (see counters above)")
     if totals.get("recorder_failures"):
         print(f"warning: {totals['recorder_failures']} process(es) ran untraced: their recorder could not be created")
+    if totals.get("hooks_missing"):
+        print(f"warning: {totals['hooks_missing']} hook target(s) missing in the engine: the engine's log names each "
+              "and the feature it turned off")
     if unreadable:
         print(f"not read: {len(unreadable)} thing(s) in the spool (the figures above leave them out)")
         for problem in unreadable[:STATUS_LISTED]:

