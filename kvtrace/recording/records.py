@@ -109,6 +109,10 @@ class RequestRecord:
     """``semconv.BATCH_RECORDED`` once the arrays above are filled, ``BATCH_UNKNOWN`` where no hook sees
     the engine's steps; ``None``: not said."""
     finish_reason: Optional[str] = None
+    rows_cut_at: Optional[int] = None
+    """Output position where the per-token arrays stop short of the token ids, and why
+    (``semconv.ROWS_MISALIGNED`` / ``ROWS_LATE``); ``None``: they do not."""
+    rows_cut_reason: Optional[str] = None
     events: list[CacheEvent] = field(default_factory=list)
     cache_integrity: Optional[str] = None
     """The verdict on the state the engine reused or restored (``semconv.INTEGRITY_*``); ``None``: nothing reused."""

@@ -55,6 +55,9 @@ COUNTERS = (
     "spans_failed_export",        # lost: neither the sink nor the spool took them
     "spans_dropped_at_shutdown",  # lost: still queued or in a hung sink's hands when the shutdown time was up
     "instrumentation_errors",     # hook failures (the engine's result was returned unchanged)
+    "hooks_missing",              # engine names a hook needs that the installed version lacks (a feature is off)
+    "rows_misaligned",            # vLLM: a sampler row was not its output token; the request's rows cut there
+    "rows_late",                  # vLLM: a request's last rows had not come when it was finished; cut there
     "values_repaired",            # a client's value repaired, its span kept: text UTF-8 cannot carry (lone
                                   # surrogates → U+FFFD), a turn outside Int32 or integer outside int64 (left out)
     "recorder_failures",          # the recorder could not be created: this process ran untraced

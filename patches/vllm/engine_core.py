@@ -7,8 +7,9 @@
   process put in the request's ``trace_headers``; the hit blocks' own hashes are checked against the
   prompt's block-hash chain (the cache integrity verdict).  A request admitted again after a preemption
   keeps its record; the new lookup is noted on it;
-* ``Scheduler._free_request`` — the request finished: its sampled rows become the output tokens'
-  margins, their steps' shapes its batch composition, and the record becomes the ``kvtrace.request`` span.
+* ``Scheduler._free_request`` — the request finished: :mod:`.request_end` turns its sampled rows into
+  the output tokens' margins, their steps' shapes into its batch composition, and the record into the
+  ``kvtrace.request`` span, without waiting for the device.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from kvtrace.patches.vllm.api_process import BAGGAGE_HEADER, PROPAGATOR, REQUEST
 from kvtrace.patches.vllm.block_pool import PROVENANCE
 from kvtrace.patches.vllm.common import ENGINE, FAILURES, arg, bare_hashes, hash_hex
 from kvtrace.patches.vllm.config import SETTINGS, sampling_attributes
+from kvtrace.patches.vllm import request_end
 from kvtrace.patches.vllm.live_requests import LIVE, LiveRequest
-from kvtrace.patches.vllm.sampler import PENDING
 from kvtrace.recording.records import CacheEvent, RequestRecord
 from kvtrace.recording.recorder import Recorder, get_recorder
 
@@ -159,51 +160,9 @@ def _hit_block_ids(blocks: Any) -> list[int]:
 
 
 def free_request(wrapped, instance, args, kwargs):
-    """``Scheduler._free_request(request, ...)``: recorded before vLLM frees it."""
+    """``Scheduler._free_request(request, ...)``: recorded before vLLM frees it (:mod:`.request_end`)."""
     try:
-        _on_finish(arg(args, kwargs, 0, "request"))
+        request_end.on_free(arg(args, kwargs, 0, "request"))
     except Exception:
         FAILURES.count("free_request")
     return wrapped(*args, **kwargs)
-
-
-def _on_finish(request: Any) -> None:
-    PENDING.drain(block=True)
-    live = LIVE.finish(str(request.request_id))
-    if live is None:
-        return
-    record = live.record
-    try:
-        outputs = list(map(int, getattr(request, "output_token_ids", [])))
-        rows = live.sampled_rows
-        if len(rows) >= len(outputs) and outputs:
-            # column by column (the rows' order is SampledRow's), not a call per token
-            _, top1, runner_up, margins, logprobs, _ = zip(*rows[:len(outputs)])
-            record.output_token_ids = outputs
-            record.top1_ids = list(map(int, top1))
-            record.runner_up_ids = list(map(int, runner_up))
-            record.margins = list(margins)
-            record.logprobs = list(logprobs)
-            _fill_batch_composition(record, live, len(outputs))
-        else:  # no rows reached this process (an executor that does not ship them): ids only
-            record.output_token_ids = outputs
-        reason = request.get_finished_reason() if hasattr(request, "get_finished_reason") else None
-        record.finish_reason = str(reason) if reason is not None else None
-    except Exception:
-        FAILURES.count("request end", live.recorder)
-    live.recorder.finish(record)
-
-
-def _fill_batch_composition(record: RequestRecord, live: LiveRequest, tokens: int) -> None:
-    """Each output token's step (rows, tokens) and the prompt's prefill split, when every step of the
-    request was seen: its partial prefills, then the chunk of the step that sampled token 0."""
-    steps = live.row_steps[:tokens]
-    if not steps or len(steps) < tokens:
-        return
-    step_rows, step_tokens, row_tokens = zip(*steps)
-    if 0 in step_rows or 0 in live.partial_prefills:  # a step whose shape was not read
-        return
-    record.step_rows = list(step_rows)
-    record.step_tokens = list(step_tokens)
-    record.prefill_steps = live.partial_prefills + [row_tokens[0]]
-    record.batch_composition = sc.BATCH_RECORDED

@@ -4,19 +4,21 @@ vLLM's scheduler, KV-cache manager, block pool and sampler each see part of a re
 here, keyed by vLLM's internal request id.  A request is *live* from its admission
 (``record_prefix_cache_stats``) until vLLM frees it; cache events that belong to it but happen
 before its admission (blocks stored or evicted while its slots are allocated) wait here until then.
+A request freed while its last rows are still on the device is *ending*: it still takes rows until
+:mod:`.request_end` finishes it.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from kvtrace.recording.records import CacheEvent, RequestRecord
 from kvtrace.recording.recorder import Recorder
 
-if TYPE_CHECKING:  # the sampler module imports this one
-    from kvtrace.patches.vllm.sampler import SampledRow
+if TYPE_CHECKING:  # the row modules import this one
+    from kvtrace.patches.vllm.row_stats import SampledRow
 
 
 @dataclass
@@ -33,6 +35,8 @@ class LiveRequest:
     partial_prefills: list[int] = field(default_factory=list)
     """The prompt's computed tokens in each step before the one that sampled the first token (0 when
     unknown)."""
+    ending: Any = None
+    """Once vLLM freed it while rows were still on the device: what :mod:`.request_end` finishes it with."""
 
 
 class LiveRequests:
@@ -48,6 +52,7 @@ class LiveRequests:
         self._lookups: dict[str, Any] = {}  # internal id → KVCacheBlocks of the last prefix-cache lookup
         self._early: dict[str, list[CacheEvent]] = {}  # internal id → events before its admission
         self._engine_events: list[CacheEvent] = []  # e.g. resets: shown on the next admitted request
+        self._ending: dict[str, LiveRequest] = {}  # freed by vLLM, waiting for rows still on the device
 
     def __bool__(self) -> bool:
         return bool(self._live)
@@ -107,7 +112,9 @@ class LiveRequests:
             for internal_id, row, step in zip(req_ids, rows, steps):
                 live = live_requests.get(internal_id)
                 if live is None:
-                    continue
+                    live = self._ending.get(internal_id) if self._ending else None
+                    if live is None:
+                        continue
                 if row.sampled > 0.5:  # read in place: this runs once per generated token
                     live.sampled_rows.append(row)
                     live.row_steps.append(step)
@@ -121,8 +128,26 @@ class LiveRequests:
             self._lookups.pop(internal_id, None)
             return self._live.pop(internal_id, None)
 
+    def hold(self, internal_id: str, live: LiveRequest) -> None:
+        """Keep a freed request taking rows until :meth:`take_endings` gives it back."""
+        with self._lock:
+            self._ending[internal_id] = live
+
+    def take_endings(self, ready: Callable[[LiveRequest], bool]) -> list[LiveRequest]:
+        """The ending requests ``ready`` says can be finished now, no longer held."""
+        if not self._ending:
+            return []
+        with self._lock:
+            done = [i for i, live in self._ending.items() if ready(live)]
+            return [self._ending.pop(i) for i in done]
+
+    @property
+    def ending_count(self) -> int:
+        return len(self._ending)
+
     def clear(self) -> None:
         with self._lock:
+            self._ending.clear()
             self._live.clear()
             self._lookups.clear()
             self._early.clear()

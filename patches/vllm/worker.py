@@ -27,12 +27,12 @@ from typing import Any
 import wrapt
 
 from kvtrace.patches.vllm.common import FAILURES, arg
-from kvtrace.patches.vllm.sampler import PENDING, SHIPMENT
+from kvtrace.patches.vllm.pending_rows import PENDING, SHIPMENT, readable_rows
 
 ROWS_ATTR = "kvtrace_sampled_rows"
 """Attribute a worker sets on the ``ModelRunnerOutput`` it sends: ``[(request ids, rows, step shape)]``, each
-row a :class:`~kvtrace.patches.vllm.sampler.SampledRow` as a plain list of numbers, the step's
-:class:`~kvtrace.patches.vllm.sampler.StepShape` a plain tuple (or ``None``)."""
+row a :class:`~kvtrace.patches.vllm.row_stats.SampledRow` as a plain list of numbers, the step's
+:class:`~kvtrace.patches.vllm.step_shape.StepShape` a plain tuple (or ``None``)."""
 
 _SHIPPED_METHODS = ("execute_model", "sample_tokens")
 
@@ -84,12 +84,12 @@ def _attach_rows(output: Any, entries: list) -> Any:
     e.g. ``EMPTY_MODEL_RUNNER_OUTPUT``, so the original is never changed).  Never raises."""
     try:
         shipped = []
-        for req_ids, stats, event, shape in entries:
+        for req_ids, stats, event, shape, skip in entries:
             if event is not None:
                 # vLLM has already waited for its own copy of this step's sampled ids, which its
                 # stream ordered after this copy: done, or only the top-2 kernel left to finish.
                 event.synchronize()
-            rows = stats.tolist() if hasattr(stats, "tolist") else [list(row) for row in stats]
+            rows = [list(row) for row in readable_rows(stats, skip)]
             shipped.append((list(req_ids), rows, shape))
         attached = copy.copy(output)
         setattr(attached, ROWS_ATTR, shipped)
@@ -150,7 +150,7 @@ def update_from_output(wrapped, instance, args, kwargs):
         if shipped:
             for req_ids, rows, shape in shipped:
                 PENDING.put(list(req_ids), rows, None, shape)
-            PENDING.drain(block=False)
+            PENDING.drain()
     except Exception:
         FAILURES.count("update_from_output")
     return wrapped(*args, **kwargs)

@@ -11,6 +11,7 @@ tests/test_vllm_engine.py; the sampler's numbers are checked against vLLM's own 
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -21,7 +22,7 @@ import pytest
 from kvtrace import semconv as sc
 from kvtrace.patches import vllm as vllm_patch
 from kvtrace.patches.hooks import Hook, HookTable
-from kvtrace.patches.vllm import block_pool, engine_core, worker
+from kvtrace.patches.vllm import block_pool, engine_core, pending_rows, request_end, worker
 
 BLOCK = 4  # tokens per KV-cache block
 VLLM_CONFIG = SimpleNamespace(
@@ -351,6 +352,103 @@ def test_a_partial_prefill_step_gives_its_request_no_margin(engine, memory_recor
     assert list(recorded["short"][0][sc.OUTPUT_MARGINS]) == pytest.approx([2.0, 1.5])
     assert list(recorded["chunked"][0][sc.OUTPUT_MARGINS]) == pytest.approx([3.0])  # not the prefill's 8.0
     assert list(recorded["chunked"][0][sc.OUTPUT_RUNNER_UP_IDS]) == [1]
+
+
+def test_a_row_that_is_not_its_output_token_cuts_the_arrays_there_and_is_counted(engine, memory_recorder,
+                                                                                finished_requests):
+    # The rows say 1, 0, 2; vLLM output 1, 2, 2 (it discarded the sampled 0, as async scheduling and stop
+    # strings do): the arrays stop at position 1, never shifted to fit, and the token ids stay whole.
+    runner = GPUModelRunner()
+    request, shifted = Request("cut-00000021", [1, 2, 3]), Request("shifted-00000022", [4, 5, 6])
+    engine.admit(request)
+    engine.admit(shifted)
+    for logits in ([0.0, 3.0, 1.0], [2.0, 0.0, 0.5], [0.0, 0.0, 5.0]):
+        runner.step({"cut-00000021": logits, "shifted-00000022": logits})
+    engine.finish(request, [1, 2, 2])
+    engine.finish(shifted, [0, 2])  # its first row discarded: rows 2 and 3 would fit if shifted
+
+    recorded = spans(memory_recorder, finished_requests)
+    cut, whole_ids = recorded["cut"][0], [1, 2, 2]
+    assert list(cut[sc.OUTPUT_TOKEN_IDS]) == whole_ids and cut[sc.GEN_AI_USAGE_OUTPUT_TOKENS] == 3
+    assert list(cut[sc.OUTPUT_MARGINS]) == pytest.approx([2.0]) and list(cut[sc.OUTPUT_TOP1_IDS]) == [1]
+    assert (cut[sc.OUTPUT_ROWS_CUT_AT], cut[sc.OUTPUT_ROWS_CUT_REASON]) == (1, sc.ROWS_MISALIGNED)
+    assert sc.OUTPUT_STEP_ROWS not in cut  # the batch of a cut request is not said
+    assert recorded["shifted"][0][sc.OUTPUT_ROWS_CUT_AT] == 0 and list(recorded["shifted"][0][sc.OUTPUT_MARGINS]) == []
+    assert memory_recorder.pipeline.counters.snapshot()["rows_misaligned"] == 2
+
+
+class DeviceStep:
+    """A step's rows still on the device: readable once ``done`` (a CUDA event's ``query()``); one
+    that waited on it would hang the test."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        raise AssertionError("the engine's thread waited for the device")
+
+
+def device_step(request_ids: list[str], chosen: list[int]) -> tuple[DeviceStep, np.ndarray]:
+    event = DeviceStep()
+    rows = np.array([[token, token, token + 1, 0.25, -0.5, 1.0] for token in chosen], dtype=np.float32)
+    pending_rows.PENDING.put(request_ids, rows, event, None)
+    return event, rows
+
+
+def wait_for_span(recorder, finished_requests, request_id: str) -> dict:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = spans(recorder, finished_requests).get(request_id)
+        if found:
+            return found[0]
+        time.sleep(0.01)
+    raise AssertionError(f"no span for {request_id}")
+
+
+def test_a_request_freed_while_its_last_rows_are_on_the_device_ends_when_they_arrive(engine, memory_recorder,
+                                                                                   finished_requests):
+    runner = GPUModelRunner()
+    request = Request("held-00000023", [1, 2, 3])
+    engine.admit(request)
+    runner.step({"held-00000023": [0.0, 3.0, 1.0]})
+    event, _ = device_step(["held-00000023"], [2])
+    engine.finish(request, [1, 2])  # returns at once: the engine's thread does not wait
+    assert "held" not in spans(memory_recorder, finished_requests)
+    event.done = True
+    span = wait_for_span(memory_recorder, finished_requests, "held")
+    assert list(span[sc.OUTPUT_MARGINS]) == pytest.approx([2.0, 0.25]) and sc.OUTPUT_ROWS_CUT_AT not in span
+
+
+def test_rows_that_never_leave_the_device_end_the_request_after_the_wait_cut_and_counted(
+        engine, memory_recorder, finished_requests, monkeypatch):
+    monkeypatch.setattr(request_end, "LATE_ROWS_WAIT_S", 0.05)
+    runner = GPUModelRunner()
+    request = Request("late-00000024", [1, 2, 3])
+    engine.admit(request)
+    runner.step({"late-00000024": [0.0, 3.0, 1.0]})
+    device_step(["late-00000024"], [2])  # never done
+    engine.finish(request, [1, 2])
+    span = wait_for_span(memory_recorder, finished_requests, "late")
+    assert list(span[sc.OUTPUT_TOKEN_IDS]) == [1, 2] and list(span[sc.OUTPUT_MARGINS]) == pytest.approx([2.0])
+    assert (span[sc.OUTPUT_ROWS_CUT_AT], span[sc.OUTPUT_ROWS_CUT_REASON]) == (1, sc.ROWS_LATE)
+    assert memory_recorder.pipeline.counters.snapshot()["rows_late"] == 1
+
+
+def test_a_request_held_for_its_rows_still_gets_its_span_when_tracing_stops(engine, memory_recorder,
+                                                                          finished_requests, monkeypatch):
+    monkeypatch.setattr(request_end, "LATE_ROWS_WAIT_S", 3600)
+    monkeypatch.setattr(request_end.WAITER, "wake", lambda: None)  # no waiter: only the stop finishes it
+    request = Request("stopped-00000025", [1, 2, 3])
+    engine.admit(request)
+    GPUModelRunner().step({"stopped-00000025": [0.0, 3.0, 1.0]})
+    device_step(["stopped-00000025"], [2])
+    engine.finish(request, [1, 2])
+    assert "stopped" not in spans(memory_recorder, finished_requests)
+    vllm_patch._forget_requests()
+    assert spans(memory_recorder, finished_requests)["stopped"][0][sc.OUTPUT_ROWS_CUT_AT] == 1
 
 
 def test_at_an_exact_tie_the_runner_up_is_the_tied_token_not_taken(engine, memory_recorder, finished_requests):
