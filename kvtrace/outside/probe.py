@@ -49,6 +49,7 @@ from kvtrace import semconv as sc
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.outside.openai_exchange import ExchangeError, parse_exchange
 from kvtrace.outside.recorder import OutsideRecorder, correlation_headers, trace_headers
+from kvtrace.outside.server_kind import server_of_models
 
 FLUSH_PROMPT = "kvtrace probe: unrelated flush text, discard."
 
@@ -152,17 +153,8 @@ def http_json(method: str, url: str, body: Optional[dict] = None, timeout_s: flo
 
 def detect_server(base_url: str, timeout_s: float = 10.0) -> tuple[ServerKind, str]:
     """(server kind, first model id) from ``GET /models``: vLLM and llama-server say who owns the model."""
-    models = http_json("GET", f"{base_url}/models", timeout_s=timeout_s)
-    data = models.get("data") or [{}]
-    owner = str(data[0].get("owned_by", "")).lower()
-    model = str(data[0].get("id", ""))
-    if owner == "vllm":
-        return SERVER_KINDS["vllm"], model
-    if owner in ("llamacpp", "llama.cpp"):
-        return SERVER_KINDS["llama-server"], model
-    if owner == "me":  # llama-cpp-python's server
-        return SERVER_KINDS["llama-cpp-python"], model
-    return SERVER_KINDS["openai"], model
+    server, model = server_of_models(http_json("GET", f"{base_url}/models", timeout_s=timeout_s))
+    return SERVER_KINDS[server], model
 
 
 @dataclass

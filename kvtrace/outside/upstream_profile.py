@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from kvtrace.outside.json_decode import loads
 from kvtrace.outside.margin_request import OPENAI_COMPATIBLE, UpstreamProfile
+from kvtrace.outside.server_kind import server_of_models
 from kvtrace.outside.upstream import Upstream, UpstreamBrokeOff, UpstreamUnreachable
 
 log = logging.getLogger("kvtrace.proxy")
@@ -52,9 +53,8 @@ class UpstreamProfiles:
                 return llama_server_profile(props)
             models = self._get_json("/v1/models")
             if isinstance(models, dict):
-                data = (models.get("data") or [{}])[0]
-                owner = str(data.get("owned_by", "")).lower()
-                return UpstreamProfile(engine="vllm" if owner == "vllm" else OPENAI_COMPATIBLE.engine)
+                server, _ = server_of_models(models)
+                return UpstreamProfile(engine="vllm" if server == "vllm" else OPENAI_COMPATIBLE.engine)
         except (UpstreamUnreachable, UpstreamBrokeOff, _NotYet, ValueError, AttributeError,
                 IndexError, TypeError):
             log.debug("kvtrace proxy: the upstream's kind could not be told yet", exc_info=True)
