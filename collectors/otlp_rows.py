@@ -4,7 +4,7 @@ msgspec decodes a line into the structs below: every field's JSON type is checke
 ``bytesValue`` is base64-decoded there. Attribute values become text as the OpenTelemetry
 Collector's ClickHouse exporter writes them (numbers as text, booleans ``true``/``false``, arrays
 and maps as JSON, bytes as base64), so the views read either writer's rows alike. With
-``typed=True`` (ingest), a ``kvtrace.request`` span's per-token arrays (``TOKEN_ARRAYS``) become
+``typed=True`` (ingest), a ``kvtrace.request`` span's per-token arrays (``tables.TOKEN_ARRAYS``) become
 numpy arrays (``SpanRow.arrays``) instead of text: packed ones
 (``kvtrace/recording/packed_arrays.py``) viewed in place, standard ones of older spools read number
 by number; and every span ingest writes typed rows for is marked ``TYPED_ROWS_STORED``.
@@ -15,22 +15,53 @@ from __future__ import annotations
 import base64
 import json
 import math
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import msgspec
 import numpy as np
 
 from kvtrace import semconv as sc
-from kvtrace.recording.packed_arrays import INT64, PACKED_ARRAYS, TOKEN_ARRAYS
+from kvtrace.collectors.tables import TOKEN_ARRAYS
+from kvtrace.recording.packed_arrays import INT64, PACKED_ARRAYS
 from kvtrace.timestamps import LATEST_NS, ImplausibleTime, unix_nanos
 
-COLUMNS = [
-    "Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState", "SpanName", "SpanKind",
-    "ServiceName", "ResourceAttributes", "ScopeName", "ScopeVersion", "SpanAttributes", "Duration",
-    "StatusCode", "StatusMessage",
-    "Events.Timestamp", "Events.Name", "Events.Attributes",
-    "Links.TraceId", "Links.SpanId", "Links.TraceState", "Links.Attributes",
-]
+
+class OtelRow(NamedTuple):
+    """One ``otel_traces`` row, a field per column (``Events.Name`` as ``Events_Name``)."""
+
+    Timestamp: int
+    TraceId: str
+    SpanId: str
+    ParentSpanId: str
+    TraceState: str
+    SpanName: str
+    SpanKind: str
+    ServiceName: str
+    ResourceAttributes: dict[str, str]
+    ScopeName: str
+    ScopeVersion: str
+    SpanAttributes: dict[str, str]
+    Duration: int
+    StatusCode: str
+    StatusMessage: str
+    Events_Timestamp: list[int]
+    Events_Name: list[str]
+    Events_Attributes: list[dict[str, str]]
+    Links_TraceId: list[str]
+    Links_SpanId: list[str]
+    Links_TraceState: list[str]
+    Links_Attributes: list[dict[str, str]]
+
+
+class SpanRow(OtelRow):
+    """An ``OtelRow``, and read with ``typed=True`` a request span's per-token arrays by ``kvtrace_requests``
+    column (absent arrays absent) in ``arrays``, else ``None``."""
+
+    arrays: Optional[dict[str, np.ndarray]] = None
+
+
+COLUMNS = [field.replace("_", ".") for field in OtelRow._fields]
+"""``otel_traces``' column names (none of them holds an underscore)."""
 SPAN_KINDS = ("SPAN_KIND_UNSPECIFIED", "SPAN_KIND_INTERNAL", "SPAN_KIND_SERVER", "SPAN_KIND_CLIENT",
               "SPAN_KIND_PRODUCER", "SPAN_KIND_CONSUMER")
 STATUS_CODES = ("STATUS_CODE_UNSET", "STATUS_CODE_OK", "STATUS_CODE_ERROR")
@@ -132,17 +163,6 @@ class ExportRequest(msgspec.Struct, gc=False):
 
 _DECODE = msgspec.json.Decoder(ExportRequest).decode
 _JSON = msgspec.json.Encoder().encode
-
-
-class SpanRow(list):
-    """One ``otel_traces`` row (values in ``COLUMNS`` order); read with ``typed=True``, a request span's
-    per-token arrays by ``kvtrace_requests`` column (absent arrays absent), else ``None``."""
-
-    __slots__ = ("arrays",)
-
-    def __init__(self, values, arrays: Optional[dict[str, np.ndarray]] = None):
-        super().__init__(values)
-        self.arrays = arrays
 
 
 def decode(line: Union[bytes, str]) -> ExportRequest:
@@ -340,15 +360,18 @@ def _span_row(span: Span, head: tuple, typed: bool, dropped: Optional[list[str]]
     if arrays is not None or (typed and any(n.startswith(sc.CACHE_EVENT_PREFIX) for n in event_names)):
         attributes[sc.TYPED_ROWS_STORED] = "true"
     links = span.links
-    return SpanRow([
-        start, _hex_id(span.traceId, 16, "traceId"), _hex_id(span.spanId, 8, "spanId"),
-        _hex_id(span.parentSpanId, 8, "parentSpanId"), span.traceState, span.name, _enum(span.kind, SPAN_KINDS),
-        service, resource_attrs, scope_name, scope_version, attributes, max(0, end - start),
-        _enum(span.status.code, STATUS_CODES), span.status.message,
-        [_nanos(e.timeUnixNano, "events[].timeUnixNano") for e in span.events], event_names,
-        [span_attributes(e.attributes, dropped=dropped) for e in span.events],
-        [_hex_id(link.traceId, 16, "links[].traceId") for link in links],
-        [_hex_id(link.spanId, 8, "links[].spanId") for link in links],
-        [link.traceState for link in links],
-        [span_attributes(link.attributes, dropped=dropped) for link in links],
-    ], arrays)
+    row = SpanRow(
+        Timestamp=start, TraceId=_hex_id(span.traceId, 16, "traceId"), SpanId=_hex_id(span.spanId, 8, "spanId"),
+        ParentSpanId=_hex_id(span.parentSpanId, 8, "parentSpanId"), TraceState=span.traceState, SpanName=span.name,
+        SpanKind=_enum(span.kind, SPAN_KINDS), ServiceName=service, ResourceAttributes=resource_attrs,
+        ScopeName=scope_name, ScopeVersion=scope_version, SpanAttributes=attributes, Duration=max(0, end - start),
+        StatusCode=_enum(span.status.code, STATUS_CODES), StatusMessage=span.status.message,
+        Events_Timestamp=[_nanos(e.timeUnixNano, "events[].timeUnixNano") for e in span.events],
+        Events_Name=event_names, Events_Attributes=[span_attributes(e.attributes, dropped=dropped) for e in span.events],
+        Links_TraceId=[_hex_id(link.traceId, 16, "links[].traceId") for link in links],
+        Links_SpanId=[_hex_id(link.spanId, 8, "links[].spanId") for link in links],
+        Links_TraceState=[link.traceState for link in links],
+        Links_Attributes=[span_attributes(link.attributes, dropped=dropped) for link in links])
+    if arrays is not None:
+        row.arrays = arrays
+    return row

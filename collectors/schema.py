@@ -1,6 +1,8 @@
 """The ClickHouse schema: render the DDL in ``collectors/sql``, create it, upgrade older databases.
 
-Templates use ``${name}`` placeholders: the database, the table names, the
+``collectors/sql`` holds the templates of the tables and views kvtrace does not declare in
+``tables.py``; each typed table's DDL and view are rendered from its declaration there and take their
+place among the files. Templates use ``${name}`` placeholders: the database, the table names, the
 engine and ``ON CLUSTER`` clause, and every ``kvtrace.semconv`` constant (so
 the views read exactly the attribute names the recorder writes).  Only
 identifiers validated here are substituted — never user data.
@@ -41,6 +43,7 @@ from importlib import resources
 from string import Template
 
 from kvtrace import semconv
+from kvtrace.collectors import tables as typed_tables
 from kvtrace.errors import SchemaUpgradeFailed
 
 TABLES = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens",
@@ -48,7 +51,7 @@ TABLES = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace
 """Every name a query may read (``kvtrace_tokens`` is a view of ``kvtrace_requests``)."""
 VERSIONS_TABLE = "kvtrace_schema_migrations"
 VIEWS = ("otel_traces_trace_id_ts_mv", "kvtrace_requests_mv", "kvtrace_cache_events_mv")
-SPAN_TABLES = ("kvtrace_requests", "kvtrace_cache_events")
+SPAN_TABLES = tuple(table.name for table in typed_tables.TYPED_TABLES)
 """kvtrace's typed tables: one row per span (and event), copies folded by the engine."""
 REBUILT_IN_0005 = ("kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
 """The typed tables of version 5, which migration 0005 rebuilds (the tokens table until 0006 drops it)."""
@@ -95,8 +98,10 @@ def _ident(name: str, what: str) -> str:
 
 
 def _templates() -> list[tuple[str, str]]:
+    """Every template by its file name, in order: ``collectors/sql``'s and the typed tables' rendered ones."""
     folder = resources.files("kvtrace.collectors") / "sql"
-    return sorted((f.name, f.read_text()) for f in folder.iterdir() if re.match(r"^\d\d_.*\.sql$", f.name))
+    files = [(f.name, f.read_text()) for f in folder.iterdir() if re.match(r"^\d\d_.*\.sql$", f.name)]
+    return sorted(files + typed_tables.rendered(typed_tables.TYPED_TABLES))
 
 
 def migrations() -> list[Migration]:

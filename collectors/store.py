@@ -1,184 +1,38 @@
 """Rows of spans (``otlp_rows``, read typed) → kvtrace's tables and ``otel_traces``, as Arrow columns.
 
-The one write path of ingest and of the ClickHouse exporter. ``kvtrace_requests`` gets one row per
-request span, its per-token arrays as Array columns (numpy concatenations and offsets, no Python
-work per number; a negative zero stored as 0, as the Collector's text "-0" reads back);
-``kvtrace_tokens`` is a view of them. ``kvtrace_cache_events`` gets one row per ``kvtrace.cache.*``
-event. Columns are computed from the attributes as ``11_kvtrace_requests_mv.sql`` and
-``15_kvtrace_cache_events_mv.sql`` compute them from a Collector's rows (``tests/test_typed_ingest.py``
-holds the two to the same rows). Every table is built before the first insert, so a value Arrow
-cannot carry stops the batch before anything of it is written.
+The one write path of ingest and of the ClickHouse exporter. Each typed table's columns are those its
+declaration in ``tables.py`` lists, computed as the table's view computes them from a Collector's rows
+(``conversions.py``; ``tests/test_typed_ingest.py`` holds the two paths to the same rows):
+``kvtrace_requests`` one row per request span, its per-token arrays as Array columns (numpy
+concatenations and offsets, no Python work per number; a negative zero stored as 0, as the Collector's
+text "-0" reads back); ``kvtrace_cache_events`` one row per ``kvtrace.cache.*`` event. Every table is
+built before the first insert, so a value Arrow cannot carry stops the batch before anything of it is
+written.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import math
-import re
-from decimal import Decimal
 from itertools import chain
-from typing import Callable, NamedTuple, Optional
+from typing import Optional
 
-import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvtrace import semconv as sc
+from kvtrace.collectors import tables
+from kvtrace.collectors.conversions import TEXT
 from kvtrace.collectors.otlp_rows import COLUMNS, SpanRow
+from kvtrace.collectors.tables import ATTRIBUTE, EVENT, EVENT_ATTRIBUTE, MATERIALIZED, SPAN, TOKEN_ARRAY, Column, Table
 
-# ASCII digits only, as ClickHouse reads them ("٣" and "１２" are its default, not 3 and 12).
-_SIGNED, _UNSIGNED = re.compile(r"[+-]?[0-9]+"), re.compile(r"\+?[0-9]+")
-_STRINGS = msgspec.json.Decoder(list[str]).decode
-_INTEGERS = msgspec.json.Decoder(list[int]).decode
-
-
-class Conversion(NamedTuple):
-    """An attribute's text → a typed column (``arrow``'s kind), as ClickHouse's function of the same name does."""
-
-    convert: Callable[[str], object]
-    kind: object
-    bounds: Optional[tuple[int, int, int]] = None
-    """An integer's (lowest, highest, default): a column of plain digits is converted in Arrow."""
-
-
-def _integer(pattern: re.Pattern, low: int, high: int, default: int, kind: str) -> Conversion:
-    def convert(text: str) -> int:
-        value = int(text) if (text.isascii() and text.isdigit()) or pattern.fullmatch(text) else default
-        return value if low <= value <= high else default
-    return Conversion(convert, kind, (low, high, default))
-
-
-def _json_array(element: type) -> Callable[[str], list]:
-    """JSON array text → its elements as ``JSONExtract(…, 'Array(String)')`` or ``'Array(Int64)'`` reads them:
-    an element of another JSON type is converted (a number's text, a numeric string's value), never a reason
-    to refuse the span. Text that is no JSON array, or holds a number past a double's range, is an empty array."""
-    fast, each = (_STRINGS, _element_text) if element is str else (_INTEGERS, _element_integer)
-
-    def convert(text: str) -> list:
-        if not text:
-            return []
-        try:  # the common case (hashes, ids as written by kvtrace), decoded in C
-            values = fast(text)
-            if element is str or not values or (-2**63 <= min(values) and max(values) < 2**63):
-                return values
-        except msgspec.MsgspecError:
-            pass
-        try:
-            values = json.loads(text, parse_constant=_finite, parse_float=_finite)
-            return [each(v) for v in values] if isinstance(values, list) else []
-        except ValueError:  # not JSON, or a number JSON cannot hold (NaN, 1e400)
-            return []
-    return convert
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(text)
-    return value
-
-
-def _element_text(value) -> str:
-    """An element as ClickHouse writes it into Array(String): a string as itself, anything else as compact JSON."""
-    return value if isinstance(value, str) else "" if value is None else _json_text(value)
-
-
-def _json_text(value) -> str:
-    if isinstance(value, float):
-        return _number_text(value)
-    if isinstance(value, list):
-        return "[" + ",".join(map(_json_text, value)) + "]"
-    if isinstance(value, dict):
-        return "{" + ",".join(json.dumps(k, ensure_ascii=False) + ":" + _json_text(v) for k, v in value.items()) + "}"
-    return json.dumps(value, ensure_ascii=False)  # str, int, bool, None
-
-
-def _number_text(value: float) -> str:
-    """The shortest digits that read back as ``value``, in fixed notation from 1e-6 to below 1e21 and as
-    ``1.5e-7`` outside it (ECMAScript's rule, which ClickHouse follows, less the exponent's "+")."""
-    sign, digits, exponent = Decimal(repr(value)).normalize().as_tuple()
-    text = "".join(map(str, digits))
-    point = len(text) + exponent  # digits before the decimal point
-    if -6 < point <= 21:
-        text = (text + "0" * exponent if exponent >= 0 else
-                text[:point] + "." + text[point:] if point > 0 else "0." + "0" * -point + text)
-    else:
-        text = text[0] + ("." + text[1:] if len(text) > 1 else "") + f"e{point - 1}"
-    return "-" * sign + text
-
-
-_DECIMAL = re.compile(r"[+-]?[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?")
-
-
-def _element_integer(value) -> int:
-    """An element as ClickHouse reads it into Array(Int64): a number (or a string holding one) truncated,
-    0 for anything else or outside Int64."""
-    if isinstance(value, str):
-        if not _DECIMAL.fullmatch(value):
-            return 0
-        value = int(value) if value.lstrip("+-").isdigit() else float(value)
-    if isinstance(value, int) and not -2**63 <= value < 2**64:  # bool is an int
-        value = float(value) if value.bit_length() <= 1024 else 0.0  # past UInt64, JSON's parser reads a double
-    if isinstance(value, float):
-        return int(value) if -2**63 <= value < 2**63 else 0  # NaN and infinities are outside
-    return int(value) if isinstance(value, int) and value < 2**63 else 0
-
-
-TEXT = Conversion(str, "s")
-INT32_OR_MINUS_1 = _integer(_SIGNED, -2**31, 2**31 - 1, -1, "i32")  # toInt32OrDefault(…, -1)
-UINT32_OR_ZERO = _integer(_UNSIGNED, 0, 2**32 - 1, 0, "u32")
-UINT64_OR_ZERO = _integer(_UNSIGNED, 0, 2**64 - 1, 0, "u64")
-STRINGS = Conversion(_json_array(str), ("list", "s"))  # JSONExtract(…, 'Array(String)')
-INT64S = Conversion(_json_array(int), ("list", "i64"))
-LAYER = Conversion(lambda text: text or sc.LAYER_NONE, "s")
-
-
-def _text(columns: dict[str, str]) -> list[tuple[str, str, Conversion]]:
-    return [(column, key, TEXT) for column, key in columns.items()]
-
-
-REQUEST_ATTRIBUTES = [*_text({
-    "run_id": sc.RUN_ID, "episode_id": sc.EPISODE_ID, "request_id": sc.REQUEST_ID, "operation": sc.GEN_AI_OPERATION,
-    "engine": sc.ENGINE_NAME, "engine_version": sc.ENGINE_VERSION, "model": sc.GEN_AI_REQUEST_MODEL,
-    "model_fingerprint": sc.MODEL_FINGERPRINT, "weight_format": sc.MODEL_WEIGHT_FORMAT, "kv_cache_type": sc.KV_CACHE_TYPE,
-    "arm": sc.ARM, "capture_mode": sc.CAPTURE_MODE, "cache_settings": sc.CACHE_SETTINGS,
-    "numerics_settings": sc.NUMERICS_SETTINGS, "sampling_settings": sc.SAMPLING_SETTINGS, "prompt_hash": sc.PROMPT_HASH,
-    "prompt_hash_source": sc.PROMPT_HASH_SOURCE, "reused_tokens_source": sc.CACHE_REUSED_TOKENS_SOURCE,
-    "state_key": sc.CACHE_STATE_KEY, "source_span_id": sc.CACHE_SOURCE_SPAN_ID, "source_trace_id": sc.CACHE_SOURCE_TRACE_ID,
-    "source_request_id": sc.CACHE_SOURCE_REQUEST_ID, "source_run_id": sc.CACHE_SOURCE_RUN_ID,
-    "source_episode_id": sc.CACHE_SOURCE_EPISODE_ID, "output_hash": sc.OUTPUT_HASH,
-    "token_id_source": sc.OUTPUT_TOKEN_ID_SOURCE, "finish_reason": sc.OUTPUT_FINISH_REASON,
-    "batch_composition": sc.BATCH_COMPOSITION}),
-    ("turn", sc.TURN, INT32_OR_MINUS_1), ("source_turn", sc.CACHE_SOURCE_TURN, INT32_OR_MINUS_1),
-    ("prompt_tokens", sc.GEN_AI_USAGE_INPUT_TOKENS, UINT32_OR_ZERO), ("reused_tokens", sc.CACHE_REUSED_TOKENS, UINT32_OR_ZERO),
-    ("recomputed_tokens", sc.CACHE_RECOMPUTED_TOKENS, UINT32_OR_ZERO),
-    ("replayed_tokens", sc.CACHE_REPLAYED_TOKENS, UINT32_OR_ZERO),
-    ("output_tokens", sc.GEN_AI_USAGE_OUTPUT_TOKENS, UINT32_OR_ZERO), ("cache_layer", sc.CACHE_LAYER, LAYER),
-    ("prompt_block_hashes", sc.PROMPT_BLOCK_HASHES, STRINGS), ("block_layers", sc.PROMPT_BLOCK_LAYERS, STRINGS),
-    ("hit_block_hashes", sc.CACHE_HIT_BLOCK_HASHES, STRINGS)]
-"""``kvtrace_requests``' columns read from a request span's attributes: (column, attribute, conversion)."""
-
-EVENT_SPAN_ATTRIBUTES = [*_text({"run_id": sc.RUN_ID, "episode_id": sc.EPISODE_ID, "request_id": sc.REQUEST_ID,
-                                 "engine": sc.ENGINE_NAME}), ("turn", sc.TURN, INT32_OR_MINUS_1)]
-EVENT_ATTRIBUTES = [*_text({
-    "layer": sc.EVENT_LAYER, "outcome": sc.EVENT_OUTCOME, "key_hash": sc.EVENT_KEY_HASH, "reason": sc.EVENT_REASON,
-    "parent_hash": sc.EVENT_PARENT_HASH, "source_span_id": sc.EVENT_SOURCE_SPAN_ID,
-    "source_trace_id": sc.EVENT_SOURCE_TRACE_ID, "source_request_id": sc.EVENT_SOURCE_REQUEST_ID,
-    "source_run_id": sc.EVENT_SOURCE_RUN_ID, "source_episode_id": sc.EVENT_SOURCE_EPISODE_ID}),
-    ("tokens", sc.EVENT_TOKENS, UINT32_OR_ZERO), ("prefix_tokens", sc.EVENT_PREFIX_TOKENS, UINT32_OR_ZERO),
-    ("entries_scanned", sc.EVENT_ENTRIES_SCANNED, UINT32_OR_ZERO), ("size_bytes", sc.EVENT_SIZE_BYTES, UINT64_OR_ZERO),
-    ("block_hashes", sc.EVENT_BLOCK_HASHES, STRINGS), ("block_ids", sc.EVENT_BLOCK_IDS, INT64S),
-    ("source_turn", sc.EVENT_SOURCE_TURN, INT32_OR_MINUS_1),
-    ("source_time_unix_nano", sc.EVENT_SOURCE_TIME, UINT64_OR_ZERO)]
-"""``kvtrace_cache_events``' columns read from the span (``EVENT_SPAN_ATTRIBUTES``) and from the event."""
-
-_ARRAY_TYPES = {"token_ids": "i64", "top1_ids": "i64", "runner_up_ids": "i64", "margins": "f64", "logprobs": "f64",
-                "step_rows": "i64", "step_tokens": "i64", "prefill_steps": "i64"}
-OTEL_KINDS = ["t", *["s"] * 7, "map", "s", "s", "map", "u64", "s", "s", ("list", "t"), ("list", "s"), ("list", "map"),
-              *[("list", "s")] * 3, ("list", "map")]
-"""Kinds of ``COLUMNS``."""
+_KINDS = {"DateTime64(9)": "t", "String": "s", "Int32": "i32", "UInt32": "u32", "UInt64": "u64", "Int64": "i64",
+          "Float64": "f64"}
+_OTEL_KINDS = {"Timestamp": "t", "ResourceAttributes": "map", "SpanAttributes": "map", "Duration": "u64",
+               "Events_Timestamp": ("list", "t"), "Events_Attributes": ("list", "map"), "Links_Attributes": ("list", "map")}
+"""``SpanRow``'s fields other than text, and lists of text (its other ``Events_`` and ``Links_`` fields)."""
+_EVENT_VALUES = {"time": lambda row, i: row.Events_Timestamp[i], "name": lambda row, i: row.Events_Name[i],
+                 "index": lambda row, i: i}
+"""``tables.EVENT_FIELDS``: an event's own fields, of its span's row."""
 _NUMERIC = {"t": (np.int64, pa.timestamp("ns")), "i32": (np.int32, pa.int32()), "u32": (np.uint32, pa.uint32()),
             "u64": (np.uint64, pa.uint64()), "i64": (np.int64, pa.int64()), "f64": (np.float64, pa.float64())}
 
@@ -249,29 +103,31 @@ class _Attributes:
         self._key_codes = _numpy(encoded.indices, np.int32)
         self._texts = pa.concat_arrays([self.map.items, _strings([""])])  # the last: where a row lacks the key
 
-    def columns(self, spec, rows: np.ndarray) -> dict[str, pa.Array]:
-        """``spec``'s columns of ``rows`` (indices of the maps), a missing key's text read as ""."""
-        wanted = {key: i for i, (_, key, _) in enumerate(spec)}
+    def columns(self, columns: list[Column], rows: np.ndarray) -> dict[str, pa.Array]:
+        """``columns`` (each from the attribute its ``source`` names) of ``rows`` (indices of the maps), a
+        missing key's text read as ""."""
+        wanted = {column.source: i for i, column in enumerate(columns)}
         code_of = np.array([wanted.get(key, -1) for key in self._key_names], np.int64)
         codes = code_of[self._key_codes] if len(code_of) else np.zeros(0, np.int64)
         missing = len(self._texts) - 1
         out = {}
-        for i, (column, _, how) in enumerate(spec):
+        for i, column in enumerate(columns):
             where = np.full(self._rows, missing, np.int64)
             entries = np.flatnonzero(codes == i)
             where[self._row_of[entries]] = entries  # a map holds a key once
-            out[column] = _typed(self._texts.take(_buffer(where[rows], "i64")), how)
+            out[column.name] = _typed(self._texts.take(_buffer(where[rows], "i64")), column)
         return out
 
 
-def _typed(texts: pa.Array, how: Conversion) -> pa.Array:
+def _typed(texts: pa.Array, column: Column) -> pa.Array:
+    how, kind = column.conversion, kind_of(column.value_type)
     if how is TEXT:
         return texts
     if how.bounds:
         integers = _plain_integers(texts, *how.bounds)
         if integers is not None:
-            return _buffer(integers.astype(_NUMERIC[how.kind][0]), how.kind)
-    return arrow([how.convert(text) for text in texts.to_pylist()], how.kind)
+            return _buffer(integers.astype(_NUMERIC[kind][0]), kind)
+    return arrow([how.convert(text) for text in texts.to_pylist()], kind)
 
 
 def _plain_integers(texts: pa.Array, low: int, high: int, default: int) -> Optional[np.ndarray]:
@@ -294,39 +150,49 @@ def _table(columns: dict[str, pa.Array]) -> pa.Table:
     return pa.Table.from_arrays(list(columns.values()), names=list(columns))
 
 
-def request_table(rows: list[SpanRow], attributes: _Attributes) -> pa.Table:
-    """``kvtrace_requests`` rows of the request spans among ``rows`` (read typed; ``attributes``: theirs)."""
-    indices = np.array([i for i, row in enumerate(rows) if row.arrays is not None], np.int64)
-    requests = [rows[i] for i in indices]
-    columns = {name: arrow([row[COLUMNS.index(name)] for row in requests], "t" if name == "Timestamp" else "s")
-               for name in ("Timestamp", "TraceId", "SpanId", "ParentSpanId", "ServiceName")}
-    columns.update(attributes.columns(REQUEST_ATTRIBUTES, indices))
-    columns["status_code"] = arrow([row[13] for row in requests], "s")
-    columns["duration_ns"] = arrow([row[12] for row in requests], "u64")
-    empty = np.zeros(0, np.int64)
-    for column, kind in _ARRAY_TYPES.items():
-        columns[column] = _list_column([row.arrays.get(column, empty) for row in requests], kind)
-    return _table(columns)
+def kind_of(value_type: str):
+    """The ``arrow`` kind of a ClickHouse type (``Array(T)``: a list of T's kind)."""
+    inner = value_type[len("Array("):-1] if value_type.startswith("Array(") else None
+    return ("list", kind_of(inner)) if inner else _KINDS[value_type]
 
 
-def cache_event_table(rows: list[SpanRow], attributes: _Attributes) -> pa.Table:
-    """``kvtrace_cache_events`` rows: one per ``kvtrace.cache.*`` event of ``rows``."""
-    found = [(at, index) for at, row in enumerate(rows) for index, name in enumerate(row[16])
-             if name.startswith(sc.CACHE_EVENT_PREFIX)]
-    columns = {"Timestamp": arrow([rows[at][15][i] for at, i in found], "t"),
-               "TraceId": arrow([rows[at][1] for at, _ in found], "s"),
-               "SpanId": arrow([rows[at][2] for at, _ in found], "s")}
-    columns.update(attributes.columns(EVENT_SPAN_ATTRIBUTES, np.array([at for at, _ in found], np.int64)))
-    columns["event"] = arrow([rows[at][16][i] for at, i in found], "s")
-    columns["event_index"] = arrow([i for _, i in found], "u32")
-    events = _Attributes([rows[at][17][i] for at, i in found])
-    columns.update(events.columns(EVENT_ATTRIBUTES, np.arange(len(found))))
+def typed_table(table: Table, rows: list[SpanRow], attributes: Optional[_Attributes] = None) -> pa.Table:
+    """``table``'s rows from ``rows`` (``attributes``: their maps, when made already): one per span named
+    ``table.span_name`` that was read typed, or one per event whose name starts with ``table.event_prefix``."""
+    attributes = attributes or _Attributes([row.SpanAttributes for row in rows])
+    if table.event_prefix:
+        found = [(at, i) for at, row in enumerate(rows) for i, name in enumerate(row.Events_Name)
+                 if name.startswith(table.event_prefix)]
+    else:
+        found = [(at, 0) for at, row in enumerate(rows) if row.SpanName == table.span_name and row.arrays is not None]
+    spans = [rows[at] for at, _ in found]
+    typed = attributes.columns([c for c in table.columns if c.origin == ATTRIBUTE],
+                               np.array([at for at, _ in found], np.int64))
+    if table.event_prefix:
+        events = _Attributes([rows[at].Events_Attributes[i] for at, i in found])
+        typed.update(events.columns([c for c in table.columns if c.origin == EVENT_ATTRIBUTE], np.arange(len(found))))
+    columns, empty = {}, np.zeros(0, np.int64)
+    for column in table.columns:
+        if column.origin == SPAN:
+            columns[column.name] = arrow([getattr(row, column.source) for row in spans], kind_of(column.value_type))
+        elif column.origin == EVENT:
+            value = _EVENT_VALUES[column.source]
+            columns[column.name] = arrow([value(rows[at], i) for at, i in found], kind_of(column.value_type))
+        elif column.origin == TOKEN_ARRAY:
+            columns[column.name] = _list_column([row.arrays.get(column.name, empty) for row in spans],
+                                                kind_of(column.value_type)[1])
+        elif column.origin != MATERIALIZED:
+            columns[column.name] = typed[column.name]
     return _table(columns)
 
 
 def otel_table(rows: list[SpanRow], attributes: _Attributes) -> pa.Table:
-    return _table({name: attributes.map if name == "SpanAttributes" else arrow([row[i] for row in rows], kind)
-                   for i, (name, kind) in enumerate(zip(COLUMNS, OTEL_KINDS))})
+    return _table({column: attributes.map if field == "SpanAttributes" else arrow(values, _otel_kind(field))
+                   for column, field, values in zip(COLUMNS, SpanRow._fields, zip(*rows))})
+
+
+def _otel_kind(field: str):
+    return _OTEL_KINDS.get(field, ("list", "s") if "_" in field else "s")
 
 
 def store_rows(client, rows: list[SpanRow], token: str) -> None:
@@ -334,11 +200,10 @@ def store_rows(client, rows: list[SpanRow], token: str) -> None:
     of what the rows came from), so a batch written again after a stop stores its spans once."""
     if not rows:
         return
-    attributes = _Attributes([row[11] for row in rows])
-    tables = {"kvtrace_requests": request_table(rows, attributes),
-              "kvtrace_cache_events": cache_event_table(rows, attributes),
-              "otel_traces": otel_table(rows, attributes)}
-    for name, table in tables.items():
+    attributes = _Attributes([row.SpanAttributes for row in rows])
+    built = {table.name: typed_table(table, rows, attributes) for table in tables.TYPED_TABLES}
+    built["otel_traces"] = otel_table(rows, attributes)
+    for name, table in built.items():
         if table.num_rows:
             # Typed tables fold copies when they merge and queries read FINAL: folding each block on insert as
             # well (the engine's default) costs a third of storing them, for no answer changed.

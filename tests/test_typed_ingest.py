@@ -23,6 +23,7 @@ from kvtrace.collectors.ingest import ingest_paths
 from kvtrace.collectors.otlp_rows import COLUMNS, rows_from_request
 from kvtrace.cli import main
 from kvtrace.collectors.schema import init_schema
+from kvtrace.collectors.tables import TOKEN_ARRAYS
 from kvtrace.config import Settings
 from kvtrace.db import connect
 from kvtrace.recording.exporters.otlp_json import encode_request
@@ -40,8 +41,6 @@ TABLES = {
     "kvtrace_tokens": "SpanId, position",
     "kvtrace_cache_events": "SpanId, event_index",
 }
-TOKEN_ARRAYS = (sc.OUTPUT_TOKEN_IDS, sc.OUTPUT_TOP1_IDS, sc.OUTPUT_RUNNER_UP_IDS, sc.OUTPUT_MARGINS, sc.OUTPUT_LOGPROBS,
-                sc.OUTPUT_STEP_ROWS, sc.OUTPUT_STEP_TOKENS, sc.PROMPT_PREFILL_STEPS)
 # The answers compared: every saved query, over two runs, one episode and one run where it asks for them.
 QUERY_VALUES = {"run_a": f"run-{sc.CAPTURE_IDS}", "run_b": f"run-{sc.CAPTURE_HASHED}", "run": f"run-{sc.CAPTURE_IDS}",
                 "episode": "ep0"}

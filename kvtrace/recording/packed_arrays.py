@@ -9,7 +9,8 @@ unpacked in one, and bit-exact for every double (NaN payloads included).
 
 The line stays a valid OTLP ``ExportTraceServiceRequest``; only the meaning of these attributes'
 bytes is kvtrace's: ``kvtrace db ingest`` checks them and views them as numpy arrays, which go to
-``kvtrace_requests`` as typed Array columns without a Python step per number.  Spans sent to a
+``kvtrace_requests`` as typed Array columns without a Python step per number (those its declaration in
+``collectors/tables.py`` lists).  Spans sent to a
 Collector over OTLP keep standard arrays (see ``otlp_json.encode_request``).
 """
 
@@ -36,19 +37,6 @@ PACKED_ARRAYS: dict[str, str] = {
     sc.PROMPT_PREFILL_STEPS: INT64,
 }
 """Attribute key → element type of every array the spool packs."""
-
-TOKEN_ARRAYS: dict[str, str] = {
-    sc.OUTPUT_TOKEN_IDS: "token_ids",
-    sc.OUTPUT_TOP1_IDS: "top1_ids",
-    sc.OUTPUT_RUNNER_UP_IDS: "runner_up_ids",
-    sc.OUTPUT_MARGINS: "margins",
-    sc.OUTPUT_LOGPROBS: "logprobs",
-    sc.OUTPUT_STEP_ROWS: "step_rows",
-    sc.OUTPUT_STEP_TOKENS: "step_tokens",
-    sc.PROMPT_PREFILL_STEPS: "prefill_steps",
-}
-"""The arrays that are typed columns of ``kvtrace_requests`` (the per-token ones and the prompt's
-prefill split): attribute key → column."""
 
 _BIG_ENDIAN = sys.byteorder == "big"
 
