@@ -26,7 +26,7 @@ import random
 import threading
 import time
 from array import array
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from opentelemetry import baggage, trace
 from opentelemetry.sdk.resources import Resource
@@ -76,6 +76,7 @@ class Recorder:
         )
         self.provider = TracerProvider(resource=self.resource)
         self.provider.add_span_processor(self.pipeline)
+        self._before_shutdown: list[Callable[[], None]] = []
         self._rng = random.Random()
         self._lock = threading.Lock()
 
@@ -241,7 +242,18 @@ class Recorder:
             instrumentation_scope=self.scope,
         )
 
+    def before_shutdown(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` first when this recorder shuts down: a patch that holds records back (vLLM's
+        requests waiting for rows still on the device) hands them over while spans can still go out."""
+        self._before_shutdown.append(callback)
+
     def shutdown(self) -> None:
+        for callback in self._before_shutdown:
+            try:
+                callback()
+            except Exception:
+                log.exception("kvtrace: could not finish held records at shutdown")
+        self._before_shutdown.clear()
         self.provider.shutdown()
 
 

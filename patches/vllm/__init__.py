@@ -129,7 +129,7 @@ def _forget_requests() -> None:
     """Drop every in-flight request, waiting row and block provenance of this process, and stop
     taking shipped rows."""
     worker.stop_receiving()
-    request_end.finish_ready(force=True)  # freed by vLLM already: their spans go out
+    request_end.finish_held()  # freed by vLLM already: their spans go out, with the rows readable now
     LIVE.clear()
     block_pool.PROVENANCE.clear()
     pending_rows.PENDING.clear()

@@ -121,17 +121,18 @@ class LiveRequests:
                 elif not live.sampled_rows:  # a partial prefill (not a recompute after a preemption)
                     live.partial_prefills.append(step[2])
 
-    def finish(self, internal_id: str) -> Optional[LiveRequest]:
-        """Stop tracking a request vLLM frees; returns it when it was live."""
+    def end(self, internal_id: str, ending: Any) -> Optional[LiveRequest]:
+        """Stop tracking a request vLLM frees; returns it when it was live.  A live one moves to the
+        ending requests in one step, so rows a drain on another thread hands over meanwhile still reach
+        it, and stays there, with ``ending``, until :meth:`take_endings` gives it back."""
         with self._lock:
             self._early.pop(internal_id, None)
             self._lookups.pop(internal_id, None)
-            return self._live.pop(internal_id, None)
-
-    def hold(self, internal_id: str, live: LiveRequest) -> None:
-        """Keep a freed request taking rows until :meth:`take_endings` gives it back."""
-        with self._lock:
-            self._ending[internal_id] = live
+            live = self._live.pop(internal_id, None)
+            if live is not None:
+                live.ending = ending
+                self._ending[internal_id] = live
+            return live
 
     def take_endings(self, ready: Callable[[LiveRequest], bool]) -> list[LiveRequest]:
         """The ending requests ``ready`` says can be finished now, no longer held."""

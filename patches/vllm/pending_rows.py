@@ -86,8 +86,10 @@ class PendingRows(StepRows):
         self.after_drain()
 
     def on_device(self) -> bool:
-        """Whether rows are still waiting for the device (after a drain: any step left)."""
-        return bool(self._steps)
+        """Whether rows are still waiting for the device (after a drain: any step left).  A drain running
+        on another thread is waited for: the rows it took are with their requests when this says none."""
+        with self._lock:
+            return bool(self._steps)
 
     def wait(self, timeout: float) -> bool:
         """Off the engine's thread: wait up to ``timeout`` seconds until the last step queued now is

@@ -5,7 +5,8 @@ under async scheduling the device is already computing the next step.  So a requ
 once when its rows are all readable (on the host path always, and on a GPU normally: vLLM has waited
 for its own copy of the step's sampled ids, which the stream ordered after kvtrace's).  Otherwise it
 is held: rows that arrive later still reach it, and it is finished after the next drain that gives
-it every row, by the waiter thread within :data:`LATE_ROWS_WAIT_S`, or at shutdown.
+it every row, by the waiter thread within :data:`LATE_ROWS_WAIT_S`, or when tracing stops (``unpatch()``,
+the recorder's ``shutdown()``, exit).
 
 Each row's chosen id is checked against the output token at its position: at the first that differs
 (async scheduling, stop strings and preemption discard sampled tokens) the arrays stop, the request is
@@ -14,9 +15,9 @@ marked (``semconv.OUTPUT_ROWS_CUT_AT``) and counted (``rows_misaligned``); rows 
 
 from __future__ import annotations
 
-import atexit
 import threading
 import time
+import weakref
 from typing import Any, Optional
 
 from kvtrace import semconv as sc
@@ -44,17 +45,18 @@ def on_free(request: Any) -> None:
     """``Scheduler._free_request(request)``, before vLLM frees it."""
     PENDING.drain()
     internal_id = str(request.request_id)
-    live = LIVE.finish(internal_id)
+    ending = None
+    if LIVE.get(internal_id) is not None:
+        reason = request.get_finished_reason() if hasattr(request, "get_finished_reason") else None
+        ending = Ending(list(map(int, getattr(request, "output_token_ids", []))),
+                        str(reason) if reason is not None else None, time.monotonic() + LATE_ROWS_WAIT_S)
+    live = LIVE.end(internal_id, ending)
     if live is None:
         return
-    reason = request.get_finished_reason() if hasattr(request, "get_finished_reason") else None
-    live.ending = Ending(list(map(int, getattr(request, "output_token_ids", []))),
-                         str(reason) if reason is not None else None, time.monotonic() + LATE_ROWS_WAIT_S)
-    if len(live.sampled_rows) >= len(live.ending.outputs) or not PENDING.on_device():
-        finish(live)
-        return
-    LIVE.hold(internal_id, live)
-    WAITER.wake()
+    if len(live.sampled_rows) < len(ending.outputs) and PENDING.on_device():
+        _finish_at_shutdown(live.recorder)
+        WAITER.wake()
+    finish_ready()  # this one when its rows are all here (and any other held one ready now)
 
 
 def finish_ready(force: bool = False) -> None:
@@ -67,6 +69,23 @@ def finish_ready(force: bool = False) -> None:
     for live in LIVE.take_endings(lambda live: force or nothing_left or now >= live.ending.deadline
                                   or len(live.sampled_rows) >= len(live.ending.outputs)):
         finish(live)
+
+
+def finish_held() -> None:
+    """Finish every held request now, with the rows the device has given so far (tracing stops)."""
+    PENDING.drain()
+    finish_ready(force=True)
+
+
+_FINISHING_AT_SHUTDOWN: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _finish_at_shutdown(recorder: Any) -> None:
+    """A recorder that a held request will go to finishes the held requests first when it shuts down
+    (``Recorder.shutdown()``, at exit too), while their spans can still go out."""
+    if recorder not in _FINISHING_AT_SHUTDOWN:
+        _FINISHING_AT_SHUTDOWN.add(recorder)
+        recorder.before_shutdown(finish_held)
 
 
 def finish(live: LiveRequest) -> None:
@@ -123,7 +142,7 @@ def _fill_batch_composition(record: RequestRecord, live: LiveRequest, tokens: in
 class LateRowsWaiter:
     """A daemon thread that finishes held requests when the engine's thread does not get to: it waits
     (polling, off the engine's thread) for the rows on the device, then drains.  Started on the first
-    held request; at exit, every held request is finished before the recorder shuts down."""
+    held request; when the recorder shuts down (at exit too), every held request is finished first."""
 
     def __init__(self) -> None:
         self._wake = threading.Event()
@@ -135,8 +154,6 @@ class LateRowsWaiter:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="kvtrace-late-rows", daemon=True)
                 self._thread.start()
-                # registered after the recorder's own (a held request has a recorder): runs before it
-                atexit.register(finish_ready, True)
         self._wake.set()
 
     def _run(self) -> None:

@@ -11,6 +11,7 @@ tests/test_vllm_engine.py; the sampler's numbers are checked against vLLM's own 
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -391,10 +392,16 @@ class DeviceStep:
         raise AssertionError("the engine's thread waited for the device")
 
 
-def device_step(request_ids: list[str], chosen: list[int]) -> tuple[DeviceStep, np.ndarray]:
+def device_step(request_ids: list[str], chosen: list[int], margins: Optional[list[float]] = None,
+                shape: Optional[tuple] = None) -> tuple[DeviceStep, np.ndarray]:
+    """A step's rows queued as the sampler hook queues device rows: a drain first, then the step,
+    readable once its event is ``done``."""
     event = DeviceStep()
-    rows = np.array([[token, token, token + 1, 0.25, -0.5, 1.0] for token in chosen], dtype=np.float32)
-    pending_rows.PENDING.put(request_ids, rows, event, None)
+    margins = margins or [0.25] * len(chosen)
+    rows = np.array([[token, token, token + 1, margin, -0.5, 1.0] for token, margin in zip(chosen, margins)],
+                    dtype=np.float32)
+    pending_rows.PENDING.drain()
+    pending_rows.PENDING.put(request_ids, rows, event, shape)
     return event, rows
 
 
@@ -449,6 +456,89 @@ def test_a_request_held_for_its_rows_still_gets_its_span_when_tracing_stops(engi
     assert "stopped" not in spans(memory_recorder, finished_requests)
     vllm_patch._forget_requests()
     assert spans(memory_recorder, finished_requests)["stopped"][0][sc.OUTPUT_ROWS_CUT_AT] == 1
+
+
+def test_a_held_request_gets_its_span_when_the_recorder_alone_shuts_down(engine, memory_recorder,
+                                                                        finished_requests, monkeypatch):
+    monkeypatch.setattr(request_end, "LATE_ROWS_WAIT_S", 3600)
+    monkeypatch.setattr(request_end.WAITER, "wake", lambda: None)  # no waiter: only the shutdown finishes it
+    request = Request("shut-00000026", [1, 2, 3])
+    engine.admit(request)
+    GPUModelRunner().step({"shut-00000026": [0.0, 3.0, 1.0]})
+    event, _ = device_step(["shut-00000026"], [2])
+    engine.finish(request, [1, 2])
+    event.done = True  # the device is done by the time the process stops
+    memory_recorder.shutdown()  # neither unpatch() nor exit: the recorder's own shutdown
+    span = spans(memory_recorder, finished_requests)["shut"][0]
+    assert list(span[sc.OUTPUT_MARGINS]) == pytest.approx([2.0, 0.25]) and sc.OUTPUT_ROWS_CUT_AT not in span
+
+
+class RequestReadWhileRowsArrive(Request):
+    """vLLM's request, whose finish reason kvtrace reads at the end: kvtrace's waiter thread drains the
+    step the device just finished at that very moment."""
+
+    arrives: Optional[DeviceStep] = None
+
+    def get_finished_reason(self) -> str:
+        self.arrives.done = True
+        waiter = threading.Thread(target=pending_rows.PENDING.drain)
+        waiter.start()
+        waiter.join()
+        return "length"
+
+
+def test_rows_another_thread_drains_while_a_request_ends_still_reach_it(engine, memory_recorder,
+                                                                       finished_requests, monkeypatch):
+    monkeypatch.setattr(request_end.WAITER, "wake", lambda: None)
+    request = RequestReadWhileRowsArrive("raced-00000027", [1, 2, 3])
+    engine.admit(request)
+    GPUModelRunner().step({"raced-00000027": [0.0, 3.0, 1.0]})
+    request.arrives, _ = device_step(["raced-00000027"], [2])
+    engine.finish(request, [1, 2])
+    span = spans(memory_recorder, finished_requests)["raced"][0]
+    assert list(span[sc.OUTPUT_MARGINS]) == pytest.approx([2.0, 0.25]) and sc.OUTPUT_ROWS_CUT_AT not in span
+    assert span[sc.OUTPUT_FINISH_REASON] == "length"
+
+
+def test_under_async_scheduling_each_row_reaches_its_request_and_step_a_step_late(engine, memory_recorder,
+                                                                                finished_requests, monkeypatch):
+    # vLLM's async scheduling: step N+1 is on the device when the engine core hands out step N's tokens
+    # and frees the requests that finished there.  So step N's rows are read at step N+1 (the sampler hook
+    # drains before it queues), a request can be freed while its last row is still on the device, and a
+    # request freed at step N still has a row in step N+1 (a token vLLM discards).  Each row's margin
+    # names its request and step, and each step has a batch of its own: a row given to another request,
+    # step or position shows in the arrays.
+    monkeypatch.setattr(request_end.WAITER, "wake", lambda: None)  # the next step's hook drains
+    a, b, c = (Request(f"{name}-0000003{i}", [1, 2, 3]) for i, name in enumerate("abc"))
+    engine.admit(a)
+    engine.admit(b)
+    step1, _ = device_step([a.request_id, b.request_id], [11, 21], [1.1, 2.1], (2, 6, [3, 3]))  # two prompts
+    engine.admit(c)
+    step1.done = True
+    step2, _ = device_step([a.request_id, b.request_id, c.request_id], [12, 22, 31], [1.2, 2.2, 3.1],
+                           (3, 5, [1, 1, 3]))  # c's prompt joins
+    step2.done = True
+    step3, _ = device_step([a.request_id, b.request_id, c.request_id], [13, 23, 32], [1.3, 2.3, 3.2],
+                           (3, 3, None))  # b's row here is the token after its last: discarded
+    engine.finish(b, [21, 22])  # step 2's outputs: b ends, its rows all read
+    step4, _ = device_step([a.request_id, c.request_id], [14, 33], [1.4, 3.3], (2, 2, None))  # step 3 not yet read
+    engine.finish(a, [11, 12, 13])  # step 3's outputs: a ends while its last row is on the device
+    assert "a" not in spans(memory_recorder, finished_requests)
+    step3.done = step4.done = True
+    pending_rows.PENDING.drain()  # the next step's hook
+    engine.finish(c, [31, 32, 33])
+
+    recorded = spans(memory_recorder, finished_requests)
+    expected = {"a": ([1.1, 1.2, 1.3], [2, 3, 3], [6, 5, 3]), "b": ([2.1, 2.2], [2, 3], [6, 5]),
+                "c": ([3.1, 3.2, 3.3], [3, 3, 2], [5, 3, 2])}
+    for name, (margins, step_rows, step_tokens) in expected.items():
+        attributes = recorded[name][0]
+        assert list(attributes[sc.OUTPUT_MARGINS]) == pytest.approx(margins), name
+        assert list(attributes[sc.OUTPUT_STEP_ROWS]) == step_rows, name
+        assert list(attributes[sc.OUTPUT_STEP_TOKENS]) == step_tokens, name
+        assert list(attributes[sc.PROMPT_PREFILL_STEPS]) == [3] and sc.OUTPUT_ROWS_CUT_AT not in attributes, name
+    counters = memory_recorder.pipeline.counters.snapshot()
+    assert counters["rows_misaligned"] == counters["rows_late"] == 0
 
 
 def test_at_an_exact_tie_the_runner_up_is_the_tied_token_not_taken(engine, memory_recorder, finished_requests):
