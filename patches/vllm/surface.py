@@ -4,8 +4,9 @@ The hooks wrap private methods, read their arguments by position and name (``com
 attributes of vLLM's objects with ``getattr`` and look for a frame named ``allocate_slots`` on the
 stack.  A release that renames any of them loses a feature without an error, so each is declared
 here once and :mod:`.surface_check` checks a vLLM source tree against this list (as AST: a CUDA
-wheel cannot be imported on a CPU-only machine).  :data:`~kvtrace.patches.vllm.HOOKS` names the
-same hook targets; a unit test keeps the two equal.
+wheel cannot be imported on a CPU-only machine).  :data:`~kvtrace.patches.vllm.HOOKS` wraps or checks
+every method and function declared here but three kvtrace reaches otherwise (a unit test,
+tests/unit/test_vllm_surface.py, keeps the two equal and names those three).
 
 A feature passes when all its required targets exist and, where it has alternatives (the V1 or
 the V2 runner's sampler), every target of at least one of them.

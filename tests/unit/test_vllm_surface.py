@@ -131,6 +131,26 @@ def test_vllm_without_the_v1_runner_passes_on_the_v2_sampler_and_fails_without_e
     assert code == 1 and "1 feature(s) lost: per-token margins" in text
 
 
+USED_OUTSIDE_THE_HOOK_TABLE = {
+    "vllm.v1.core.kv_cache_utils:get_block_hash": "called (common.bare), never wrapped",
+    "vllm.v1.outputs:AsyncModelRunnerOutput.get_output": "overridden by worker.py's subclass of vLLM's output",
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": "wrapped on each mp scheduler (worker.receive_rows)",
+}
+"""Callable surface targets kvtrace reaches without a hook of the table, and how."""
+
+
+def test_the_hook_table_wraps_or_checks_every_callable_the_surface_declares_and_nothing_else():
+    from kvtrace.patches import vllm as vllm_patch
+
+    table = {f"{h.module}:{h.target}": h.feature for h in vllm_patch.HOOKS.hooks + vllm_patch.HOOKS.checks}
+    callables = {str(t) for t in SURFACE if "." in t.name or t.name[0].islower()}  # methods and functions
+    assert set(table) == callables - set(USED_OUTSIDE_THE_HOOK_TABLE)
+    assert set(USED_OUTSIDE_THE_HOOK_TABLE) <= callables
+    for name, feature in table.items():  # a missing target's warning names what the surface says it feeds
+        module, _, attribute = name.partition(":")
+        assert feature == target(module, attribute).turns_off, name
+
+
 def test_a_path_that_is_not_vllm_exits_2_with_one_line_and_no_traceback(tmp_path):
     garbage = tmp_path / "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"
     garbage.write_bytes(b"not a zip")
