@@ -86,8 +86,9 @@ def _attach_rows(output: Any, entries: list) -> Any:
         shipped = []
         for req_ids, stats, event, shape, skip in entries:
             if event is not None:
-                # vLLM has already waited for its own copy of this step's sampled ids, which its
-                # stream ordered after this copy: done, or only the top-2 kernel left to finish.
+                # Returns at once, never stalling the engine: this output exists only after vLLM waited for
+                # its own copy of the step's sampled ids, queued after this copy (on the same stream, or
+                # on its copy stream after ``wait_stream`` on it); the wait only guards that ordering.
                 event.synchronize()
             rows = [list(row) for row in readable_rows(stats, skip)]
             shipped.append((list(req_ids), rows, shape))
