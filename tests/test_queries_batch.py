@@ -9,8 +9,8 @@ import pytest
 from diff_scenarios import CachePath, ScenarioBook
 from kvtrace import queries
 from kvtrace import semconv as sc
+from kvtrace.analysis.fork_text import describe_fork
 from kvtrace.analysis.forks import diff_runs
-from kvtrace.commands.diff import describe_fork
 
 A, B = "batched", "alone"
 PROMPT = list(range(1, 13))

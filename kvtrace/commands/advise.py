@@ -11,13 +11,13 @@ from kvtrace.advise import plot
 from kvtrace.advise.candidates import DEFAULT_CHANGES, parse_candidates
 from kvtrace.advise.report import build_advice, print_advice
 from kvtrace.advise.runner import AdvicePlan, run_advice
-from kvtrace.commands.arguments import count, input_file, output_file, seed
-from kvtrace.commands.common import open_database, progress_printer
-from kvtrace.commands.experiment import (_bytes_list, _list, add_pass_timeout_option, require_llama,
-                                         require_plot_extra, write_report)
+from kvtrace.commands.arguments import comma_list, comma_list_of, count, input_file, output_file, seed
+from kvtrace.commands.common import (add_pass_timeout_option, open_database_after_passes, progress_printer,
+                                     write_report)
 from kvtrace.error_report import one_line
 from kvtrace.errors import ConfigError
-from kvtrace.experiment.plan import DEFAULT_CACHE_RAM, FLASH_ATTN, KV_TYPES, EngineSettings, Plan
+from kvtrace.experiment.extras import require_llama, require_plot_extra
+from kvtrace.experiment.plan import DEFAULT_CACHE_RAM, FLASH_ATTN, KV_TYPES, EngineSettings, Plan, parse_bytes
 from kvtrace.patches.llama_cpp.config import weight_format
 from kvtrace.testmodels.llama_gguf import QUANTS
 
@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
                      "ubN, bN, fa-on|off, kv-f16|f32|q8_0, repack-on|off, several joined with +.")
     p.add_argument("--model", type=input_file, required=True, metavar="PATH.gguf",
                    help="the GGUF model to advise on, as it is (F32, F16, Q8_0, Q4_0, Q4_K_M or Q3_K_M)")
-    p.add_argument("--settings", type=_list, default=DEFAULT_CHANGES, metavar="CHANGE[+CHANGE],...",
+    p.add_argument("--settings", type=comma_list, default=DEFAULT_CHANGES, metavar="CHANGE[+CHANGE],...",
                    help=f"candidates to try (default {','.join(DEFAULT_CHANGES)}; fa-flip: the attention path "
                         "the baseline does not use)")
     baseline = p.add_argument_group("baseline (what every speed is relative to)")
@@ -43,7 +43,7 @@ def add_arguments(p) -> None:
     baseline.add_argument("--flash-attn", choices=FLASH_ATTN, default="on",
                           help="(default on: llama.cpp's 'auto' turns it on where the backend has it)")
     baseline.add_argument("--kv-type", choices=KV_TYPES, default="f16", help="(default f16)")
-    p.add_argument("--arms", type=_list, default=("off", "reuse", "prompt-cache"), metavar="off,reuse,...",
+    p.add_argument("--arms", type=comma_list, default=("off", "reuse", "prompt-cache"), metavar="off,reuse,...",
                    help="off and the cache arms to compare with it (default off,reuse,prompt-cache)")
     p.add_argument("--episodes", type=count, default=20, metavar="N",
                    help="episodes per arm: 0 forks in N bound the rate by about 3.8/N at 95%% (default 20)")
@@ -53,14 +53,13 @@ def add_arguments(p) -> None:
     p.add_argument("--prefix", default=None, help="run id prefix (default advise-<seed>-<time>)")
     p.add_argument("--n-ctx", type=count, default=1024, metavar="TOKENS")
     p.add_argument("--threads", type=count, default=1, metavar="N")
-    p.add_argument("--cache-ram", type=_bytes_list, default=(DEFAULT_CACHE_RAM,), metavar="BYTES",
+    p.add_argument("--cache-ram", type=comma_list_of(parse_bytes), default=(DEFAULT_CACHE_RAM,), metavar="BYTES",
                    help="capacity of the prompt-cache arm (default 1GiB)")
     p.add_argument("--speed-rounds", type=count, default=5, metavar="R",
                    help="timed rounds per candidate, after one warm-up (default 5)")
     p.add_argument("--prompt-tokens", type=count, default=256, metavar="P", help="prefill size timed (default 256)")
     p.add_argument("--decode-tokens", type=count, default=32, metavar="D", help="decode steps timed (default 32)")
-    add_pass_timeout_option(p)
-    p.set_defaults(pass_timeout=ADVISE_PASS_TIMEOUT)
+    add_pass_timeout_option(p, ADVISE_PASS_TIMEOUT)
     p.add_argument("--plot", type=output_file, metavar="FILE.png",
                    help="fork rate vs speed cost as a PNG (pip install 'kvtrace[plot]')")
     p.add_argument("--format", choices=("text", "json"), default="text")
@@ -117,9 +116,7 @@ def run(args: argparse.Namespace) -> int:
     plan = advice_plan(args, fmt)
     progress = progress_printer(args)
     advice = run_advice(plan, args.model, progress, args.pass_timeout)
-    progress("ingesting")
-    client = open_database(args)
-    progress("")
-    report = build_advice(client, advice, args.model, fmt)
-    write_report(args, report, print_advice, plot, "no setting has a rate and a cost")
+    report = build_advice(open_database_after_passes(args, progress), advice, args.model, fmt)
+    write_report(report, args.format == "json", print_advice, args.plot, plot.write_plot,
+                 "no setting has a rate and a cost")
     return 130 if advice.interrupted else 0

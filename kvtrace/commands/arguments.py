@@ -1,4 +1,5 @@
-"""argparse types for the CLI's values: counts, finite numbers, turn pairs, input files, output files.
+"""argparse types for the CLI's values: counts, finite numbers, turn pairs, comma lists, input files, output
+files.
 
 A bad value is refused while the command line is parsed — a one-line
 ``argument --x: ...`` error and exit code 2 — before anything runs, so a
@@ -13,6 +14,7 @@ import math
 import os
 import stat
 from pathlib import Path
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 
@@ -74,6 +76,22 @@ def turn_pair(text: str) -> tuple[int, int]:
     if len(turns) != 2 or not all(0 <= t < 2**31 for t in turns):
         raise argparse.ArgumentTypeError(f"{text!r} is not two turn numbers A,B (whole numbers >= 0), e.g. 0,1")
     return turns[0], turns[1]
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """``a,b,c``: the items between commas, stripped, empty ones left out."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def comma_list_of(parse: Callable[[str], Any]) -> Callable[[str], tuple]:
+    """A :func:`comma_list` whose items are each ``parse``'d; its ValueError is the refusal."""
+    def parse_all(text: str) -> tuple:
+        try:
+            return tuple(parse(item) for item in comma_list(text))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse_all
 
 
 def input_file(text: str) -> Path:

@@ -1,12 +1,16 @@
-"""What several commands share: opening the database, progress, output formats."""
+"""What several commands share: opening the database, progress, output formats, the pass time-out option."""
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
+from typing import Callable, Optional, TextIO
 
 from kvtrace import progress
 from kvtrace.collectors.ingest import ingest_paths
 from kvtrace.collectors.schema import init_schema, latest_version, schema_state
+from kvtrace.commands.arguments import positive_number
 from kvtrace.config import default_database_url, default_spool_dir
 from kvtrace.db import connect, describe
 from kvtrace.errors import KvtraceError, SchemaMissing
@@ -16,6 +20,35 @@ from kvtrace.progress import BarProgress, Progress
 def progress_printer(args) -> Progress:
     """Progress on stderr: a bar on a terminal, a log line every few seconds otherwise, none with --quiet."""
     return progress.for_stderr(quiet=getattr(args, "quiet", False))
+
+
+def add_pass_timeout_option(parser, default: float) -> None:
+    """experiment, advise and demo run each engine pass in its own process, watched for stalls."""
+    parser.add_argument("--pass-timeout", type=positive_number, default=default, metavar="SECONDS",
+                        help="end the command when one request (or model load) of a pass takes longer than "
+                             "this: the engine hangs (default %(default)g)")
+
+
+def open_database_after_passes(args, progress: Progress):
+    """After a run's passes: the database, with the spool they wrote ingested."""
+    progress("ingesting")
+    client = open_database(args)
+    progress("")
+    return client
+
+
+def write_report(report: dict, as_json: bool, print_text: Callable[[dict, TextIO], None], plot_path: Optional[Path],
+                 write_plot: Callable[[dict, Path], Optional[Path]], nothing_to_plot: str) -> None:
+    """A report (experiment, advise) on stdout as JSON or text, and its plot where a path is given."""
+    if as_json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print_text(report, sys.stdout)
+    if plot_path:
+        written = write_plot(report, plot_path)
+        print(f"kvtrace: wrote {written}" if written else f"kvtrace: no plot written: {nothing_to_plot}",
+              file=sys.stderr)
 
 
 def open_database(args, ingest: bool = True):

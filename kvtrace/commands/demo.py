@@ -16,17 +16,18 @@ import os
 import sys
 import time
 
+from kvtrace.analysis.fork_text import describe_fork
 from kvtrace.analysis.forks import diff_runs, gguf_detokenizer
 from kvtrace.analysis.html_view import write_fork_view
 from kvtrace.commands.arguments import count, seed
-from kvtrace.commands.common import progress_printer
-from kvtrace.commands.diff import describe_fork
-from kvtrace.commands.experiment import add_pass_timeout_option, ingest_and_build_report, require_llama, require_vllm
+from kvtrace.commands.common import add_pass_timeout_option, open_database_after_passes, progress_printer
 from kvtrace.config import data_home
 from kvtrace.experiment import Plan, run_experiment
+from kvtrace.experiment.extras import require_llama, require_vllm
+from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT
 from kvtrace.experiment.models import generated_hf_model, generated_models
 from kvtrace.experiment.plan import ENGINES, VLLM_ARMS
-from kvtrace.experiment.report import print_report
+from kvtrace.experiment.report import print_report, report_after_passes
 from kvtrace.experiment.vllm_pass import tokenizer_detokenizer
 
 DEMO_FORMATS = ("Q4_0", "Q8_0")
@@ -55,7 +56,7 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", type=count, default=None, metavar="K",
                    help=f"default {LLAMA_SHAPE['tokens']} (vLLM {VLLM_SHAPE['tokens']})")
     p.add_argument("--seed", type=seed, default=0, metavar="S")
-    add_pass_timeout_option(p)
+    add_pass_timeout_option(p, DEFAULT_PASS_TIMEOUT)
     p.set_defaults(func=run)
 
 
@@ -87,7 +88,8 @@ def run(args) -> int:
               f"arms {' vs '.join(plan.arms)}; formats {', '.join(plan.formats)}; flash attention on; "
               f"runs under {plan.prefix}/")
     outcome = run_experiment(plan, models, progress, args.pass_timeout)
-    client, report = ingest_and_build_report(args, plan, outcome, progress)
+    client = open_database_after_passes(args, progress)
+    report = report_after_passes(client, plan, outcome)
     print_report(report, sys.stdout)
 
     cached_arm = plan.arms[1]  # reuse (llama.cpp) or prefix (vLLM), against off

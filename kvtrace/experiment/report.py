@@ -16,6 +16,7 @@ from typing import Any, Optional, TextIO
 from kvtrace import queries
 from kvtrace.analysis.forks import diff_runs
 from kvtrace.analysis.tables import print_rows
+from kvtrace.errors import EngineFailed
 from kvtrace.experiment.plan import CONTROL_ARM, EngineSettings, Plan, VllmSettings, format_bytes
 from kvtrace.experiment.runner import Outcome
 
@@ -163,6 +164,14 @@ def flip_rates(client, plan: Plan) -> list[dict]:
     for row in rows:
         row["settings"] = settings_label(row.pop("numerics_settings")) if row["kv_cache_type"] else ""
     return rows
+
+
+def report_after_passes(client, plan: Plan, outcome: Outcome) -> dict:
+    """The report of the passes, read from ``client`` once their spool is ingested (so a pass that died
+    still leaves what it recorded stored); EngineFailed for that dead pass."""
+    if outcome.failure is not None:
+        raise EngineFailed(outcome.failure.describe())
+    return build_report(client, plan, outcome)
 
 
 def build_report(client, plan: Plan, outcome: Outcome) -> dict:

@@ -32,6 +32,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Optional
 from urllib.parse import urlsplit
@@ -48,22 +49,52 @@ from kvtrace.outside.proxy import proxy_in_thread
 from kvtrace.outside.upstream_profile import llama_server_profile
 from kvtrace.progress import Progress
 from kvtrace.recording.recorder import get_recorder
+from kvtrace.testmodels.llama_gguf import QUANTS
 
 SERVER_ARMS = ("off", "reuse", "prompt-cache")
+RUNNING_SERVER_ARMS = ("off", "reuse")
+"""A running server has one prompt-cache setting: by default it is compared with and without the cache."""
 START_TIMEOUT_S = 180.0
 MIB = 1 << 20
 
 
-def parse_target(text: str) -> tuple[Optional[list[str]], Optional[str]]:
+@dataclass(frozen=True)
+class ServerTarget:
+    """What ``--server`` names: llama-server's command line (started fresh for every pass) or a
+    running server's URL, exactly one of them."""
+
+    command: Optional[tuple[str, ...]] = None
+    url: Optional[str] = None
+
+    @property
+    def default_arms(self) -> tuple[str, ...]:
+        """The arms when none are given: every arm a command line can be started with, or the two a
+        running server can offer at once."""
+        return SERVER_ARMS if self.command is not None else RUNNING_SERVER_ARMS
+
+
+def parse_target(text: str) -> ServerTarget:
     """``--server``: a running server's URL, or the llama-server command line to start per pass."""
     if text.startswith(("http://", "https://")):
         if not urlsplit(text).hostname:
             raise ConfigError(f"--server {text!r}: not an http(s)://host:port URL")
-        return None, text.rstrip("/")
+        return ServerTarget(url=text.rstrip("/"))
     command = shlex.split(text)
     if not command:
         raise ConfigError("--server: give llama-server's command line (or a running server's URL)")
-    return command, None
+    return ServerTarget(command=tuple(command))
+
+
+def run_server(plan: Plan, target: ServerTarget, progress: Progress = Progress()) -> tuple[Plan, Outcome]:
+    """``plan`` checked against what the server can run, then every pass of it on the weight format the
+    server's model has (asked first); the plan as run, with that one format, and its outcome."""
+    check_plan(plan, target.url)
+    progress("asking the server for its model's weight format")
+    detected = detect_format(target, plan)
+    if detected not in QUANTS:
+        raise ConfigError(f"the server's model is {detected}; the experiment compares the formats {', '.join(QUANTS)}")
+    plan = replace(plan, formats=(detected,))
+    return plan, run_server_experiment(plan, target, progress)
 
 
 def check_plan(plan: Plan, url: Optional[str]) -> None:
@@ -97,7 +128,7 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def started_server(command: list[str], arguments: list[str], log_path: Path) -> Iterator[str]:
+def started_server(command: tuple[str, ...], arguments: list[str], log_path: Path) -> Iterator[str]:
     """llama-server started with ``command + arguments`` (which name its port); yields its base URL."""
     port = arguments[arguments.index("--port") + 1]
     output = log_path.with_suffix(".out")
@@ -152,19 +183,18 @@ def server_weight_format(base: str) -> str:
     return llama_server_profile(props).weight_format or "unknown"
 
 
-def detect_format(command: Optional[list[str]], url: Optional[str], plan: Plan) -> str:
+def detect_format(target: ServerTarget, plan: Plan) -> str:
     """The weight format of the server's model (a command line is started once to ask)."""
-    if url is not None:
-        return server_weight_format(url)
+    if target.url is not None:
+        return server_weight_format(target.url)
     with tempfile.TemporaryDirectory(prefix="kvtrace-server-probe-") as scratch:
         log_path = Path(scratch) / "llama-server.log"
         key = next(plan.passes())
-        with started_server(command, server_arguments(plan, key, _free_port(), log_path), log_path) as base:
+        with started_server(target.command, server_arguments(plan, key, _free_port(), log_path), log_path) as base:
             return server_weight_format(base)
 
 
-def run_server_experiment(plan: Plan, command: Optional[list[str]], url: Optional[str],
-                          progress: Progress = Progress()) -> Outcome:
+def run_server_experiment(plan: Plan, target: ServerTarget, progress: Progress = Progress()) -> Outcome:
     """Every pass of ``plan`` (whose ``formats`` hold the one format the server's model has)."""
     outcome = Outcome()
     started = time.monotonic()
@@ -175,15 +205,15 @@ def run_server_experiment(plan: Plan, command: Optional[list[str]], url: Optiona
             for i, key in enumerate(keys, 1):
                 run_id = plan.run_id(key)
                 result = PassResult()
-                if command is not None:
+                if target.command is not None:
                     log_path = Path(scratch) / f"pass-{i}.log"
                     arguments = server_arguments(plan, key, _free_port(), log_path)
-                    with started_server(command, arguments, log_path) as base:
+                    with started_server(target.command, arguments, log_path) as base:
                         with proxy_in_thread(base, llama_server_log=log_path) as proxy:
                             run_server_pass(plan, base, proxy, key, run_id, result, progress, f"[{i}/{len(keys)}] ")
                 else:
-                    with proxy_in_thread(url) as proxy:
-                        run_server_pass(plan, url, proxy, key, run_id, result, progress, f"[{i}/{len(keys)}] ")
+                    with proxy_in_thread(target.url) as proxy:
+                        run_server_pass(plan, target.url, proxy, key, run_id, result, progress, f"[{i}/{len(keys)}] ")
                 outcome.runs.append({"run_id": run_id, "format": key.format, "settings": key.settings.label,
                                      "arm": key.arm, "cache_ram": key.cache_ram, "repeat": key.repeat,
                                      "order": key.order})
