@@ -11,6 +11,7 @@ same rows.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import NamedTuple, Optional
 
@@ -44,11 +45,16 @@ class Column(NamedTuple):
     @property
     def value_type(self) -> str:
         """The type without ``LowCardinality``, which stores the same values."""
-        return re.sub(r"LowCardinality\(([^()]*)\)", r"\1", self.type)
+        return _value_type(self.type)
 
     @property
     def conversion(self) -> Conversion:
         return or_instead(self.empty) if self.empty is not None else BY_TYPE[self.value_type]
+
+
+@functools.lru_cache(maxsize=None)  # read for every column of every batch
+def _value_type(type_: str) -> str:
+    return re.sub(r"LowCardinality\(([^()]*)\)", r"\1", type_)
 
 
 class Table(NamedTuple):
