@@ -1,38 +1,17 @@
-"""The ClickHouse schema: render the DDL in ``collectors/sql``, create it, upgrade older databases.
+"""The ClickHouse schema: render it, create it, bring an older database to it (docs/ARCHITECTURE.md,
+"Schema versions").
 
-``collectors/sql`` holds the templates of the tables and views kvtrace does not declare in
-``tables.py``; each typed table's DDL and view are rendered from its declaration there and take their
-place among the files. Templates use ``${name}`` placeholders: the database, the table names, the
-engine and ``ON CLUSTER`` clause, and every ``kvtrace.semconv`` constant (so
-the views read exactly the attribute names the recorder writes).  Only
-identifiers validated here are substituted — never user data.
-
-Single node (chDB or one server): MergeTree tables.  ``cluster=NAME``: every
-object ``ON CLUSTER NAME``, tables as ``<name>_local`` with Replicated engines,
-and a Distributed table under the plain name in front of each, so queries and
-inserts address the same names either way (the materialized views hang off
+The current schema is ``collectors/sql``'s templates with each typed table's DDL and view, rendered from
+``tables.py``, in their place among the files. Placeholders ``${name}``: the database, table names, engine
+and ``ON CLUSTER`` clause, and every ``kvtrace.semconv`` constant; only identifiers validated here are
+substituted, never user data. ``cluster=NAME``: every object ``ON CLUSTER NAME``, tables as
+``<name>_local`` with Replicated engines behind a Distributed table of the plain name (the views hang off
 the local tables, so each shard explodes what it stores).
 
-Versions.  ``collectors/sql`` is always the current schema.  A change that an
-existing database needs (a new column) also gets a numbered migration,
-``collectors/migrations/NNNN_name.sql``, rendered with the same placeholders;
-``kvtrace_schema_migrations`` lists the versions a database has.
-``init_schema`` (``kvtrace db init``, and every command through
-``open_database``):
-
-* creates a database that has no kvtrace tables at the latest version;
-* takes one whose kvtrace tables predate recorded versions to be at version 1;
-* runs each migration it has not recorded, in order, then the current DDL (objects new
-  since then); then points every materialized view at its current SELECT with
-  ``ALTER TABLE … MODIFY QUERY`` (the views write TO their tables: no stored
-  row is touched, and no insert meets a missing view); in cluster mode it adds
-  the new columns to the Distributed tables in front; it records the versions
-  last, so an interrupted upgrade is simply run again.
-
-Every statement may run twice (``IF NOT EXISTS``).  An embedded database is
-opened by one process at a time, so its upgrade never races; two processes
-upgrading one server run the same idempotent statements and may record a
-version twice, which is still one version.
+``init_schema`` runs the numbered ``collectors/migrations`` a database has not recorded, then the current
+DDL (objects new since), points every materialized view at its current SELECT (``MODIFY QUERY``: no stored
+row touched) and records the versions last. Every statement may run twice (``IF NOT EXISTS``), so an
+interrupted upgrade is run again, and two processes upgrading one server run the same statements.
 """
 
 from __future__ import annotations
@@ -46,17 +25,17 @@ from kvtrace import semconv
 from kvtrace.collectors import tables as typed_tables
 from kvtrace.errors import SchemaUpgradeFailed
 
-TABLES = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_tokens",
-          "kvtrace_cache_events", "kvtrace_ingest_files", "kvtrace_ingest_lines")
-"""Every name a query may read (``kvtrace_tokens`` is a view of ``kvtrace_requests``)."""
-VERSIONS_TABLE = "kvtrace_schema_migrations"
-VIEWS = ("otel_traces_trace_id_ts_mv", "kvtrace_requests_mv", "kvtrace_cache_events_mv")
 SPAN_TABLES = tuple(table.name for table in typed_tables.TYPED_TABLES)
 """kvtrace's typed tables: one row per span (and event), copies folded by the engine."""
+TABLES = ("otel_traces", "otel_traces_trace_id_ts", *SPAN_TABLES, "kvtrace_tokens", "kvtrace_ingest_files",
+          "kvtrace_ingest_lines")
+"""Every name a query may read (``kvtrace_tokens`` is a view of ``kvtrace_requests``)."""
+VERSIONS_TABLE = "kvtrace_schema_migrations"
+VIEWS = ("otel_traces_trace_id_ts_mv", *(f"{table}_mv" for table in SPAN_TABLES))
 REBUILT_IN_0005 = ("kvtrace_requests", "kvtrace_tokens", "kvtrace_cache_events")
 """The typed tables of version 5, which migration 0005 rebuilds (the tokens table until 0006 drops it)."""
 # Tables that get a Distributed table in front of them in cluster mode.
-DISTRIBUTED = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_requests", "kvtrace_cache_events")
+DISTRIBUTED = ("otel_traces", "otel_traces_trace_id_ts", *SPAN_TABLES)
 SHARDING_KEYS = {"otel_traces": "cityHash64(TraceId)", "otel_traces_trace_id_ts": "cityHash64(TraceId)",
                  **{table: "cityHash64(run_id)" for table in SPAN_TABLES}}
 """Each Distributed table's sharding key: copies of a span land on one shard, where they fold, and a run's
