@@ -3,7 +3,7 @@
     python benchmarks/proxy_overhead.py [--requests 300] [--streams 40] [--tokens 64] [--model M.gguf]
                                         [--baseline-python PYTHON]
 
-Starts llama-server (the build `python -m kvtrace.outside.llama_server_build` caches) on the
+Starts llama-server (the build `python -m kvtrace.llama_server.build` caches) on the
 tiny generated model and kvtrace's proxy in front of it, recording to a spool in a temporary
 directory (the default exporter and capture), in this process; the client runs in a process of its
 own and alternates direct and proxied calls in ABBA order, so drift on a shared machine hits both
@@ -52,8 +52,8 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from llama_server_process import running_llama_server  # noqa: E402  (the tests' launcher)
 
-from kvtrace.outside import http1, upstream
-from kvtrace.outside.proxy import proxy_in_thread
+from kvtrace.proxy import http1, upstream
+from kvtrace.proxy.app import proxy_in_thread
 from kvtrace.testmodels.llama_gguf import make_model
 
 CLIENT = r'''

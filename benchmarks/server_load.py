@@ -15,7 +15,7 @@ requests, sent through that many client threads), so drift on a shared machine h
 * ``llama-cpp``: ``kvtrace run -- python -m llama_cpp.server`` against the same server with
   ``KVTRACE_DISABLED=1``;
 * ``llama-server``: llama.cpp's server (``-np 4``, the build
-  ``python -m kvtrace.outside.llama_server_build`` caches) behind ``kvtrace proxy``, against the
+  ``python -m kvtrace.llama_server.build`` caches) behind ``kvtrace proxy``, against the
   same llama-server called directly. A third arm, the same server called directly with the top two
   the proxy asks for (``n_probs``), gives the server's own share of the proxy's cost: its ratios
   to the plain direct server are printed under each cell, as a floor no proxy can go below.
@@ -64,7 +64,7 @@ from typing import Iterator, Optional
 
 import httpx
 
-from kvtrace.outside.margin_request import COMPLETIONS, UpstreamProfile, plan_request
+from kvtrace.proxy.margin_request import COMPLETIONS, UpstreamProfile, plan_request
 from kvtrace.recording.stats import SHADOW_TWINS_DROPPED, read_stats
 from kvtrace.semconv import ARM, ARM_SHADOW, SPAN_REQUEST
 from kvtrace.testmodels.llama_gguf import SIZES as GGUF_SIZES, make_model as make_gguf_model
@@ -295,11 +295,11 @@ def llama_cpp_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm, A
 
 
 def llama_server_argv(model: Path, port: int, log: Path, cache_ram_mib: Optional[int]) -> list[str]:
-    from kvtrace.outside.llama_server_build import cached_llama_server
+    from kvtrace.llama_server.build import cached_llama_server
 
     binary = cached_llama_server()
     if binary is None:
-        raise SystemExit("llama-server is not built; run `python -m kvtrace.outside.llama_server_build` first")
+        raise SystemExit("llama-server is not built; run `python -m kvtrace.llama_server.build` first")
     return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", "4",
             "-c", "4096", "-t", "1", "-tb", "1", "-b", "64", "-ub", "64", "--no-warmup", "--no-repack",
             "-lv", "4", "--log-file", str(log),

@@ -40,7 +40,7 @@ from opentelemetry import propagate
 
 from kvtrace import correlate
 from kvtrace.commands.arguments import count, http_url, input_file
-from kvtrace.outside.llama_server_build import cached_llama_server
+from kvtrace.llama_server.build import cached_llama_server
 
 from common import (echo, free_port, generated_model, kvtrace, kvtrace_command, print_differences, started,
                     traced_llama_cpp_server, work_dir)
@@ -110,7 +110,7 @@ def llama_server_behind_proxy(model: Path, flags: list[str], env: dict[str, str]
     binary = args.llama_server.resolve() if args.llama_server else shutil.which("llama-server") or cached_llama_server()
     if binary is None:
         raise SystemExit("no llama-server found: give --llama-server PATH, or build kvtrace's own with "
-                         "`python -m kvtrace.outside.llama_server_build`")
+                         "`python -m kvtrace.llama_server.build`")
     port, proxy_port = free_port(), free_port()
     log = logs / "llama-server.log"
     log.unlink(missing_ok=True)  # the proxy reads this run's decisions only

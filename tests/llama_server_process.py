@@ -1,6 +1,6 @@
 """A real llama-server (llama.cpp's own C++ server) for tests, and kvtrace's proxy in front of it.
 
-The binary is the one ``python -m kvtrace.outside.llama_server_build`` builds and caches (.ci/run
+The binary is the one ``python -m kvtrace.llama_server.build`` builds and caches (.ci/run
 does it before the tests); a test that finds none skips, which fails under CI.
 """
 
@@ -40,11 +40,11 @@ def free_port() -> int:
 
 
 def llama_server_binary() -> Path:
-    from kvtrace.outside.llama_server_build import cached_llama_server
+    from kvtrace.llama_server.build import cached_llama_server
 
     binary = cached_llama_server()
     if binary is None:
-        pytest.skip("llama-server is not built; run `python -m kvtrace.outside.llama_server_build` (.ci/run does)")
+        pytest.skip("llama-server is not built; run `python -m kvtrace.llama_server.build` (.ci/run does)")
     return binary
 
 
@@ -96,7 +96,7 @@ def running_proxy(upstream: str, recorder=None, llama_server_log: Optional[Path]
 
     ``recorder``: the recorder to use (default: the process recorder, as `kvtrace proxy` does).
     """
-    from kvtrace.outside.proxy import proxy_in_thread
+    from kvtrace.proxy.app import proxy_in_thread
 
     return proxy_in_thread(upstream, recorder, llama_server_log)
 

@@ -187,7 +187,7 @@ def refusing_upstream() -> Loopback:
 def test_a_proxied_upstreams_error_that_repeats_the_prompt_is_not_stored_in_the_clear(spool_dir, db, monkeypatch):
     import httpx
 
-    from kvtrace.outside.proxy import proxy_in_thread
+    from kvtrace.proxy.app import proxy_in_thread
 
     monkeypatch.setenv("KVTRACE_CAPTURE", "hashed")
     recorder = Recorder(Settings.from_env(), exporter=SpoolExporter(spool_dir))

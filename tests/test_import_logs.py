@@ -119,7 +119,7 @@ def test_imported_requests_carry_margins_and_cache_provenance(tmp_path, db, caps
 
 
 def test_server_dialects_of_logprobs_and_cached_tokens():
-    from kvtrace.outside.openai_exchange import TextHasher, parse_exchange
+    from kvtrace.exchanges.exchange import TextHasher, parse_exchange
 
     hasher = TextHasher(b"k")
     llama_server = {"choices": [{"logprobs": {"content": [

@@ -7,8 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from kvtrace import semconv as sc
-from kvtrace.outside.llama_server_log import LogFollower, LogParser, started_after
-from kvtrace.outside.llama_server_tasks import Fingerprint, TaskProvenance
+from kvtrace.llama_server.log import LogFollower, LogParser, started_after
+from kvtrace.llama_server.tasks import Fingerprint, TaskProvenance
 
 START = """\
 0.00.100.000 I srv    load_model: prompt cache is enabled, size limit: 64 MiB

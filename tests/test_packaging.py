@@ -37,6 +37,7 @@ def test_wheel_installs_in_a_fresh_venv_and_the_cli_runs(tmp_path):
     assert "run_id" in run("query", "runs")
     located = subprocess.run([str(venv / "bin" / "python"), "-c",
                               "import kvtrace.patches, kvtrace.collectors, kvtrace.queries as q; "
+                              "import kvtrace.exchanges.probe, kvtrace.llama_server.build, kvtrace.proxy.limits; "
                               "print(kvtrace.patches.__file__); print(q.names())"],
                              capture_output=True, text=True, env=env, cwd=tmp_path, check=True).stdout
     assert str(venv) in located and "runs" in located

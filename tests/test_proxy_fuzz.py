@@ -20,13 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtrace import semconv as sc
-from kvtrace.outside.limits import Limits
-from kvtrace.outside.margin_request import (_REMOVE, CHAT, COMPLETIONS, OPENAI_COMPATIBLE, UpstreamProfile, cut,
-                                            plan_request)
+from kvtrace.proxy.limits import Limits
+from kvtrace.proxy.margin_request import (_REMOVE, CHAT, COMPLETIONS, OPENAI_COMPATIBLE, UpstreamProfile, cut,
+                                          plan_request)
 from scripted_upstream import Answer, ScriptedUpstream, chunked, head, json_answer, openai_profile
 
 pytest.importorskip("h11")
-from kvtrace.outside.proxy import proxy_in_thread  # noqa: E402  (needs h11)
+from kvtrace.proxy.app import proxy_in_thread  # noqa: E402  (needs h11)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -401,7 +401,7 @@ JSON_VALUES = st.recursive(
 @settings(max_examples=300, deadline=None)
 @given(value=JSON_VALUES, ascii_only=st.booleans(), encoding=st.sampled_from(["utf-8", "utf-16", "utf-8-sig", None]))
 def test_the_proxys_json_decoder_gives_what_json_loads_gives(value, ascii_only, encoding):
-    from kvtrace.outside.json_decode import loads
+    from kvtrace.json_decode import loads
 
     text = json.dumps(value, ensure_ascii=ascii_only)
     try:
@@ -414,7 +414,7 @@ def test_the_proxys_json_decoder_gives_what_json_loads_gives(value, ascii_only, 
 @settings(max_examples=300, deadline=None)
 @given(data=st.binary(max_size=40) | st.text(alphabet='[]{}",:0123456789.eE+-tfrunalsNIy \\u', max_size=30))
 def test_the_proxys_json_decoder_refuses_what_json_loads_refuses(data):
-    from kvtrace.outside.json_decode import loads
+    from kvtrace.json_decode import loads
 
     try:
         expected = repr(json.loads(data))

@@ -18,11 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvtrace.outside.limits import Limits
+from kvtrace.proxy.limits import Limits
 from scripted_upstream import Answer, ScriptedUpstream, head, json_answer, openai_profile, sse_answer
 
 h11 = pytest.importorskip("h11")
-from kvtrace.outside.proxy import ProxyApp, proxy_in_thread  # noqa: E402  (needs h11)
+from kvtrace.proxy.app import ProxyApp, proxy_in_thread  # noqa: E402  (needs h11)
 
 COMPLETION = {"prompt": "Once upon a time", "max_tokens": 2}
 ANSWER = {"id": "c", "object": "text_completion", "model": "m",
@@ -143,7 +143,7 @@ def test_an_upstream_that_closes_after_each_stream_is_not_sent_requests_into_the
 
 def test_a_connection_idle_past_the_reuse_bound_is_not_reused(memory_recorder, monkeypatch):
     """Servers close idle kept-alive connections after a few seconds; one idle that long is not risked."""
-    from kvtrace.outside import upstream as upstream_module
+    from kvtrace.proxy import upstream as upstream_module
 
     monkeypatch.setattr(upstream_module, "MAX_IDLE_S", 0.3)
     with ScriptedUpstream(lambda received: json_answer({"data": []})) as upstream, \
@@ -251,8 +251,8 @@ CHILD = r'''
 import json, resource, sys
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from kvtrace.config import Settings
-from kvtrace.outside.limits import Limits
-from kvtrace.outside.proxy import proxy_in_thread
+from kvtrace.proxy.limits import Limits
+from kvtrace.proxy.app import proxy_in_thread
 from kvtrace.recording.recorder import Recorder
 
 recorder = Recorder(Settings.from_env(), exporter=InMemorySpanExporter())
@@ -308,7 +308,7 @@ def test_the_proxy_keeps_accepting_after_it_ran_out_of_descriptors(kvtrace_env):
 
 
 def test_a_connection_whose_thread_cannot_start_gets_503_and_the_proxy_goes_on(memory_recorder, monkeypatch):
-    import kvtrace.outside.http1 as http1
+    import kvtrace.proxy.http1 as http1
 
     failures = [RuntimeError("can't start new thread")]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 
 from kvtrace import semconv as sc
-from kvtrace.outside.margin_request import (CHAT, COMPLETIONS, NATIVE, OPENAI_COMPATIBLE, UpstreamProfile, cut,
-                                            plan_request, with_marker)
+from kvtrace.proxy.margin_request import (CHAT, COMPLETIONS, NATIVE, OPENAI_COMPATIBLE, UpstreamProfile, cut,
+                                          plan_request, with_marker)
 
 LLAMA_SERVER = UpstreamProfile(engine="llama-server", llama_server=True)
 TOP_TWO = {"content": [{"id": 5, "token": "a", "logprob": -0.1,

@@ -17,13 +17,13 @@ import pytest
 
 from integrity_readback import store
 from kvtrace import queries, semconv as sc
-from kvtrace.outside.limits import ShadowBudget
+from kvtrace.proxy.limits import ShadowBudget
 from kvtrace.recording.stats import SHADOW_TWINS_DROPPED, SHADOW_TWINS_SENT, SHADOW_TWINS_STATE_LEFT
 from llama_server_process import free_port, proxy_process, running_llama_server, same_bytes
 from readme_commands import readme_command
 
 pytest.importorskip("h11")
-from kvtrace.outside.proxy import proxy_in_thread  # noqa: E402  (needs h11)
+from kvtrace.proxy.app import proxy_in_thread  # noqa: E402  (needs h11)
 
 OPENING = "The lighthouse keeper climbed the stairs and"
 FOLLOW_UPS = (" Then the storm", " At dawn the boats")

@@ -21,8 +21,8 @@ httpx = pytest.importorskip("httpx")
 
 from integrity_readback import store  # noqa: E402
 from kvtrace import queries, semconv as sc  # noqa: E402
-from kvtrace.outside.limits import ShadowBudget  # noqa: E402
-from kvtrace.outside.proxy import proxy_in_thread  # noqa: E402
+from kvtrace.proxy.limits import ShadowBudget  # noqa: E402
+from kvtrace.proxy.app import proxy_in_thread  # noqa: E402
 from kvtrace.recording.stats import SHADOW_TWINS_DROPPED, SHADOW_TWINS_SENT  # noqa: E402
 from llama_server_process import same_bytes  # noqa: E402
 from vllm_server_process import MODEL_NAME, running_vllm_server  # noqa: E402

@@ -9,7 +9,7 @@ import sys
 
 from kvtrace.commands.arguments import input_file
 from kvtrace.commands.common import open_database
-from kvtrace.outside.importer import PROBLEMS_KEPT, ImportOptions, import_files
+from kvtrace.exchanges.importer import PROBLEMS_KEPT, ImportOptions, import_files
 
 
 def add_arguments(p) -> None:

@@ -6,8 +6,9 @@ import sys
 import time
 
 from kvtrace.commands.arguments import count, input_file, positive_number
-from kvtrace.outside.probe import SERVER_KINDS, ProbeError, Prober, ProbeSettings, compare, detect_server, load_prompts
-from kvtrace.outside.recorder import OutsideRecorder
+from kvtrace.exchanges.probe import (SERVER_KINDS, ProbeError, Prober, ProbeSettings, compare, detect_server,
+                                     load_prompts)
+from kvtrace.exchanges.recorder import OutsideRecorder
 
 
 def add_arguments(p) -> None:

@@ -9,12 +9,12 @@ import sys
 from kvtrace.commands.arguments import (count, input_file, listen_address, positive_number, share, upstream_url,
                                        whole_number)
 from kvtrace.errors import ConfigError
-from kvtrace.outside.limits import Limits, ShadowBudget
 from kvtrace.preflight import check_settings
+from kvtrace.proxy.limits import Limits, ShadowBudget
 
 DEFAULTS = Limits()
 MAX_WORKERS = 64
-"""As kvtrace.outside.workers.MAX_WORKERS (not imported: --help imports nothing it need not)."""
+"""As kvtrace.proxy.workers.MAX_WORKERS (not imported: --help imports nothing it need not)."""
 
 
 def workers(text: str) -> int:
@@ -80,7 +80,7 @@ def run(args) -> int:
     settings = check_settings()  # a recorder that could not record is refused now (exit 2), not found later
     try:
         # Deferred: h11 comes with the optional `proxy` extra.
-        from kvtrace.outside.proxy import serve
+        from kvtrace.proxy.app import serve
     except ImportError as exc:
         raise ConfigError(f"kvtrace proxy needs {exc.name or 'its extra'}: pip install 'kvtrace[proxy]'") from None
 
@@ -98,7 +98,7 @@ def run(args) -> int:
         shadow = ShadowBudget(args.shadow, args.shadow_in_flight, args.shadow_tokens_per_minute,
                               args.shadow_busy) if args.shadow else None
         if args.workers > 1:
-            from kvtrace.outside.workers import WorkerPlan, serve_workers
+            from kvtrace.proxy.workers import WorkerPlan, serve_workers
 
             serve_workers(WorkerPlan(args.upstream, host, port, args.llama_server_log, limits, shadow), args.workers,
                           on_listening=listening)

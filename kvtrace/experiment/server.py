@@ -45,9 +45,9 @@ from kvtrace.experiment.isolation import PassResult
 from kvtrace.experiment.plan import PassKey, Plan
 from kvtrace.experiment.runner import Outcome
 from kvtrace.experiment.workload import episode_order, make_episodes
-from kvtrace.outside.proxy import proxy_in_thread
-from kvtrace.outside.upstream_profile import llama_server_profile
 from kvtrace.progress import Progress
+from kvtrace.proxy.app import proxy_in_thread
+from kvtrace.proxy.upstream_profile import llama_server_profile
 from kvtrace.recording.recorder import get_recorder
 from kvtrace.testmodels.llama_gguf import QUANTS
 

@@ -72,7 +72,7 @@ COUNTERS = (
     "shadow_twins_sent",          # sent upstream
     "shadow_twins_dropped",       # sampled, but the budget had no room (in flight, tokens per minute, no idle slot)
     "shadow_twins_unsupported",   # sampled, but the upstream has no cache bypass
-    "shadow_twins_state_left",    # sent, but its state stayed in llama-server's slot (shadow_slots.py)
+    "shadow_twins_state_left",    # sent, but its state stayed in llama-server's slot (llama_server/slots.py)
 )
 (PROXY_BAD_REQUESTS, PROXY_CLIENT_TIMEOUTS, PROXY_REFUSED_BODY, PROXY_REFUSED_HEADERS, PROXY_REFUSED_BUSY,
  PROXY_ACCEPT_ERRORS) = COUNTERS[-10:-4]

@@ -2,7 +2,7 @@
 
 import threading
 
-from kvtrace.outside import background
+from kvtrace.proxy import background
 
 _Thread = threading.Thread  # the real class; the test swaps the module's for one that starts slowly
 

@@ -6,13 +6,13 @@ import platform
 import subprocess
 import sys
 
-from kvtrace.outside import heap
+from kvtrace.proxy import heap
 
 # A fresh process fills its C heap with 1 KiB blocks, frees all but every hundredth (the holes cannot
 # be returned from the heap's top), and prints its RSS before and after release_free_memory().
 _FRAGMENTED_HEAP = """
 import ctypes
-from kvtrace.outside import heap
+from kvtrace.proxy import heap
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
@@ -55,7 +55,7 @@ def test_the_trim_runs_at_most_once_a_period(monkeypatch):
 # A fresh process (arenas limited or not) lets 8 threads allocate, then counts the heaps glibc's malloc_info lists.
 _ARENAS_USED = """
 import ctypes, sys, threading
-from kvtrace.outside import heap
+from kvtrace.proxy import heap
 limited = heap.limit_arenas(1) if sys.argv[1] == "limit" else None
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p

@@ -1,6 +1,6 @@
 """Which server answers, told from its ``/models`` list: the probe's and the proxy's one reading."""
 
-from kvtrace.outside.server_kind import server_of_models
+from kvtrace.server_kind import server_of_models
 
 
 def test_each_server_is_told_by_the_owner_it_names():

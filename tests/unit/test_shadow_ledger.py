@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import multiprocessing
 
-from kvtrace.outside.limits import ShadowBudget
-from kvtrace.outside.shadow_ledger import ShadowLedger
+from kvtrace.proxy.limits import ShadowBudget
+from kvtrace.proxy.shadow_ledger import ShadowLedger
 
 
 def spend(ledger: ShadowLedger, answers) -> None:

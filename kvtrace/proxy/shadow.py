@@ -23,15 +23,15 @@ from typing import Any, Callable, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.errors import ConfigError
-from kvtrace.outside.background import Background
-from kvtrace.outside.http1 import Request
-from kvtrace.outside.json_decode import loads
-from kvtrace.outside.limits import ShadowBudget
-from kvtrace.outside.margin_request import UpstreamProfile
-from kvtrace.outside.recorder import trace_headers
-from kvtrace.outside.shadow_ledger import ShadowLedger
-from kvtrace.outside.shadow_slots import SlotKeeper
-from kvtrace.outside.upstream import Upstream, UpstreamBrokeOff, UpstreamUnreachable
+from kvtrace.exchanges.recorder import trace_headers
+from kvtrace.json_decode import loads
+from kvtrace.llama_server.slots import SlotKeeper
+from kvtrace.proxy.background import Background
+from kvtrace.proxy.http1 import Request
+from kvtrace.proxy.limits import ShadowBudget
+from kvtrace.proxy.margin_request import UpstreamProfile
+from kvtrace.proxy.shadow_ledger import ShadowLedger
+from kvtrace.proxy.upstream import Upstream, UpstreamBrokeOff, UpstreamUnreachable
 from kvtrace.recording.records import RequestRecord
 from kvtrace.recording.stats import (SHADOW_TWINS_DROPPED, SHADOW_TWINS_SENT, SHADOW_TWINS_STATE_LEFT,
                                      SHADOW_TWINS_UNSUPPORTED)

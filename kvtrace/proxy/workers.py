@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvtrace.errors import ConfigError
-from kvtrace.outside.limits import Limits, ShadowBudget
-from kvtrace.outside.shadow_ledger import ShadowLedger
+from kvtrace.proxy.limits import Limits, ShadowBudget
+from kvtrace.proxy.shadow_ledger import ShadowLedger
 
 log = logging.getLogger("kvtrace.proxy")
 
@@ -38,7 +38,7 @@ RESTART_PAUSE_S = 1.0
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """What every worker serves: the arguments of :func:`kvtrace.outside.proxy.serve`, less the workers."""
+    """What every worker serves: the arguments of :func:`kvtrace.proxy.app.serve`, less the workers."""
 
     upstream: str
     host: str
@@ -118,8 +118,8 @@ def _stop_all(processes: list) -> None:
 
 
 def _worker(plan: WorkerPlan, index: int, workers: int, ledger: Optional[ShadowLedger], ready: Any) -> None:
-    """One worker process: the proxy of :func:`kvtrace.outside.proxy.serve` on the shared port."""
-    from kvtrace.outside.proxy import serve
+    """One worker process: the proxy of :func:`kvtrace.proxy.app.serve` on the shared port."""
+    from kvtrace.proxy.app import serve
 
     try:
         serve(plan.upstream, plan.host, plan.port, plan.llama_server_log,

@@ -1,5 +1,5 @@
 """An upstream's answer — whole, streamed, or in llama-server's native shape — as one
-OpenAI-style completion that ``openai_exchange.parse_exchange`` reads.
+OpenAI-style completion that ``kvtrace.exchanges.exchange.parse_exchange`` reads.
 
 The proxy keeps the answer's documents as the upstream sent them (with the logprobs it may have
 asked for) and reads them here once the client has its answer, so that none of this work sits
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from kvtrace import semconv as sc
-from kvtrace.outside.json_decode import loads
-from kvtrace.outside.margin_request import CHAT, NATIVE
+from kvtrace.json_decode import loads
+from kvtrace.proxy.margin_request import CHAT, NATIVE
 
 
 @dataclass

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import h11
 
 from kvtrace.errors import ConfigError
-from kvtrace.outside.http1 import READ_SIZE, Headers
+from kvtrace.proxy.http1 import READ_SIZE, Headers
 
 CONNECT_TIMEOUT_S = 30.0
 MAX_HEAD_BYTES = 64 << 10

@@ -11,7 +11,7 @@ One line per request::
 
 The response must carry logprobs (``top_logprobs`` >= 2 for margins).  How
 token ids, margins, prompt hashes and reused tokens are derived is described
-in ``openai_exchange.py``; reused tokens the server did not report are
+in ``exchange.py``; reused tokens the server did not report are
 recorded as 0 with source ``unknown`` (the request then counts as a
 recompute).  A malformed line is reported with its line number and skipped;
 every other line is imported.  Only the first ``PROBLEMS_KEPT`` reports are
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from kvtrace import semconv as sc
-from kvtrace.outside.openai_exchange import ExchangeError, parse_exchange
-from kvtrace.outside.recorder import OutsideRecorder
+from kvtrace.exchanges.exchange import ExchangeError, parse_exchange
+from kvtrace.exchanges.recorder import OutsideRecorder
 from kvtrace.timestamps import ImplausibleTime, check_unix_nanos, epoch_number_to_nanos
 
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)

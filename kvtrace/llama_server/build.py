@@ -12,7 +12,7 @@ CPU, ``GGML_NATIVE``). With the binary there, :func:`ensure_llama_server` return
 build (about 10 minutes on 2 cores) runs at the lowest CPU priority, under a file lock so two
 processes never build the same key at once.
 
-``python -m kvtrace.outside.llama_server_build`` prints the binary's path (building it first if
+``python -m kvtrace.llama_server.build`` prints the binary's path (building it first if
 needed); ``KVTRACE_LLAMA_SERVER`` names a binary to use instead.
 """
 
@@ -174,7 +174,7 @@ def _build(version: str, home: Path, binary: Path, log) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtrace.outside.llama_server_build",
+    parser = argparse.ArgumentParser(prog="python -m kvtrace.llama_server.build",
                                      description=f"Print the path of {TARGET}, building it once if needed.")
     parser.add_argument("--version", help=f"{PACKAGE} sdist version (default: the installed one)")
     args = parser.parse_args(argv)

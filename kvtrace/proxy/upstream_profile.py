@@ -7,10 +7,10 @@ import logging
 import threading
 from typing import Any, Optional
 
-from kvtrace.outside.json_decode import loads
-from kvtrace.outside.margin_request import OPENAI_COMPATIBLE, UpstreamProfile
-from kvtrace.outside.server_kind import server_of_models
-from kvtrace.outside.upstream import Upstream, UpstreamBrokeOff, UpstreamUnreachable
+from kvtrace.json_decode import loads
+from kvtrace.proxy.margin_request import OPENAI_COMPATIBLE, UpstreamProfile
+from kvtrace.proxy.upstream import Upstream, UpstreamBrokeOff, UpstreamUnreachable
+from kvtrace.server_kind import server_of_models
 
 log = logging.getLogger("kvtrace.proxy")
 

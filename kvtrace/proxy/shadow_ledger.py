@@ -12,7 +12,7 @@ import multiprocessing
 import time
 from typing import Any, Optional
 
-from kvtrace.outside.limits import ShadowBudget
+from kvtrace.proxy.limits import ShadowBudget
 
 _LEVEL, _AT = 0, 1  # the token bucket: tokens left, when last refilled
 _TWINS, _UPSTREAM, _SENT = 0, 1, 2  # twins in flight; traced requests upstream now; sent so far

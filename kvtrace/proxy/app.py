@@ -21,7 +21,7 @@ Per traced request:
   recorded on the span; an unreachable upstream gets a 502 from the proxy, recorded too. Tracing
   never fails a request: if reading the request, planning or recording goes wrong, the request is
   forwarded as the client sent it and the failure is counted (``instrumentation_errors``).
-* **llama-server's log** (``--llama-server-log``): :mod:`llama_server_tasks` ties each request to
+* **llama-server's log** (``--llama-server-log``): :mod:`kvtrace.llama_server.tasks` ties each request to
   its task (the proxy may add a marker to the upstream request for it) and checks the state the
   task kept.
 
@@ -47,23 +47,23 @@ from opentelemetry import propagate
 from kvtrace import semconv as sc
 from kvtrace.credentials import without_password
 from kvtrace.errors import ConfigError
-from kvtrace.outside import answers
-from kvtrace.outside.background import Background
-from kvtrace.outside.heap import PeriodicTrim, limit_arenas
-from kvtrace.outside.http1 import ClientGone, Headers, Request, Responder, Server
-from kvtrace.outside.json_decode import loads
-from kvtrace.outside.limits import Limits, ShadowBudget
-from kvtrace.outside.llama_server_log import LogFollower, TaskDecision
-from kvtrace.outside.llama_server_tasks import (MARKER_FIELD, Fingerprint, TaskProvenance, fingerprint, json_post,
-                                                server_tokenizer)
-from kvtrace.outside.margin_request import (ENDPOINTS, NATIVE, MarginPlan, UpstreamProfile, cut,
-                                            plan_request, with_marker)
-from kvtrace.outside.openai_exchange import TextHasher, fill_record, parse_exchange
-from kvtrace.outside.recorder import trace_headers
-from kvtrace.outside.shadow import Shadows, refuse_without_bypass
-from kvtrace.outside.shadow_ledger import ShadowLedger
-from kvtrace.outside.upstream import Upstream, UpstreamBrokeOff, UpstreamResponse, UpstreamUnreachable
-from kvtrace.outside.upstream_profile import UpstreamProfiles
+from kvtrace.exchanges.exchange import TextHasher, fill_record, parse_exchange
+from kvtrace.exchanges.recorder import trace_headers
+from kvtrace.json_decode import loads
+from kvtrace.llama_server.log import LogFollower, TaskDecision
+from kvtrace.llama_server.tasks import (MARKER_FIELD, Fingerprint, TaskProvenance, fingerprint, json_post,
+                                        server_tokenizer)
+from kvtrace.proxy import answers
+from kvtrace.proxy.background import Background
+from kvtrace.proxy.heap import PeriodicTrim, limit_arenas
+from kvtrace.proxy.http1 import ClientGone, Headers, Request, Responder, Server
+from kvtrace.proxy.limits import Limits, ShadowBudget
+from kvtrace.proxy.margin_request import (ENDPOINTS, NATIVE, MarginPlan, UpstreamProfile, cut,
+                                          plan_request, with_marker)
+from kvtrace.proxy.shadow import Shadows, refuse_without_bypass
+from kvtrace.proxy.shadow_ledger import ShadowLedger
+from kvtrace.proxy.upstream import Upstream, UpstreamBrokeOff, UpstreamResponse, UpstreamUnreachable
+from kvtrace.proxy.upstream_profile import UpstreamProfiles
 from kvtrace.recording.recorder import Recorder, get_recorder
 from kvtrace.recording.records import CacheEvent, RequestRecord
 
@@ -104,14 +104,14 @@ class Traced:
     match: Optional[str] = None
     """How ``task`` was found (a ``TASK_MATCH_*`` value)."""
     marker: Optional[int] = None
-    """The marker the proxy set on the upstream request (``llama_server_tasks``), if it could."""
+    """The marker the proxy set on the upstream request (``kvtrace.llama_server.tasks``), if it could."""
     sent_at: tuple[int, int] = (0, 0)
     """Where llama-server's log ended when the request went upstream (``LogFollower.end``): no task logged
     before it is its own."""
     answer: Any = None
-    """What the answer says about its task (``llama_server_tasks.Fingerprint``), once read."""
+    """What the answer says about its task (``tasks.Fingerprint``), once read."""
     prompt_chain: Any = None
-    """The prompt's token hash chain (``llama_server_tasks.PromptChains``), for the integrity check."""
+    """The prompt's token hash chain (``tasks.PromptChains``), for the integrity check."""
 
 
 class ProxyApp:

@@ -4,7 +4,7 @@ For each probe prompt the probe sends one **cold** request, with prefix reuse
 bypassed the way the server allows it, then ``warm`` requests of the same body
 that the server may serve from cached state — all greedy, with top-2
 logprobs.  Each becomes a ``kvtrace.request`` span (see
-``openai_exchange.py`` for how margins, token ids, the prompt hash and reused
+``exchange.py`` for how margins, token ids, the prompt hash and reused
 tokens are read from the responses), so ``margin_shift`` and the alert rules
 compare the warm (cache-hit) requests against the cold (recompute) one.  The
 server needs no instrumentation.
@@ -30,7 +30,7 @@ the turn (0 cold, 1..N warm).  When kvtrace traces the server too (``kvtrace
 run``, vLLM's plugin), the engine's span of each request is the probe span's
 child in the same trace and run, with the cache provenance seen from inside;
 the saved queries then read the engine's record of the request (see
-``outside/recorder.py``).  A flush request carries the run only: it belongs
+``recorder.py``).  A flush request carries the run only: it belongs
 to the server's history the probe made, but to no episode.
 """
 
@@ -47,9 +47,9 @@ from typing import Any, Callable, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.errors import ConfigError, KvtraceError
-from kvtrace.outside.openai_exchange import ExchangeError, parse_exchange
-from kvtrace.outside.recorder import OutsideRecorder, correlation_headers, trace_headers
-from kvtrace.outside.server_kind import server_of_models
+from kvtrace.exchanges.exchange import ExchangeError, parse_exchange
+from kvtrace.exchanges.recorder import OutsideRecorder, correlation_headers, trace_headers
+from kvtrace.server_kind import server_of_models
 
 FLUSH_PROMPT = "kvtrace probe: unrelated flush text, discard."
 

@@ -9,7 +9,7 @@ The cache lines are at trace level: start llama-server with ``-lv 4`` (or ``--ve
 ``--log-file FILE`` (or its standard error in a file).
 
 Per task the log also says what an answer reports back, which is how a request is told from the
-others in flight (:mod:`llama_server_tasks`): the sampling parameters the task runs with (among
+others in flight (:mod:`kvtrace.llama_server.tasks`): the sampling parameters the task runs with (among
 them ``dry_penalty_last_n``, which the proxy may set as a marker), ``task.n_tokens``, ``cached
 n_tokens`` (the tokens kept from the slot's state), and the evaluated and generated counts of its
 timing lines.
@@ -18,7 +18,7 @@ timing lines.
 each cached prompt is — so that a restore names the earlier *task* whose state came back. Where
 the log leaves a doubt (two cached prompts of the same length and similarity, a cache entry the
 model did not see stored), the decision says so (``source_task`` ``None`` and ``doubt``) instead of
-guessing. Matching tasks to HTTP requests is :mod:`llama_server_tasks`'s business.
+guessing. Matching tasks to HTTP requests is :mod:`kvtrace.llama_server.tasks`'s business.
 
 After every cache update llama-server lists every cached prompt, and a lookup logs each as a
 candidate, so with a large cache most of the log is these lines (thousands a request). A listing

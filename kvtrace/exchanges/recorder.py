@@ -24,7 +24,7 @@ import kvtrace
 from kvtrace import semconv as sc
 from kvtrace.config import Settings
 from kvtrace.errors import ConfigError
-from kvtrace.outside.openai_exchange import Exchange, TextHasher, fill_record
+from kvtrace.exchanges.exchange import Exchange, TextHasher, fill_record
 from kvtrace.recording.recorder import Recorder
 from kvtrace.recording.records import RequestRecord
 

@@ -26,7 +26,7 @@ from urllib.parse import unquote
 
 import h11
 
-from kvtrace.outside.limits import Limits
+from kvtrace.proxy.limits import Limits
 from kvtrace.recording.stats import (PROXY_ACCEPT_ERRORS, PROXY_BAD_REQUESTS, PROXY_CLIENT_TIMEOUTS,
                                      PROXY_REFUSED_BODY, PROXY_REFUSED_BUSY, PROXY_REFUSED_HEADERS)
 

@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 
 from kvtrace import semconv as sc
-from kvtrace.outside.json_decode import loads
-from kvtrace.outside.llama_server_log import LogFollower, TaskDecision, started_after
-from kvtrace.outside.upstream import UpstreamBrokeOff, UpstreamUnreachable
+from kvtrace.json_decode import loads
+from kvtrace.llama_server.log import LogFollower, TaskDecision, started_after
+from kvtrace.proxy.upstream import UpstreamBrokeOff, UpstreamUnreachable
 from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
 
 if TYPE_CHECKING:
-    from kvtrace.outside.proxy import Traced
+    from kvtrace.proxy.app import Traced
 
 MARKER_BASE = 1 << 20
 """Markers are ``MARKER_BASE + n``: far from any ``dry_penalty_last_n`` a client would set."""

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from kvtrace import semconv as sc
-from kvtrace.outside.margin_request import UpstreamProfile
-from kvtrace.outside.upstream import Upstream, UpstreamBrokeOff, UpstreamUnreachable
+from kvtrace.proxy.margin_request import UpstreamProfile
+from kvtrace.proxy.upstream import Upstream, UpstreamBrokeOff, UpstreamUnreachable
 from kvtrace.recording.records import RequestRecord
 
 log = logging.getLogger("kvtrace.proxy")
