@@ -14,7 +14,6 @@ chDB's raw message.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import logging
 import math
 import os
@@ -27,6 +26,7 @@ from urllib.parse import unquote, urlparse
 from kvtrace.config import default_database_url
 from kvtrace.credentials import without_password as describe  # the URL in messages (also for other modules)
 from kvtrace.errors import ConfigError, DatabaseBusy, DatabaseUnreachable
+from kvtrace.http_client import request
 from kvtrace.safe_files import private_dir
 
 
@@ -124,21 +124,15 @@ def server_client(url: str, connect_timeout_s: float, read_timeout_s: float, fir
 
 def _ping(scheme: str, host: str, port: int, connect_timeout_s: float, answer_timeout_s: float) -> None:
     """ClickHouse's ``/ping`` answers ``Ok.``; raise if it does not within the time-outs."""
-    connection_class = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-    connection = connection_class(host, port, timeout=connect_timeout_s)
+    address = f"[{host}]" if ":" in host else host  # an IPv6 address, bracketed in the URL
     try:
-        connection.connect()
-        connection.sock.settimeout(answer_timeout_s)
-        connection.request("GET", "/ping")
-        response = connection.getresponse()
-        response.read()
-        if response.status != 200:
-            raise OSError(f"/ping answered HTTP {response.status}")
+        answer = request("GET", f"{scheme}://{address}:{port}/ping", timeout_s=answer_timeout_s,
+                         connect_timeout_s=connect_timeout_s)
     except TimeoutError:
         raise TimeoutError(f"no answer within {connect_timeout_s:g} s (connect) / {answer_timeout_s:g} s (answer)") \
             from None
-    finally:
-        connection.close()
+    if answer.status != 200:
+        raise OSError(f"/ping answered HTTP {answer.status}")
 
 
 @contextlib.contextmanager

@@ -1,21 +1,18 @@
 """Delivery of alerts: a JSON webhook and a Prometheus Alertmanager (``/api/v2/alerts``).
 
-Plain ``urllib``: a POST with a timeout, retried a few times.  Delivery never
-raises: a failure is returned as a message, and the caller keeps the
-notification pending for the next evaluation.  Redirects are never followed:
-urllib would repeat a POST answered 301/302/303 as a GET, with the custom
-headers (``Authorization``) going to wherever the redirect points, and a 2xx
-there would count as delivered; an answer other than 2xx is a failed
-delivery.  Messages show a receiver's URL without its path, query or user
-info, where such URLs carry their tokens.
+A POST through kvtrace's HTTP client with a timeout, retried a few times.
+Delivery never raises: a failure is returned as a message, and the caller
+keeps the notification pending for the next evaluation.  Redirects are never
+followed: a client that follows them repeats a POST answered 301/302/303 as a
+GET, with the custom headers (``Authorization``) going to wherever the
+redirect points, and a 2xx there would count as delivered; an answer other
+than 2xx is a failed delivery.  Messages show a receiver's URL without its
+path, query or user info, where such URLs carry their tokens.
 """
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
@@ -23,6 +20,7 @@ from kvtrace import __version__
 from kvtrace.alerts.rules import AlertmanagerConfig, DeliveryConfig, WebhookConfig
 from kvtrace.alerts.state import FIRING, RESOLVED, TrackedAlert
 from kvtrace.credentials import redacted_url
+from kvtrace.http_client import HttpStatusError, request
 
 WEBHOOK = "webhook"
 ALERTMANAGER = "alertmanager"
@@ -64,28 +62,17 @@ def alertmanager_payload(alerts: list[TrackedAlert], now: float, ends_after_s: O
     return out
 
 
-class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None  # urllib then raises the 3xx as an HTTPError: a failed delivery
-
-
-_OPENER = urllib.request.build_opener(_RefuseRedirects)
-
-
-def post_json(url: str, payload: Any, headers: dict[str, str], timeout_s: float) -> None:
-    """POST ``payload`` as JSON; raises (``HTTPError``) unless the receiver itself answers 2xx."""
-    body = json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json", **headers})
-    with _OPENER.open(request, timeout=timeout_s) as response:
-        response.read()
+def post_alerts(url: str, payload: Any, headers: dict[str, str], timeout_s: float) -> None:
+    """POST ``payload`` as JSON; raises (``HttpStatusError``) unless the receiver itself answers 2xx.
+    The answer's body is not read as JSON: receivers answer ``ok``, nothing or a document."""
+    request("POST", url, payload, headers, timeout_s).raise_for_status()
 
 
 class Deliverer:
     """Posts with retries; returns None on success, else what went wrong on the last attempt."""
 
     def __init__(self, delivery: DeliveryConfig, sleep: Callable[[float], None] = time.sleep,
-                 post: Callable[..., None] = post_json):
+                 post: Callable[..., None] = post_alerts):
         self.delivery = delivery
         self._sleep = sleep
         self._post = post
@@ -108,9 +95,9 @@ class Deliverer:
             try:
                 self._post(url, payload, headers, timeout_s)
                 return None
-            except urllib.error.HTTPError as exc:
-                error = f"{shown}: HTTP {exc.code} {exc.reason}"
-                if 300 <= exc.code < 400:
+            except HttpStatusError as exc:
+                error = f"{shown}: HTTP {exc.status} {exc.reason}"
+                if 300 <= exc.status < 400:
                     error += " (a redirect, not followed: configure the URL it points to)"
             except Exception as exc:  # refused, timed out, DNS...: all the same to the loop
                 error = f"{shown}: {str(getattr(exc, 'reason', None) or exc).replace(url, shown)}"

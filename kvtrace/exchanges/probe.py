@@ -39,8 +39,6 @@ from __future__ import annotations
 import json
 import secrets
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -49,6 +47,7 @@ from kvtrace import semconv as sc
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.exchanges.exchange import ExchangeError, parse_exchange
 from kvtrace.exchanges.recorder import OutsideRecorder, correlation_headers, trace_headers
+from kvtrace.http_client import HttpStatusError, request
 from kvtrace.server_kind import server_of_models
 
 FLUSH_PROMPT = "kvtrace probe: unrelated flush text, discard."
@@ -136,17 +135,13 @@ def load_prompts(path: Path) -> list[ProbePrompt]:
 
 def http_json(method: str, url: str, body: Optional[dict] = None, timeout_s: float = 120.0,
               headers: Optional[dict[str, str]] = None) -> dict[str, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        detail = exc.read()[:300].decode("utf-8", "replace")
-        raise ProbeError(f"{method} {url}: HTTP {exc.code} {detail}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise ProbeError(f"{method} {url}: {getattr(exc, 'reason', exc)}; is the server running?") from None
+        return request(method, url, body, headers, timeout_s).raise_for_status().json()
+    except HttpStatusError as exc:
+        detail = exc.body[:300].decode("utf-8", "replace")
+        raise ProbeError(f"{method} {url}: HTTP {exc.status} {detail}") from None
+    except OSError as exc:
+        raise ProbeError(f"{method} {url}: {exc}; is the server running?") from None
     except ValueError:
         raise ProbeError(f"{method} {url}: the answer is not JSON") from None
 

@@ -37,17 +37,16 @@ from pathlib import Path
 from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
-import httpx
-
 from kvtrace import semconv as sc
 from kvtrace.errors import ConfigError, EngineFailed
 from kvtrace.experiment.isolation import PassResult
 from kvtrace.experiment.plan import PassKey, Plan
 from kvtrace.experiment.runner import Outcome
 from kvtrace.experiment.workload import episode_order, make_episodes
+from kvtrace.http_client import get_json, post_json, request
 from kvtrace.progress import Progress
 from kvtrace.proxy.app import proxy_in_thread
-from kvtrace.proxy.upstream_profile import llama_server_profile
+from kvtrace.proxy.upstream_profile import profile_of_props
 from kvtrace.recording.recorder import get_recorder
 from kvtrace.testmodels.llama_gguf import QUANTS
 
@@ -155,9 +154,9 @@ def wait_until_healthy(base: str, process: subprocess.Popen, timeout_s: float, p
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if httpx.get(f"{base}{path}", timeout=2).status_code == 200:
+            if request("GET", f"{base}{path}", timeout_s=2).status == 200:
                 return True
-        except httpx.HTTPError:
+        except OSError:
             pass
         if process.poll() is not None or time.monotonic() > deadline:
             return False
@@ -177,10 +176,12 @@ def stop_server(process: subprocess.Popen) -> None:
 def server_weight_format(base: str) -> str:
     """The model's weight format as kvtrace names it, from llama-server's ``/props``."""
     try:
-        props = httpx.get(f"{base}/props", timeout=30).json()
-    except (httpx.HTTPError, ValueError):
-        raise EngineFailed(f"{base}/props did not answer: is it llama-server?") from None
-    return llama_server_profile(props).weight_format or "unknown"
+        profile = profile_of_props(get_json(f"{base}/props", timeout_s=30))
+    except (OSError, ValueError, AttributeError, TypeError):
+        profile = None
+    if profile is None:
+        raise EngineFailed(f"{base}/props did not answer: is it llama-server?")
+    return profile.weight_format or "unknown"
 
 
 def detect_format(target: ServerTarget, plan: Plan) -> str:
@@ -240,25 +241,24 @@ def run_server_pass(plan: Plan, server: str, proxy: str, key: PassKey, run_id: s
     else:
         schedule = [(turn, i) for i in indices for turn in range(plan.turns)]
     ended: set[int] = set()
-    with httpx.Client(timeout=None) as client:
-        for turn, index in schedule:
-            progress.advance()
-            if index in ended:
-                continue
-            episode = episodes[index]
-            prompt = transcripts[index]
-            tokens = client.post(f"{server}/tokenize", json={"content": prompt, "add_special": True}).json()["tokens"]
-            if len(tokens) + plan.tokens > plan.n_ctx:
-                ended.add(index)  # context full: the episode ends here, the same way in every run
-                continue
-            progress(f"{label}{run_id} episode {episode.episode_id} turn {turn + 1}/{plan.turns}")
-            baggage = (f"{sc.RUN_ID}={run_id},{sc.EPISODE_ID}={episode.episode_id},{sc.TURN}={turn},"
-                       f"{sc.ARM}={key.arm}")
-            answer = client.post(f"{proxy}/completion", headers={"baggage": baggage}, json={
-                "prompt": prompt, "n_predict": plan.tokens, "temperature": 0.0, "seed": plan.seed,
-                "cache_prompt": key.arm != "off"})
-            if answer.status_code != 200:
-                raise EngineFailed(f"{run_id}: llama-server answered HTTP {answer.status_code}: {answer.text[:200]}")
-            text = answer.json()["content"]
-            result.requests += 1
-            transcripts[index] = prompt + text + episode.observe(text, turn)
+    for turn, index in schedule:
+        progress.advance()
+        if index in ended:
+            continue
+        episode = episodes[index]
+        prompt = transcripts[index]
+        tokens = post_json(f"{server}/tokenize", {"content": prompt, "add_special": True}, timeout_s=None)["tokens"]
+        if len(tokens) + plan.tokens > plan.n_ctx:
+            ended.add(index)  # context full: the episode ends here, the same way in every run
+            continue
+        progress(f"{label}{run_id} episode {episode.episode_id} turn {turn + 1}/{plan.turns}")
+        baggage = (f"{sc.RUN_ID}={run_id},{sc.EPISODE_ID}={episode.episode_id},{sc.TURN}={turn},"
+                   f"{sc.ARM}={key.arm}")
+        answer = request("POST", f"{proxy}/completion", headers={"baggage": baggage}, timeout_s=None, json_body={
+            "prompt": prompt, "n_predict": plan.tokens, "temperature": 0.0, "seed": plan.seed,
+            "cache_prompt": key.arm != "off"})
+        if answer.status != 200:
+            raise EngineFailed(f"{run_id}: llama-server answered HTTP {answer.status}: {answer.text[:200]}")
+        text = answer.json()["content"]
+        result.requests += 1
+        transcripts[index] = prompt + text + episode.observe(text, turn)

@@ -48,9 +48,9 @@ class UpstreamProfiles:
 
     def _detect(self) -> Optional[UpstreamProfile]:
         try:
-            props = self._get_json("/props")
-            if isinstance(props, dict) and "default_generation_settings" in props:
-                return llama_server_profile(props)
+            llama_server = profile_of_props(self._get_json("/props"))
+            if llama_server is not None:
+                return llama_server
             models = self._get_json("/v1/models")
             if isinstance(models, dict):
                 server, _ = server_of_models(models)
@@ -60,6 +60,14 @@ class UpstreamProfiles:
             log.debug("kvtrace proxy: the upstream's kind could not be told yet", exc_info=True)
             return None  # asked again with the next request
         return OPENAI_COMPATIBLE
+
+
+def profile_of_props(props: Any) -> Optional[UpstreamProfile]:
+    """llama-server's profile from its ``GET /props`` answer; ``None`` for any other document (another
+    server's, or none). The proxy and the server experiment both tell llama-server so."""
+    if isinstance(props, dict) and "default_generation_settings" in props:
+        return llama_server_profile(props)
+    return None
 
 
 def llama_server_profile(props: dict[str, Any]) -> UpstreamProfile:
