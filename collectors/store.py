@@ -27,8 +27,10 @@ from kvtrace.collectors.tables import ATTRIBUTE, EVENT, EVENT_ATTRIBUTE, MATERIA
 
 _KINDS = {"DateTime64(9)": "t", "String": "s", "Int32": "i32", "UInt32": "u32", "UInt64": "u64", "Int64": "i64",
           "Float64": "f64"}
+"""A typed column's ``value_type`` → the ``arrow`` kind it is built as (an ``Array(T)``: see ``kind_of``)."""
 _OTEL_KINDS = {"Timestamp": "t", "ResourceAttributes": "map", "SpanAttributes": "map", "Duration": "u64",
-               "Events_Timestamp": ("list", "t"), "Events_Attributes": ("list", "map"), "Links_Attributes": ("list", "map")}
+               "Events_Timestamp": ("list", "t"), "Events_Attributes": ("list", "map"),
+               "Links_Attributes": ("list", "map")}
 """``SpanRow``'s fields other than text, and lists of text (its other ``Events_`` and ``Links_`` fields)."""
 _EVENT_VALUES = {"time": lambda row, i: row.Events_Timestamp[i], "name": lambda row, i: row.Events_Name[i],
                  "index": lambda row, i: i}

@@ -33,6 +33,8 @@ _EVENTS_JOIN = ("ARRAY JOIN\n    Events.Timestamp AS event_time,\n    Events.Nam
 
 
 class Column(NamedTuple):
+    """One column of a typed table: ``origin`` says where in a span its value is (``SPAN`` …)."""
+
     name: str
     type: str
     origin: str
@@ -58,6 +60,8 @@ def _value_type(type_: str) -> str:
 
 
 class Table(NamedTuple):
+    """A typed table: its columns in order, sort key, and the spans or events that make its rows."""
+
     name: str
     place: int
     """Where its DDL stands among ``collectors/sql``'s files (its view's at ``place + 1``)."""
@@ -87,8 +91,8 @@ IDS, NUMBERS = "Array(Int64)", "Array(Float64)"
 SPAN_IDS = (span("Timestamp", "DateTime64(9)", codec="Delta(8), ZSTD(1)"), span("TraceId", STRING),
             span("SpanId", STRING))
 _CACHE_SOURCE = dict(source_span_id=sc.CACHE_SOURCE_SPAN_ID, source_trace_id=sc.CACHE_SOURCE_TRACE_ID,
-              source_request_id=sc.CACHE_SOURCE_REQUEST_ID, source_run_id=sc.CACHE_SOURCE_RUN_ID,
-              source_episode_id=sc.CACHE_SOURCE_EPISODE_ID)
+                     source_request_id=sc.CACHE_SOURCE_REQUEST_ID, source_run_id=sc.CACHE_SOURCE_RUN_ID,
+                     source_episode_id=sc.CACHE_SOURCE_EPISODE_ID)
 
 REQUESTS = Table("kvtrace_requests", 10, (
     *SPAN_IDS, span("ParentSpanId", STRING), span("ServiceName", LOW),
@@ -100,7 +104,8 @@ REQUESTS = Table("kvtrace_requests", 10, (
            capture_mode=sc.CAPTURE_MODE),
     *texts(STRING, cache_settings=sc.CACHE_SETTINGS, numerics_settings=sc.NUMERICS_SETTINGS,
            sampling_settings=sc.SAMPLING_SETTINGS),
-    attribute("prompt_tokens", "UInt32", sc.GEN_AI_USAGE_INPUT_TOKENS), attribute("prompt_hash", STRING, sc.PROMPT_HASH),
+    attribute("prompt_tokens", "UInt32", sc.GEN_AI_USAGE_INPUT_TOKENS),
+    attribute("prompt_hash", STRING, sc.PROMPT_HASH),
     attribute("prompt_hash_source", LOW, sc.PROMPT_HASH_SOURCE),
     attribute("prompt_block_hashes", "Array(String)", sc.PROMPT_BLOCK_HASHES),
     attribute("block_layers", "Array(LowCardinality(String))", sc.PROMPT_BLOCK_LAYERS),
@@ -109,13 +114,16 @@ REQUESTS = Table("kvtrace_requests", 10, (
         ("reused", sc.CACHE_REUSED_TOKENS), ("recomputed", sc.CACHE_RECOMPUTED_TOKENS),
         ("replayed", sc.CACHE_REPLAYED_TOKENS))),
     attribute("reused_tokens_source", LOW, sc.CACHE_REUSED_TOKENS_SOURCE),
-    *texts(STRING, state_key=sc.CACHE_STATE_KEY, **_CACHE_SOURCE), attribute("source_turn", "Int32", sc.CACHE_SOURCE_TURN),
+    *texts(STRING, state_key=sc.CACHE_STATE_KEY, **_CACHE_SOURCE),
+    attribute("source_turn", "Int32", sc.CACHE_SOURCE_TURN),
     attribute("hit_block_hashes", "Array(String)", sc.CACHE_HIT_BLOCK_HASHES),
-    attribute("output_tokens", "UInt32", sc.GEN_AI_USAGE_OUTPUT_TOKENS), attribute("output_hash", STRING, sc.OUTPUT_HASH),
+    attribute("output_tokens", "UInt32", sc.GEN_AI_USAGE_OUTPUT_TOKENS),
+    attribute("output_hash", STRING, sc.OUTPUT_HASH),
     attribute("token_id_source", LOW, sc.OUTPUT_TOKEN_ID_SOURCE),
     # Read several times faster than LZ4: T64 packs small token ids; no general codec shrinks margins.
     *(Column(name, IDS, TOKEN_ARRAY, key, "T64") for name, key in (
-        ("token_ids", sc.OUTPUT_TOKEN_IDS), ("top1_ids", sc.OUTPUT_TOP1_IDS), ("runner_up_ids", sc.OUTPUT_RUNNER_UP_IDS))),
+        ("token_ids", sc.OUTPUT_TOKEN_IDS), ("top1_ids", sc.OUTPUT_TOP1_IDS),
+        ("runner_up_ids", sc.OUTPUT_RUNNER_UP_IDS))),
     Column("margins", NUMBERS, TOKEN_ARRAY, sc.OUTPUT_MARGINS, "NONE"),
     Column("logprobs", NUMBERS, TOKEN_ARRAY, sc.OUTPUT_LOGPROBS, "NONE"),
     # Equal arrays, equal digests: queries find which outputs differ without reading or joining the arrays.
