@@ -46,6 +46,25 @@ def test_a_column_added_to_a_declaration_is_in_the_ddl_the_view_and_the_writer()
     assert written.column("queue_depth").to_pylist() == [7]
 
 
+def test_a_column_added_to_the_cache_events_reads_its_event_attribute_in_the_view_and_the_writer():
+    columns = (*tables.CACHE_EVENTS.columns, tables.Column("hit_blocks", "UInt32", tables.EVENT_ATTRIBUTE, QUEUE_DEPTH))
+    declared = tables.CACHE_EVENTS._replace(columns=columns)
+    assert tables.create_table(declared).endswith("    source_time_unix_nano UInt64,\n    hit_blocks UInt32\n"
+                                                  ") ENGINE = ${span_engine}\nPARTITION BY toDate(Timestamp)\n"
+                                                  "ORDER BY (run_id, episode_id, turn, Timestamp, TraceId, SpanId, "
+                                                  "event_index)\n")
+    assert f"    toUInt32OrZero(ea['{QUEUE_DEPTH}']) AS hit_blocks\nFROM" in tables.create_view(declared)
+
+    line = json.loads(request_line("5"))
+    span = line["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    span["events"] = [{"name": sc.EVENT_CACHE_LOOKUP, "timeUnixNano": "1700000000000000001",
+                       "attributes": [{"key": QUEUE_DEPTH, "value": {"intValue": "3"}}]},
+                      {"name": "not.a.cache.event", "timeUnixNano": "1700000000000000002"}]
+    written = typed_table(declared, rows_from_request(json.dumps(line), typed=True))
+    assert written.column("hit_blocks").to_pylist() == [3]
+    assert written.column("event").to_pylist() == [sc.EVENT_CACHE_LOOKUP]
+
+
 def test_both_paths_store_a_column_added_to_a_declaration(monkeypatch, tmp_path):
     monkeypatch.setattr(tables, "TYPED_TABLES", (with_queue_depth(), tables.CACHE_EVENTS))
     spool = tmp_path / "spool"
