@@ -16,7 +16,7 @@ import pytest
 
 from kvtrace.cli import main
 from kvtrace.db import connect
-from llama_server_process import llama_server_binary
+from llama_server_process import free_port, llama_server_binary
 
 pytest.importorskip("h11")
 
@@ -80,3 +80,34 @@ def test_the_protocol_against_llama_server_finds_forks_that_diff_blames_on_the_c
     restored = db_rows(f"SELECT episode_id, turn, source_episode_id, source_turn FROM kvtrace_requests "
                        f"WHERE run_id = '{runs['prompt-cache']}' AND cache_layer = 'prompt_cache'")
     assert restored and all(r[0] == r[2] and r[3] < r[1] for r in restored)
+
+
+def run_refused(arguments: list[str], capsys) -> tuple[int, str]:
+    try:
+        code = main(["-q", "experiment", *arguments])
+    except SystemExit as exc:  # argparse refuses the value while parsing
+        code = exc.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--arms", "off,reuse,prompt-cache"], "a running server (--server URL) has one prompt-cache setting"),
+    (["--conversation", "tokens"], "--server keeps the conversation as text"),
+    (["--cache-ram", "100000"], "llama-server's --cache-ram is in MiB"),
+    (["--engine", "vllm"], "--server runs against llama-server; leave out --engine"),
+], ids=["both-cache-arms", "tokens", "cache-bytes", "vllm"])
+def test_a_plan_no_server_can_run_is_refused_in_one_line_before_the_server_is_asked(arguments, message, capsys,
+                                                                                    kvtrace_env):
+    # Nothing listens on the port: a refusal that waited for the server would say so instead.
+    code, err = run_refused(["--server", f"http://127.0.0.1:{free_port()}", *arguments], capsys)
+    assert code == 2 and message in err
+    assert not (kvtrace_env / "spool").exists()
+
+
+def test_a_running_server_is_asked_for_off_and_reuse_when_no_arms_are_given(capsys, kvtrace_env):
+    # The default arms pass the plan check (both cache arms would not), so the server is asked next.
+    url = f"http://127.0.0.1:{free_port()}"
+    code, err = run_refused(["--server", url], capsys)
+    assert code == 1 and f"{url}/props did not answer: is it llama-server?" in err

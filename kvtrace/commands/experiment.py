@@ -169,7 +169,7 @@ def run(args) -> int:
 
 def run_against_server(args) -> int:
     """``--server``: the same grid on llama-server, through kvtrace's proxy (kvtrace/experiment/server.py)."""
-    # Deferred: the server experiment needs httpx and h11, the optional `proxy` extra.
+    # Deferred: the server experiment runs kvtrace's proxy, which needs the optional `proxy` extra.
     from kvtrace.experiment import server
 
     if args.engine != "llama_cpp":
