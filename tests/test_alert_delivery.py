@@ -1,6 +1,6 @@
 """Webhook and Alertmanager delivery against real HTTP servers on 127.0.0.1.  A receiver that
-answers a redirect has not taken the alert: urllib would repeat the POST as a GET, with the
-``Authorization`` header, at wherever the redirect points, and count that as delivered.  So a 3xx
+answers a redirect has not taken the alert: a client that follows it would repeat the POST as a GET,
+with the ``Authorization`` header, at wherever the redirect points, and count that as delivered.  So a 3xx
 is a failed delivery (retried, kept pending), nothing is sent to the redirect's target, and no
 message shows the receiver's token (in its path or query) or a header's value; those can come from
 the environment or a file instead of the rules file."""
