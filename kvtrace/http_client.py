@@ -77,8 +77,8 @@ def request(method: str, url: str, json_body: Any = None, headers: Optional[Mapp
                            sent_headers)
         response = connection.getresponse()
         return Answer(response.status, response.reason, response.read())
-    except http.client.HTTPException as exc:  # not an OSError: a malformed or cut-off answer
-        raise ConnectionError(f"the answer is not HTTP ({type(exc).__name__}: {exc})") from None
+    except http.client.HTTPException as exc:  # a malformed or cut-off answer: one kind of failure, OSError
+        raise ConnectionError(f"no HTTP answer ({type(exc).__name__}: {exc})") from None
     finally:
         connection.close()
 

@@ -101,7 +101,7 @@ def test_a_server_that_takes_the_connection_and_never_answers_times_out():
 def test_an_answer_that_is_not_http_and_a_closed_port_are_os_errors():
     listener, _ = silent_listener(b"SSH-2.0-OpenSSH_9.6\r\n")
     try:
-        with pytest.raises(ConnectionError, match="not HTTP"):
+        with pytest.raises(ConnectionError, match="no HTTP answer"):
             request("GET", f"http://127.0.0.1:{listener.getsockname()[1]}/", timeout_s=5)
     finally:
         listener.close()
