@@ -47,6 +47,13 @@ def test_a_command_line_imports_its_command_and_not_the_others():
     assert "clickhouse_connect" not in loaded, "--help must not load the database client (chDB)"
 
 
+def test_proxy_help_loads_its_limits_and_not_the_http_layer():
+    """kvtrace/proxy/__init__.py stays empty, so the proxy's defaults come without h11 or the relay."""
+    shown, loaded = modules_loaded_by("proxy", "--help")
+    assert "usage: kvtrace proxy" in shown and "kvtrace.proxy.limits" in loaded
+    assert not {"h11", "kvtrace.proxy.app", "kvtrace.proxy.http1", "kvtrace.proxy.upstream"} & loaded
+
+
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_every_listed_command_builds_its_help(name, capsys):
     with pytest.raises(SystemExit) as ended:
