@@ -1,0 +1,425 @@
+"""How many streamed tokens a second one `kvtrace proxy` relays, and what a request costs it, with no model.
+
+    python benchmarks/proxy_throughput.py [--seconds 4] [--rounds 3] [--concurrency 32] [--tokens 256]
+                                          [--events-per-write 0] [--profile FILE]
+
+A fake llama-server (a process of its own: ``/props``, ``/apply-template``, ``/tokenize``, and the
+completion endpoints answered from pre-built documents carrying the top two logprobs the proxy asks
+for, so that the proxy cuts them) stands upstream, and a client process drives real ``kvtrace proxy``
+processes at ``--concurrency`` kept-alive connections. Arms, run in turns (ABBA within each round, so
+drift on a shared machine hits them alike), each for ``--seconds``:
+
+* **streams**: streamed chat completions of ``--tokens`` events each, through ``--workers 1`` and
+  ``--workers 2``; the fake writes a stream ``--events-per-write`` events at a time (0: the whole
+  answer in one write, as fast as the socket takes it). Streamed tokens a second, and the proxy's
+  CPU (every process and thread, from /proc) per streamed token;
+* **requests**: non-streamed one-token chat completions through three one-worker proxies:
+  ``relay`` (recording disabled: HTTP and the cut alone), ``traced`` (the record and its span), and
+  ``traced+log`` (``--llama-server-log``: the fake writes each request's task to a llama-server-shaped
+  log, so the proxy matches it and makes the integrity check's ``/apply-template`` + ``/tokenize``
+  calls). CPU per request, and each part's share as the difference between arms.
+
+Every answer is checked: the client counts the events of each stream and refuses one in which the
+added logprobs were not cut. With ``--profile FILE``, one more ``--workers 1`` proxy runs under
+cProfile for the streams arm and its statistics are written to FILE. Prints a table with the range
+over the rounds; asserts nothing (the figures belong to this machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+# --- the fake llama-server ------------------------------------------------------------------------
+
+PROPS = {"build_info": "b0-fake", "model_path": "fake.gguf", "total_slots": 4, "model_ftype": "all F32",
+         "default_generation_settings": {"n_ctx": 4096, "params": {
+             "n_probs": 0, "post_sampling_probs": False, "dry_multiplier": 0.0, "dry_penalty_last_n": -1,
+             "cache_prompt": True}}}
+PROMPT_TOKENS = 24
+
+
+def _top_two(token_id: int, text: str) -> dict:
+    def entry(i: int, t: str, logprob: float) -> dict:
+        return {"id": i, "token": t, "bytes": list(t.encode()), "logprob": logprob}
+
+    return {**entry(token_id, text, -0.25), "top_logprobs": [entry(token_id, text, -0.25), entry(7, " a", -1.5)]}
+
+
+def stream_events(tokens: int, top_two: bool) -> list[bytes]:
+    """llama-server's chat stream (with ``n_probs: 2``: ``top_two``): one event per token, then the last
+    with its counts."""
+    base = {"created": 1765000000, "id": "chatcmpl-fake", "model": "fake", "system_fingerprint": "b0-fake",
+            "object": "chat.completion.chunk"}
+    events = []
+    for n in range(tokens):
+        word = f" w{n % 97}"
+        choice = {"finish_reason": None, "index": 0, "delta": {"content": word}}
+        if top_two:
+            choice["logprobs"] = {"content": [_top_two(100 + n % 97, word)]}
+        events.append({"choices": [choice], **base})
+    events.append({"choices": [{"finish_reason": "length", "index": 0, "delta": {}}], **base,
+                   "usage": {"completion_tokens": tokens, "prompt_tokens": PROMPT_TOKENS,
+                             "total_tokens": PROMPT_TOKENS + tokens},
+                   "timings": {"cache_n": 0, "prompt_n": PROMPT_TOKENS, "predicted_n": tokens}})
+    return [b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events] + [
+        b"data: [DONE]\n\n"]
+
+
+def whole_answer(top_two: bool) -> bytes:
+    choice = {"finish_reason": "length", "index": 0, "message": {"role": "assistant", "content": " w"}}
+    if top_two:
+        choice["logprobs"] = {"content": [_top_two(100, " w")]}
+    return json.dumps({
+        "choices": [choice],
+        "created": 1765000000, "id": "chatcmpl-fake", "model": "fake", "object": "chat.completion",
+        "usage": {"completion_tokens": 1, "prompt_tokens": PROMPT_TOKENS, "total_tokens": PROMPT_TOKENS + 1},
+        "timings": {"cache_n": 0, "prompt_n": PROMPT_TOKENS, "predicted_n": 1}}, separators=(",", ":")).encode()
+
+
+def _json_head(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+
+
+def _chunked(events: list[bytes], events_per_write: int) -> list[bytes]:
+    """A streamed answer as the pieces written: one chunk per event, ``events_per_write`` (0: all) at once."""
+    group = events_per_write or len(events)
+    pieces = [b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in events[i:i + group])
+              for i in range(0, len(events), group)]
+    pieces[-1] += b"0\r\n\r\n"
+    pieces[0] = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n" + pieces[0]
+    return pieces
+
+
+class FakeLlamaServer:
+    """Answers from pre-built bytes; writes each marked request's task to ``log`` as llama-server -lv 4 does."""
+
+    def __init__(self, tokens: int, events_per_write: int, log: Optional[Path]):
+        self.stream = {top_two: _chunked(stream_events(tokens, top_two), events_per_write) for top_two in (False, True)}
+        self.whole = {top_two: _json_head(whole_answer(top_two)) + whole_answer(top_two) for top_two in (False, True)}
+        props = json.dumps(PROPS).encode()
+        self.props = _json_head(props) + props
+        self.tokens, self.log = tokens, log
+        self.calls: dict[str, int] = {}
+        self._task = 0
+        self._lock = threading.Lock()
+        if log is not None:
+            log.write_text("llama_context: n_ctx         = 4096\nllama_context: n_batch       = 2048\n")
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=512)
+
+    def serve(self) -> None:
+        while True:
+            sock, _ = self.listener.accept()
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._connection, args=(sock,), daemon=True).start()
+
+    def _connection(self, sock: socket.socket) -> None:
+        buffer = b""
+        with sock:
+            while True:
+                while b"\r\n\r\n" not in buffer:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    buffer += data
+                head, _, buffer = buffer.partition(b"\r\n\r\n")
+                lines = head.split(b"\r\n")
+                target = lines[0].split(b" ")[1].decode()
+                length = 0
+                for line in lines[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                while len(buffer) < length:
+                    buffer += sock.recv(65536)
+                body, buffer = buffer[:length], buffer[length:]
+                with self._lock:
+                    self.calls[target] = self.calls.get(target, 0) + 1
+                for piece in self._answer(target, body):
+                    sock.sendall(piece)
+
+    def _answer(self, target: str, body: bytes) -> list[bytes]:
+        if target == "/props":
+            return [self.props]
+        if target == "/apply-template":
+            rendered = json.dumps({"prompt": "".join(m.get("content", "") for m in json.loads(body)["messages"])})
+            return [_json_head(rendered.encode()) + rendered.encode()]
+        if target == "/tokenize":
+            tokens = json.dumps({"tokens": list(range(1, PROMPT_TOKENS + 1))}).encode()
+            return [_json_head(tokens) + tokens]
+        streamed = b'"stream": true' in body or b'"stream":true' in body
+        top_two = b'"n_probs"' in body
+        if self.log is not None and b'"dry_penalty_last_n"' in body:  # marked: a proxy reading the log sent it
+            self._log_task(json.loads(body), streamed)
+        return self.stream[top_two] if streamed else [self.whole[top_two]]
+
+    def _log_task(self, request: dict, streamed: bool) -> None:
+        marker = request.get("dry_penalty_last_n", -1)
+        generated = self.tokens if streamed else 1
+        with self._lock:
+            task, self._task = self._task, self._task + 1
+            slot = f"id  {task % 4} | task {task} |"
+            lines = [f"slot params_from_: {slot} sampler params: ",
+                     f"\tdry_multiplier = 0.000, dry_base = 1.750, dry_allowed_length = 2, dry_penalty_last_n = {marker}",
+                     f"slot launch_slot_: {slot} processing task",
+                     f"slot update_slots: {slot} new prompt, n_ctx_slot = 4096, n_keep = 0, task.n_tokens = "
+                     f"{PROMPT_TOKENS}",
+                     f"slot print_timing: {slot} prompt eval time = 1.00 ms / {PROMPT_TOKENS} tokens",
+                     f"slot print_timing: {slot}        eval time = 1.00 ms / {generated} tokens",
+                     f"slot      release: {slot} stop processing: n_tokens = {PROMPT_TOKENS + generated}"]
+            with open(self.log, "a") as out:
+                out.write("\n".join(lines) + "\n")
+
+
+def run_fake(args: argparse.Namespace) -> None:
+    fake = FakeLlamaServer(args.tokens, args.events_per_write, args.log)
+    threading.Thread(target=fake.serve, daemon=True).start()
+    print(fake.listener.getsockname()[1], flush=True)
+    for line in sys.stdin:  # "calls": how often each path was asked, as JSON
+        print(json.dumps(fake.calls), flush=True)
+
+
+# --- the client ---------------------------------------------------------------------------------------
+
+def _request(streamed: bool, tokens: int) -> bytes:
+    body = json.dumps({"messages": [{"role": "user", "content": "Describe the kitchen in detail"}],
+                       "max_tokens": tokens if streamed else 1, "stream": streamed}).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: proxy\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%b" % (len(body), body))
+
+
+def _drive(url: str, streamed: bool, tokens: int, seconds: float, concurrency: int) -> dict:
+    """``concurrency`` connections asking in a loop for ``seconds``; answers counted and checked."""
+    host, port = url.removeprefix("http://").split(":")
+    request = _request(streamed, tokens)
+    totals = {"requests": 0, "tokens": 0, "bad": 0}
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+
+    def one_connection() -> None:
+        requests = events = bad = 0
+        with socket.create_connection((host, int(port))) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while time.monotonic() < stop:
+                sock.sendall(request)
+                answer = bytearray()
+                # A streamed answer ends with the last chunk; a whole one is small and framed by its length.
+                while not (answer.endswith(b"0\r\n\r\n") if streamed else _whole_done(answer)):
+                    data = sock.recv(1 << 18)
+                    if not data:
+                        raise SystemExit(f"{url} closed the connection")
+                    answer += data
+                requests += 1
+                if streamed:
+                    events += answer.count(b"data: {") - 1  # the last event carries the counts, not a token
+                if b"logprobs" in answer or not answer.startswith(b"HTTP/1.1 200"):
+                    bad += 1
+        with lock:
+            totals["requests"] += requests
+            totals["tokens"] += events
+            totals["bad"] += bad
+
+    threads = [threading.Thread(target=one_connection) for _ in range(concurrency)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    totals["wall_s"] = time.monotonic() - started
+    return totals
+
+
+def _whole_done(answer: bytearray) -> bool:
+    head_end = answer.find(b"\r\n\r\n")
+    if head_end == -1:
+        return False
+    at = answer.find(b"content-length: ", 0, head_end)
+    return at != -1 and len(answer) >= head_end + 4 + int(answer[at + 16:answer.find(b"\r\n", at)])
+
+
+def run_client(args: argparse.Namespace) -> None:
+    for line in sys.stdin:  # "URL streams|requests": one arm's turn
+        url, mode = line.split()
+        print(json.dumps(_drive(url, mode == "streams", args.tokens, args.seconds, args.concurrency)), flush=True)
+
+
+# --- the proxies and the table -----------------------------------------------------------------------
+
+class Proxy:
+    """``kvtrace proxy`` as a process of its own (a supervisor and its workers), and its CPU time."""
+
+    def __init__(self, name: str, upstream: str, workdir: Path, extra: list[str], env: dict[str, str],
+                 profile: Optional[Path] = None):
+        self.name = name
+        self._log_path = workdir / f"{name}.log"
+        self._log = open(self._log_path, "wb")
+        command = ["-m", "kvtrace.cli"] if profile is None else ["-m", "cProfile", "-o", str(profile), "-m",
+                                                                 "kvtrace.cli"]
+        self.process = subprocess.Popen(
+            [sys.executable, *command, "proxy", "--upstream", upstream, "--listen", "127.0.0.1:0", *extra],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir, env={**os.environ, **env})
+        self.url = ""
+        deadline = time.monotonic() + 120
+        while not self.url:
+            for line in self._log_path.read_text(errors="replace").splitlines():
+                if line.startswith("kvtrace: proxy on "):
+                    self.url = line.split()[3]
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{name}: the proxy did not start:\n{self._log_path.read_text(errors='replace')}")
+            time.sleep(0.1)
+
+    def cpu_s(self) -> float:
+        """CPU seconds of the proxy's processes (every thread), its workers included."""
+        total, pending = 0.0, [self.process.pid]
+        while pending:
+            pid = pending.pop()
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+            pending += [int(child) for child in children]
+        return total
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGINT)  # a normal stop: spans flushed (and a profile written)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self._log.close()
+
+
+def _helper(role: str, args: argparse.Namespace, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, __file__, "--role", role, "--tokens", str(args.tokens), "--seconds",
+                             str(args.seconds), "--concurrency", str(args.concurrency), "--events-per-write",
+                             str(args.events_per_write), *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def _ask(process: subprocess.Popen, line: str) -> str:
+    process.stdin.write(line + "\n")
+    process.stdin.flush()
+    return process.stdout.readline()
+
+
+def measure(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="kvtrace-proxy-throughput-") as scratch:
+        workdir = Path(scratch)
+        env = {"KVTRACE_SPOOL_DIR": str(workdir / "spool"), "XDG_DATA_HOME": str(workdir / "data"),
+               "KVTRACE_RUN_ID": "proxy-throughput"}
+        log = workdir / "server.log"
+        fake = _helper("upstream", args, "--log", str(log))
+        upstream = f"http://127.0.0.1:{fake.stdout.readline().strip()}"
+        client = _helper("client", args)
+        arms = {"streams": {"workers 1": [], "workers 2": ["--workers", "2"]},
+                "requests": {"relay": [], "traced": [], "traced+log": ["--llama-server-log", str(log)]}}
+        proxies: dict[str, Proxy] = {}
+        try:
+            for mode, named in arms.items():
+                for name, extra in named.items():
+                    proxies[name] = Proxy(name.replace(" ", "-").replace("+", "-"), upstream, workdir, extra,
+                                          {**env, "KVTRACE_DISABLED": "1"} if name == "relay" else env)
+            if args.profile:
+                proxies["profiled"] = Proxy("profiled", upstream, workdir, [], env, profile=args.profile)
+            results: dict[str, list[dict]] = {name: [] for name in proxies}
+            for round_number in range(args.rounds):
+                for mode, named in arms.items():
+                    order = list(named) if round_number % 2 == 0 else list(reversed(named))
+                    for name in order:
+                        results[name].append(_turn(client, proxies[name], mode))
+            if args.profile:
+                results["profiled"].append(_turn(client, proxies["profiled"], "streams"))
+            calls_before = json.loads(_ask(fake, "calls"))
+            _turn(client, proxies["traced+log"], "requests")
+            calls = json.loads(_ask(fake, "calls"))
+        finally:
+            for proxy in proxies.values():
+                proxy.stop()
+            for helper in (client, fake):
+                helper.kill()
+        report(args, results, {path: calls.get(path, 0) - calls_before.get(path, 0) for path in calls})
+
+
+def _turn(client: subprocess.Popen, proxy: Proxy, mode: str) -> dict:
+    cpu = proxy.cpu_s()
+    result = json.loads(_ask(client, f"{proxy.url} {mode}"))
+    result["cpu_s"] = proxy.cpu_s() - cpu
+    if result["bad"]:
+        raise SystemExit(f"{proxy.name}: {result['bad']} answers were not the server's (logprobs left, or an error)")
+    return result
+
+
+def _span(values: list[float], digits: int = 0) -> str:
+    low, high = min(values), max(values)
+    return f"{low:,.{digits}f}" if round(low, digits) == round(high, digits) else f"{low:,.{digits}f}–{high:,.{digits}f}"
+
+
+def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict[str, int]) -> None:
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {args.rounds} rounds of "
+          f"{args.seconds:g} s per arm, concurrency {args.concurrency}, ranges over the rounds")
+    per_write = args.events_per_write or "all"
+    print(f"streams ({args.tokens} tokens each, {per_write} events per upstream write):")
+    rates = {}
+    for name in ("workers 1", "workers 2", "profiled"):
+        runs = results.get(name)
+        if not runs:
+            continue
+        rates[name] = [r["tokens"] / r["wall_s"] for r in runs]
+        print(f"  {name:<12} {_span(rates[name]):>16} tokens/s   CPU "
+              f"{_span([r['cpu_s'] / r['tokens'] * 1e6 for r in runs], 1):>12} µs/token   "
+              f"{_span([r['cpu_s'] / r['wall_s'] for r in runs], 2):>10} CPU s/s")
+    scaling = [two / one for one, two in zip(rates["workers 1"], rates["workers 2"])]
+    print(f"  workers 2 / workers 1 (paired by round): {_span(scaling, 2)}×")
+    print("requests (non-streamed chat, one token):")
+    cost = {}
+    for name in ("relay", "traced", "traced+log"):
+        runs = results[name]
+        cost[name] = [r["cpu_s"] / r["requests"] * 1e6 for r in runs]
+        print(f"  {name:<12} {_span([r['requests'] / r['wall_s'] for r in runs]):>16} requests/s   CPU "
+              f"{_span(cost[name]):>12} µs/request")
+    print("  each part's share of a traced request's CPU (paired by round):")
+    print(f"    relay (HTTP both ways, the cut)          {_span(cost['relay']):>12} µs")
+    print(f"    record and span                          "
+          f"{_span([b - a for a, b in zip(cost['relay'], cost['traced'])]):>12} µs")
+    print(f"    llama-server log and integrity calls     "
+          f"{_span([b - a for a, b in zip(cost['traced'], cost['traced+log'])]):>12} µs")
+    completions = calls.get("/v1/chat/completions", 0) or 1
+    print(f"    upstream calls per request: /apply-template {calls.get('/apply-template', 0) / completions:.2f}, "
+          f"/tokenize {calls.get('/tokenize', 0) / completions:.2f}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=4.0, help="seconds per arm and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=32, help="client connections at once")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per streamed answer")
+    parser.add_argument("--events-per-write", type=int, default=0, metavar="N",
+                        help="events the fake server writes at once (default 0: a whole answer)")
+    parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
+                        help="also run a one-worker proxy under cProfile for the streams arm; its stats to FILE")
+    parser.add_argument("--role", choices=("upstream", "client"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--log", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    if arguments.role == "upstream":
+        run_fake(arguments)
+    elif arguments.role == "client":
+        run_client(arguments)
+    else:
+        measure(arguments)
