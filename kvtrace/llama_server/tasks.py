@@ -316,21 +316,23 @@ class TaskProvenance:
 
     # --- integrity ------------------------------------------------------------------------------
 
-    def prepare_chain(self, traced: Traced, key: bytes, endpoint: str) -> None:
-        """The request's prompt tokens as the server tokenizes them, kept as a hash chain on ``traced``."""
+    def prepare_chain(self, traced: Traced, key: bytes, endpoint: str) -> Optional[list[int]]:
+        """The request's prompt tokens as the server tokenizes them, kept as a hash chain on ``traced``;
+        returned too (``None``: not known), for the record where the capture policy lets ids leave."""
         if self._tokenize is None or traced.task is None:
-            return
+            return None
         try:
             tokens = self._tokenize(traced.request, endpoint)
         except Exception:
             tokens = None  # an answer the proxy cannot read: the state stays unverifiable, the match stands
         if tokens is None or (traced.task.prompt_tokens is not None and len(tokens) != traced.task.prompt_tokens):
-            return  # not the server's tokens: nothing to compare with
+            return None  # not the server's tokens: nothing to compare with
         with self._lock:
             if self._chains is None:
                 self._chains = PromptChains(key)
             chains = self._chains
         traced.prompt_chain = chains.chain(tokens)
+        return tokens
 
     def _verify(self, traced: Traced, record: RequestRecord, decision: TaskDecision, source_task: Optional[int],
                 origin: Optional[StateOrigin], answer_cached: Optional[int]) -> None:

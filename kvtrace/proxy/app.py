@@ -302,7 +302,11 @@ class ProxyApp:
             return
         try:
             provenance.find(traced, answer_fingerprint)
-            provenance.prepare_chain(traced, recorder.settings.hash_key, traced.plan.endpoint)
+            tokens = provenance.prepare_chain(traced, recorder.settings.hash_key, traced.plan.endpoint)
+            if tokens is not None:
+                # The prompt's ids beside the text hash (which stays the prompt hash), under ids capture
+                # only: what `kvtrace replay --server` sends again.
+                record.config[sc.PROMPT_TOKEN_IDS] = recorder.capture.prompt_token_ids(tokens)
             provenance.describe(traced, record, cached_tokens)
             provenance.remember(traced, record)
         except Exception:
