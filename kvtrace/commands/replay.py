@@ -1,20 +1,19 @@
 """``kvtrace replay RUN --episode E``: re-execute recorded requests on their recorded cache paths and
 check every generated token (the reproduction control); ``kvtrace replay RUN_A RUN_B --episode E
---counterfactual``: switch only the cache path at the fork and say whether the fork follows it."""
+--counterfactual``: switch only the cache path at the fork and say whether the fork follows it.
+``--server URL``: a run recorded in front of llama-server is re-executed on that server."""
 
 from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
-
 from kvtrace.analysis.forks import diff_runs
-from kvtrace.commands.arguments import input_file, positive_number
+from kvtrace.commands.arguments import http_url, input_file, positive_number
 from kvtrace.commands.common import open_database, progress_printer
 from kvtrace.errors import ConfigError
 from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT
 from kvtrace.replay import verdicts
-from kvtrace.replay.model_lookup import find_recorded_model
+from kvtrace.replay.backends import backend_for
 from kvtrace.replay.recorded import ReplayRefused, read_run
 from kvtrace.replay.reproduce import counterfactual, replay_episodes
 
@@ -25,15 +24,22 @@ def add_arguments(p) -> None:
                      "named state, or recompute), and check every generated token against the record. With two runs "
                      "and --counterfactual: at the episode's fork, run each side's request on the other side's cache "
                      "path, everything else fixed; the verdict (confirmed, not_cache, not_reproduced) is kept, and "
-                     "`kvtrace diff` shows it next to the label. Needs runs recorded with KVTRACE_CAPTURE=ids.")
+                     "`kvtrace diff` shows it next to the label. Needs runs recorded with KVTRACE_CAPTURE=ids: inside "
+                     "llama-cpp-python, or through `kvtrace proxy --llama-server-log` in front of llama-server, "
+                     "replayed with --server on a llama-server started with the recorded model and command line "
+                     "(and --cache-ram 0). A prompt-cache restore of a state another slot saved is refused.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="one run (reproduce) or RUN_A RUN_B (--counterfactual)")
     p.add_argument("--episode", action="append", required=True, metavar="ID",
                    help="the episode to re-execute (repeatable without --counterfactual)")
     p.add_argument("--counterfactual", action="store_true",
                    help="with RUN_A RUN_B: switch the cache path of the forked request between the runs")
-    p.add_argument("--model", type=input_file, metavar="PATH.gguf",
-                   help="the model file the run used (default: the file in kvtrace's model cache with the recorded "
-                        "model fingerprint)")
+    engine = p.add_mutually_exclusive_group()
+    engine.add_argument("--model", type=input_file, metavar="PATH.gguf",
+                        help="the model file the run used (default: the file in kvtrace's model cache with the "
+                             "recorded model fingerprint)")
+    engine.add_argument("--server", type=http_url, metavar="URL",
+                        help="a llama-server to re-execute a run recorded through kvtrace proxy on: token-id "
+                             "prompts on /completion, slot 0, cache_prompt false for recompute")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--timeout", type=positive_number, default=DEFAULT_PASS_TIMEOUT, metavar="SECONDS",
                    help="end the replay when one request (or the model load) takes longer (default %(default)g)")
@@ -53,10 +59,10 @@ def run(args) -> int:
     finally:
         client.close()  # the embedded database is held by one process at a time; the engine needs none
     progress = progress_printer(args)
-    model = args.model or find_recorded_model(runs[0], progress, args.timeout)
+    backend = backend_for(runs, args.server, args.model, progress, args.timeout)
     if fork is not None:
-        return _counterfactual(args, runs, fork, model, progress)
-    return _reproduce(args, runs[0], model, progress)
+        return _counterfactual(args, runs, fork, backend, progress)
+    return _reproduce(args, runs[0], backend, progress)
 
 
 def _fork(client, args):
@@ -70,8 +76,8 @@ def _fork(client, args):
     return diff.forks[0]
 
 
-def _reproduce(args, run, model: Path, progress) -> int:
-    result = replay_episodes(run, args.episode, model, progress, args.timeout)
+def _reproduce(args, run, backend, progress) -> int:
+    result = replay_episodes(run, args.episode, backend, progress)
     if args.format == "json":
         json.dump(result.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -94,8 +100,8 @@ def _print_reproduction(result) -> None:
             print(f"  episode {r.episode_id} turn {r.turn} ({r.path}): {why}")
 
 
-def _counterfactual(args, runs, fork, model: Path, progress) -> int:
-    verdict = counterfactual(runs[0], runs[1], fork, model, progress, args.timeout)
+def _counterfactual(args, runs, fork, backend, progress) -> int:
+    verdict = counterfactual(runs[0], runs[1], fork, backend, progress)
     try:
         verdicts.keep(verdict)
     except OSError as exc:  # a full disk, or a link where the file belongs: the verdict is still printed

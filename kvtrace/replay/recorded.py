@@ -8,7 +8,9 @@ request's end state, saved and loaded the way the experiment's restore control d
 (``Llama.save_state`` / ``load_state``: the same KV bytes the original request found).
 
 In-context reuse continues from the run's previous request: one engine serves a run, one request
-at a time, as kvtrace's experiment passes and tests run it.
+at a time, as kvtrace's experiment passes and tests run it. A llama-server request recorded through
+``kvtrace proxy`` names the request that left its slot's state (or stored the restored one) itself:
+the proxy read it from the server's log.
 """
 
 from __future__ import annotations
@@ -22,13 +24,18 @@ from kvtrace import semconv as sc
 from kvtrace.errors import ConfigError
 from kvtrace.patches.llama_cpp.engine import ENGINE as LLAMA_CPP
 
+LLAMA_SERVER = "llama-server"
+"""The engine name of requests ``kvtrace proxy`` recorded in front of llama.cpp's server."""
+REPLAYABLE_ENGINES = (LLAMA_CPP, LLAMA_SERVER)
+
 UNREPLAYABLE_SAMPLING = ("logits_processor", "grammar")
 """Sampling inputs kvtrace records only as used or not: a replay runs without them."""
 
 
-GREEDY = {"temp": 0.0, "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+GREEDY = {"temp": 0.0, "temperature": 0.0, "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 """Sampling settings at which the chosen token is the logits' arg-max: the only requests whose generated
-ids replay can read back exactly (``completion_token_ids``: the last one is the arg-max of the last row)."""
+ids replay can read back exactly (``completion_token_ids``: the last one is the arg-max of the last row).
+``temp`` as llama-cpp-python records it, ``temperature`` as a client of llama-server sent it."""
 
 
 class ReplayRefused(ConfigError):
@@ -76,6 +83,8 @@ class RecordedRequest:
     output: tuple[int, ...]
     starts_from: Optional[str]
     """Span id of the request whose end state this one started from (None: it recomputed its prompt)."""
+    slot: Optional[int] = None
+    """The server slot that served it (llama-server; None in process)."""
 
     def path(self) -> str:
         """The cache path in words: ``recompute``, ``in-context reuse of 40 tokens`` or
@@ -132,9 +141,9 @@ def read_run(client, run_id: str) -> RecordedRun:
     rows = [dict(zip(columns, row)) for row in rows]
     _refuse_unreplayable(run_id, rows)
     requests: list[RecordedRequest] = []
-    spans = {row["span_id"] for row in rows}
+    slots = {row["span_id"]: row["slot_id"] for row in rows}
     for row in rows:
-        requests.append(_request(row, requests[-1] if requests else None, spans))
+        requests.append(_request(row, requests[-1] if requests else None, slots))
     return RecordedRun(run_id, requests)
 
 
@@ -145,12 +154,16 @@ def _refuse_unreplayable(run_id: str, rows: list[dict[str, Any]]) -> None:
             f"run {run_id!r} was recorded with {'/'.join(modes) or 'no'} capture: its token ids never left the "
             f"engine (that keeps production traffic private), so there is nothing to re-execute; record with "
             f"KVTRACE_CAPTURE=ids to make a run replayable")
-    engines = sorted({row["engine"] for row in rows if row["engine"] != LLAMA_CPP})
+    engines = sorted({row["engine"] for row in rows if row["engine"] not in REPLAYABLE_ENGINES})
     if engines:
         raise ReplayRefused(f"run {run_id!r} was recorded by {', '.join(engines)}; replay re-executes "
-                            f"llama-cpp-python runs only")
+                            f"llama-cpp-python runs and llama-server runs recorded through kvtrace proxy only")
     for row in rows:
         sampling = json.loads(row["sampling_settings"] or "{}")
+        if row["engine"] == LLAMA_SERVER and sampling.get("temperature") is None:
+            raise ReplayRefused(f"run {run_id!r}: the request of episode {row['episode_id']} turn {row['turn']} "
+                                f"sampled at the server's default temperature; replay re-executes greedy requests "
+                                f"(temperature 0) only")
         changed = [f"{name} {sampling[name]}" for name, neutral in GREEDY.items()
                    if sampling.get(name) is not None and float(sampling[name]) != neutral]
         if changed:
@@ -158,13 +171,18 @@ def _refuse_unreplayable(run_id: str, rows: list[dict[str, Any]]) -> None:
                                 f"turn {row['turn']}); replay re-executes greedy requests (temperature 0, no "
                                 f"repetition penalties) only")
         if len(row["prompt_token_ids"]) != row["prompt_tokens"]:
+            where = ("record it through `kvtrace proxy --llama-server-log LOG`, which keeps the ids the server "
+                     "tokenized" if row["engine"] == LLAMA_SERVER else "replay needs a run recorded inside the engine")
             raise ReplayRefused(f"run {run_id!r}: the request of episode {row['episode_id']} turn {row['turn']} "
-                                f"has no recorded prompt token ids; replay needs a run recorded inside the engine")
+                                f"has no recorded prompt token ids; {where}")
 
 
-def _request(row: dict[str, Any], previous: Optional[RecordedRequest], spans: set[str]) -> RecordedRequest:
+def _request(row: dict[str, Any], previous: Optional[RecordedRequest], slots: dict[str, Any]) -> RecordedRequest:
     starts_from = None
-    if row["reused_tokens"] > 0:
+    spans = slots.keys()
+    if row["reused_tokens"] > 0 and row["engine"] == LLAMA_SERVER:
+        starts_from = _served_source(row, slots)
+    elif row["reused_tokens"] > 0:
         if row["cache_layer"] == sc.LAYER_PROMPT_CACHE:
             starts_from = row["source_span_id"]
             if starts_from not in spans:
@@ -183,7 +201,24 @@ def _request(row: dict[str, Any], previous: Optional[RecordedRequest], spans: se
         capture_mode=row["capture_mode"], configuration=configuration,
         sampling=json.loads(row["sampling_settings"] or "{}"), cache_layer=row["cache_layer"],
         reused_tokens=int(row["reused_tokens"]), prompt=tuple(int(t) for t in row["prompt_token_ids"]),
-        output=tuple(int(t) for t in row["token_ids"]), starts_from=starts_from)
+        output=tuple(int(t) for t in row["token_ids"]), starts_from=starts_from,
+        slot=None if row["slot_id"] is None else int(row["slot_id"]))
+
+
+def _served_source(row: dict[str, Any], slots: dict[str, Any]) -> str:
+    """The request whose end state a llama-server request reused: its slot's previous request, or the request
+    that stored the state restored from the prompt cache (the proxy read both from the server's log)."""
+    where = f"episode {row['episode_id']} turn {row['turn']} of run {row['run_id']!r}"
+    source = row["source_span_id"]
+    if source not in slots:
+        raise ReplayRefused(f"{where} reused {row['reused_tokens']} tokens of a state left by "
+                            f"{'span ' + source if source else 'a request the proxy could not name'}, which is not "
+                            f"in the run; it cannot be rebuilt")
+    if row["cache_layer"] == sc.LAYER_PROMPT_CACHE and slots[source] != row["slot_id"]:
+        raise ReplayRefused(f"{where} restored from the prompt cache a state saved by slot {slots[source]} (it ran "
+                            f"on slot {row['slot_id']}); a state computed on another slot cannot be reproduced on a "
+                            f"server replaying one slot")
+    return source
 
 
 @dataclass(frozen=True)

@@ -13,20 +13,15 @@ the recorded fork, so something the spans do not record differs.
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.analysis.forks import Fork
-from kvtrace.errors import EngineFailed
-from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT, PassDied, run_child
 from kvtrace.progress import Progress
-from kvtrace.replay.recorded import (RecordedRequest, RecordedRun, ReplayRefused, Step, as_factual_steps,
-                                     one_configuration, plan_json, step)
-
-CHILD_MODULE = "kvtrace.replay.child"
+from kvtrace.replay.backends import Backend
+from kvtrace.replay.recorded import (RecordedRequest, RecordedRun, ReplayRefused, as_factual_steps,
+                                     one_configuration, step)
 
 A_ON_B_PATH, B_ON_A_PATH = "a-on-b-path", "b-on-a-path"
 """Step keys of the two switched re-executions (the others are keyed by their request's span id)."""
@@ -112,34 +107,6 @@ class Counterfactual:
         return asdict(self)
 
 
-def execute_steps(model: Path, configuration, steps: list[Step], progress: Progress,
-                  timeout: float = DEFAULT_PASS_TIMEOUT) -> dict[str, dict[str, Any]]:
-    """Run ``steps`` in an engine process of their own; ``ReplayRefused`` when that engine is not the recorded one."""
-    shown = 0
-
-    def advance(text: str, done: int) -> None:
-        nonlocal shown
-        progress.advance(done - shown)
-        shown = done
-        progress(text)
-
-    progress.start(len(steps), "requests")
-    with tempfile.NamedTemporaryFile("w", prefix="kvtrace-replay-", suffix=".json") as plan:
-        plan.write(plan_json(str(model), configuration, steps))  # a file: prompts outgrow a command line
-        plan.flush()
-        try:
-            result = run_child(CHILD_MODULE, plan.name, timeout, advance)
-        except PassDied as died:
-            raise EngineFailed(f"the replay's engine {died.cause} after {died.requests} request(s)") from None
-        finally:
-            progress.close()
-    if result.get("interrupted"):
-        raise KeyboardInterrupt
-    if result.get("refused"):
-        raise ReplayRefused(result["refused"])
-    return result["outcomes"]
-
-
 def _judge(request: RecordedRequest, outcome: dict[str, Any], expected_reuse: Optional[int] = None) -> RequestReplay:
     produced, recorded = outcome["token_ids"], request.output
     same = 0
@@ -150,12 +117,12 @@ def _judge(request: RecordedRequest, outcome: dict[str, Any], expected_reuse: Op
                          path_reproduced=outcome["reused"] == reuse)
 
 
-def replay_episodes(run: RecordedRun, episodes: list[str], model: Path, progress: Progress = Progress(),
-                    timeout: float = DEFAULT_PASS_TIMEOUT) -> Reproduction:
+def replay_episodes(run: RecordedRun, episodes: list[str], backend: Backend,
+                    progress: Progress = Progress()) -> Reproduction:
     """Re-execute ``episodes`` of ``run`` (and what they depend on) and compare every generated token."""
     targets = [r for e in episodes for r in run.episode(e)]
     needed = run.needed_for(targets)
-    outcomes = execute_steps(model, one_configuration(needed), as_factual_steps(needed), progress, timeout)
+    outcomes = backend.execute(one_configuration(needed), as_factual_steps(needed), progress)
     result = Reproduction(run.run_id, episodes)
     wanted = set(episodes)
     for request in needed:
@@ -164,8 +131,8 @@ def replay_episodes(run: RecordedRun, episodes: list[str], model: Path, progress
     return result
 
 
-def counterfactual(run_a: RecordedRun, run_b: RecordedRun, fork: Fork, model: Path, progress: Progress = Progress(),
-                   timeout: float = DEFAULT_PASS_TIMEOUT) -> Counterfactual:
+def counterfactual(run_a: RecordedRun, run_b: RecordedRun, fork: Fork, backend: Backend,
+                   progress: Progress = Progress()) -> Counterfactual:
     """Switch only the cache path of the forked request between the two sides, and judge the fork."""
     if fork.kind != sc.FORK_KIND_OUTPUT or fork.position < 0:
         raise ReplayRefused(f"episode {fork.episode} forked at {fork.where()} because the prompts already differ "
@@ -178,7 +145,7 @@ def counterfactual(run_a: RecordedRun, run_b: RecordedRun, fork: Fork, model: Pa
     sources.discard(None)
     steps = [step(r, r.span_id, r.starts_from, sources) for r in needed_a + needed_b]
     steps += [step(a, A_ON_B_PATH, b.starts_from, set()), step(b, B_ON_A_PATH, a.starts_from, set())]
-    outcomes = execute_steps(model, configuration, steps, progress, timeout)
+    outcomes = backend.execute(configuration, steps, progress)
     return judge_fork(fork, a, b, outcomes)
 
 
