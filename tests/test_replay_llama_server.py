@@ -113,6 +113,34 @@ def test_each_arm_replays_exactly_on_the_server_and_the_counterfactual_gives_a_v
 
 
 @pytest.mark.slow
+def test_a_prompt_cache_restore_replays_as_the_state_of_the_request_that_stored_it(tiny_gguf, tmp_path,
+                                                                                   spool_recorder, capsys):
+    """Two conversations take turns on one slot of a server with a prompt cache: the kitchen's second turn
+    is served from its first turn's state, restored from the cache. Replayed on a server without one, that
+    state is rebuilt on the slot by running the first turn again, and every token comes back."""
+    log_path = tmp_path / "server.log"
+    with running_llama_server(tiny_gguf, "-lv", "4", "--cache-ram", "64", log_path=log_path) as server:
+        with running_proxy(server, spool_recorder, llama_server_log=log_path) as proxy:
+            prompts = {"kitchen": "The kitchen has a long oak table and",
+                       "harbour": "Zulu harbour boats rocked under grey skies while"}
+            for episode, turn in (("kitchen", 0), ("harbour", 0), ("kitchen", 1)):
+                baggage = f"kvtrace.run_id=shared,kvtrace.episode_id={episode},kvtrace.turn={turn}"
+                answer = httpx.post(proxy + "/completion", json={"prompt": prompts[episode], "n_predict": TOKENS,
+                                                                 "temperature": 0}, headers={"baggage": baggage},
+                                    timeout=120)
+                prompts[episode] += answer.json()["content"] + " Next, the pantry holds"
+        spool_recorder.pipeline.force_flush()
+    with running_llama_server(tiny_gguf, "--cache-ram", "0", log_path=tmp_path / "replay.log") as replaying:
+        code, replayed, err = kvtrace_json(capsys, "replay", "shared", "--episode", "kitchen", "--server", replaying)
+    assert code == 0, err
+    assert replayed["exact"] is True
+    assert (replayed["requests_reproduced"], replayed["requests"]) == (2, 2)
+    restored = replayed["per_request"][1]
+    assert restored["turn"] == 1 and restored["path"].startswith("prompt-cache restore of ")
+    assert restored["path_reproduced"] is True  # the slot reused as many tokens as the restore gave
+
+
+@pytest.mark.slow
 def test_a_fork_made_by_an_unrecorded_logit_bias_is_not_reproduced_on_the_server(tiny_gguf, tmp_path,
                                                                                  spool_recorder, capsys):
     log_path = tmp_path / "server.log"
