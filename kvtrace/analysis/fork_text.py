@@ -26,6 +26,8 @@ def describe_fork(fork: Fork) -> str:
         lines.append(f"  counterfactual: {fork.verdict_note}")
     elif fork.attribution in (sc.ATTRIBUTION_SAME_CACHE_PATH, sc.ATTRIBUTION_BATCH_COMPOSITION):
         lines.append(f"  {fork.note}")
+    if fork.verdict is None and fork.kind != sc.FORK_KIND_PROMPT:
+        lines.append(f"  prove it: {fork.replay_command()}")
     return "\n".join(lines) + "\n"
 
 

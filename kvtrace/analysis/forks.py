@@ -8,6 +8,7 @@ deciding happens in SQL; this module only names things and checks input.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -156,6 +157,12 @@ class Fork:
     def label(self) -> str:
         """The attribution, with the verdict when one is known: ``hit_vs_recompute, counterfactual: confirmed``."""
         return self.attribution + (f", counterfactual: {self.verdict}" if self.verdict else "")
+
+    def replay_command(self) -> str:
+        """The command that proves or refutes the cache as this fork's cause (docs/postmortem.md);
+        runs recorded through ``kvtrace proxy`` add ``--server URL``."""
+        return (f"kvtrace replay {shlex.quote(self.run_a)} {shlex.quote(self.run_b)} "
+                f"--episode {shlex.quote(self.episode)} --counterfactual")
 
     def where(self) -> str:
         """``turn 3, token 17`` (the token only when the position is known)."""

@@ -4,10 +4,14 @@ B chose 9. The verdict follows from four re-executions: each request on its own 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvtrace import semconv as sc
-from kvtrace.analysis.forks import CachePath, Fork, Side
+from kvtrace.analysis.fork_text import describe_fork
+from kvtrace.analysis.forks import CachePath, Diff, Fork, Side
+from kvtrace.analysis.html_view import render_diff
 from kvtrace.replay.recorded import EngineConfiguration, RecordedRequest
 from kvtrace.replay.reproduce import A_ON_B_PATH, B_ON_A_PATH, judge_fork
 
@@ -57,3 +61,17 @@ def test_not_reproduced_names_the_unrecorded_sampling_input_the_record_admits():
     assert judged.verdict == sc.VERDICT_NOT_REPRODUCED
     assert "something the spans do not record differs" in judged.explanation
     assert "logits_processor" in judged.explanation
+
+
+def test_a_fork_not_yet_judged_shows_the_replay_that_would_judge_it_in_text_and_html():
+    command = "kvtrace replay run-a run-b --episode e0 --counterfactual"
+    assert f"prove it: {command}" in describe_fork(FORK)
+    judged = replace(FORK, verdict=sc.VERDICT_CONFIRMED, verdict_note="A's token follows the path")
+    assert "prove it" not in describe_fork(judged)
+    assert "replay" not in describe_fork(replace(FORK, kind=sc.FORK_KIND_PROMPT))
+
+    def page(fork):
+        return render_diff(Diff("run-a", "run-b", 1, [fork]), {})
+
+    assert f"<code>{command}</code>" in page(FORK)
+    assert command not in page(judged)
