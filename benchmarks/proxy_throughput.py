@@ -20,9 +20,12 @@ drift on a shared machine hits them alike), each for ``--seconds``:
   calls). CPU per request, and each part's share as the difference between arms.
 
 Every answer is checked: the client counts the events of each stream and refuses one in which the
-added logprobs were not cut. With ``--profile FILE``, one more ``--workers 1`` proxy runs under
-cProfile for the streams arm and its statistics are written to FILE. Prints a table with the range
-over the rounds; asserts nothing (the figures belong to this machine).
+added logprobs were not cut. With ``--baseline TREE`` (a directory holding another kvtrace source
+tree, e.g. ``git archive REV kvtrace | tar -x -C TREE``, compiled modules copied in), every arm has a
+twin whose proxy imports kvtrace from TREE, run in turn with it, and the table gives both. With
+``--profile FILE``, one more ``--workers 1`` proxy runs under cProfile (its main thread only: use
+py-spy for the relay's threads) and its statistics go to FILE. Prints a table with the range over the
+rounds; asserts nothing (the figures belong to this machine).
 """
 
 from __future__ import annotations
@@ -170,7 +173,8 @@ class FakeLlamaServer:
             task, self._task = self._task, self._task + 1
             slot = f"id  {task % 4} | task {task} |"
             lines = [f"slot params_from_: {slot} sampler params: ",
-                     f"\tdry_multiplier = 0.000, dry_base = 1.750, dry_allowed_length = 2, dry_penalty_last_n = {marker}",
+                     f"\tdry_multiplier = 0.000, dry_base = 1.750, dry_allowed_length = 2, "
+                     f"dry_penalty_last_n = {marker}",
                      f"slot launch_slot_: {slot} processing task",
                      f"slot update_slots: {slot} new prompt, n_ctx_slot = 4096, n_keep = 0, task.n_tokens = "
                      f"{PROMPT_TOKENS}",
@@ -325,12 +329,18 @@ def measure(args: argparse.Namespace) -> None:
         client = _helper("client", args)
         arms = {"streams": {"workers 1": [], "workers 2": ["--workers", "2"]},
                 "requests": {"relay": [], "traced": [], "traced+log": ["--llama-server-log", str(log)]}}
+        if args.baseline is not None:
+            arms = {mode: {**named, **{f"{name} (baseline)": extra for name, extra in named.items()}}
+                    for mode, named in arms.items()}
         proxies: dict[str, Proxy] = {}
         try:
             for mode, named in arms.items():
                 for name, extra in named.items():
-                    proxies[name] = Proxy(name.replace(" ", "-").replace("+", "-"), upstream, workdir, extra,
-                                          {**env, "KVTRACE_DISABLED": "1"} if name == "relay" else env)
+                    own = {**env, "KVTRACE_DISABLED": "1"} if name.startswith("relay") else dict(env)
+                    if name.endswith("(baseline)"):
+                        own["PYTHONPATH"] = str(args.baseline.resolve())
+                    label = name.replace(" (baseline)", "-baseline").replace(" ", "-").replace("+", "-")
+                    proxies[name] = Proxy(label, upstream, workdir, extra, own)
             if args.profile:
                 proxies["profiled"] = Proxy("profiled", upstream, workdir, [], env, profile=args.profile)
             results: dict[str, list[dict]] = {name: [] for name in proxies}
@@ -363,7 +373,9 @@ def _turn(client: subprocess.Popen, proxy: Proxy, mode: str) -> dict:
 
 def _span(values: list[float], digits: int = 0) -> str:
     low, high = min(values), max(values)
-    return f"{low:,.{digits}f}" if round(low, digits) == round(high, digits) else f"{low:,.{digits}f}–{high:,.{digits}f}"
+    if round(low, digits) == round(high, digits):
+        return f"{low:,.{digits}f}"
+    return f"{low:,.{digits}f}–{high:,.{digits}f}"
 
 
 def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict[str, int]) -> None:
@@ -371,30 +383,33 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict
           f"{args.seconds:g} s per arm, concurrency {args.concurrency}, ranges over the rounds")
     per_write = args.events_per_write or "all"
     print(f"streams ({args.tokens} tokens each, {per_write} events per upstream write):")
-    rates = {}
-    for name in ("workers 1", "workers 2", "profiled"):
-        runs = results.get(name)
+    rates, cost = {}, {}
+    for name, runs in results.items():
         if not runs:
             continue
-        rates[name] = [r["tokens"] / r["wall_s"] for r in runs]
-        print(f"  {name:<12} {_span(rates[name]):>16} tokens/s   CPU "
-              f"{_span([r['cpu_s'] / r['tokens'] * 1e6 for r in runs], 1):>12} µs/token   "
-              f"{_span([r['cpu_s'] / r['wall_s'] for r in runs], 2):>10} CPU s/s")
-    scaling = [two / one for one, two in zip(rates["workers 1"], rates["workers 2"])]
-    print(f"  workers 2 / workers 1 (paired by round): {_span(scaling, 2)}×")
+        if runs[0]["tokens"]:
+            rates[name] = [r["tokens"] / r["wall_s"] for r in runs]
+            print(f"  {name:<22} {_span(rates[name]):>16} tokens/s   CPU "
+                  f"{_span([r['cpu_s'] / r['tokens'] * 1e6 for r in runs], 1):>12} µs/token   "
+                  f"{_span([r['cpu_s'] / r['wall_s'] for r in runs], 2):>10} CPU s/s")
+    for suffix in ("", " (baseline)"):
+        scaling = [two / one for one, two in zip(rates[f"workers 1{suffix}"], rates[f"workers 2{suffix}"])]
+        if scaling:
+            print(f"  workers 2 / workers 1{suffix} (paired by round): {_span(scaling, 2)}×")
     print("requests (non-streamed chat, one token):")
-    cost = {}
-    for name in ("relay", "traced", "traced+log"):
-        runs = results[name]
-        cost[name] = [r["cpu_s"] / r["requests"] * 1e6 for r in runs]
-        print(f"  {name:<12} {_span([r['requests'] / r['wall_s'] for r in runs]):>16} requests/s   CPU "
-              f"{_span(cost[name]):>12} µs/request")
-    print("  each part's share of a traced request's CPU (paired by round):")
-    print(f"    relay (HTTP both ways, the cut)          {_span(cost['relay']):>12} µs")
-    print(f"    record and span                          "
-          f"{_span([b - a for a, b in zip(cost['relay'], cost['traced'])]):>12} µs")
-    print(f"    llama-server log and integrity calls     "
-          f"{_span([b - a for a, b in zip(cost['traced'], cost['traced+log'])]):>12} µs")
+    for name, runs in results.items():
+        if runs and not runs[0]["tokens"]:
+            cost[name] = [r["cpu_s"] / r["requests"] * 1e6 for r in runs]
+            print(f"  {name:<22} {_span([r['requests'] / r['wall_s'] for r in runs]):>16} requests/s   CPU "
+                  f"{_span(cost[name]):>12} µs/request")
+    for suffix in ("", " (baseline)"):
+        if f"relay{suffix}" not in cost:
+            continue
+        relay, traced, logged = (cost[f"{name}{suffix}"] for name in ("relay", "traced", "traced+log"))
+        print(f"  each part's share of a traced request's CPU{suffix} (paired by round):")
+        print(f"    relay (HTTP both ways, the cut)          {_span(relay):>12} µs")
+        print(f"    record and span                          {_span([b - a for a, b in zip(relay, traced)]):>12} µs")
+        print(f"    llama-server log and integrity calls     {_span([b - a for a, b in zip(traced, logged)]):>12} µs")
     completions = calls.get("/v1/chat/completions", 0) or 1
     print(f"    upstream calls per request: /apply-template {calls.get('/apply-template', 0) / completions:.2f}, "
           f"/tokenize {calls.get('/tokenize', 0) / completions:.2f}")
@@ -408,6 +423,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=256, help="tokens per streamed answer")
     parser.add_argument("--events-per-write", type=int, default=0, metavar="N",
                         help="events the fake server writes at once (default 0: a whole answer)")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="TREE",
+                        help="pair every arm with a proxy that imports kvtrace from this source tree")
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="also run a one-worker proxy under cProfile for the streams arm; its stats to FILE")
     parser.add_argument("--role", choices=("upstream", "client"), default=None, help=argparse.SUPPRESS)

@@ -87,3 +87,60 @@ def test_a_marker_rides_in_dry_s_window_only_while_dry_is_off_and_its_echo_is_se
                               (request, OPENAI_COMPATIBLE)):
         plan = plan_request(NATIVE, unmarked, profile)
         assert with_marker(plan, unmarked, profile, "dry_penalty_last_n", 7) is plan
+
+
+def _stream(documents: list[dict]) -> bytes:
+    return b"".join(b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n" for d in documents) + \
+        b"data: [DONE]\n\n"
+
+
+def _relayed(plan, stream: bytes, read: int) -> tuple[bytes, "TakenOut"]:
+    """The stream cut as the proxy cuts it, whole events at a time, after reads of ``read`` bytes."""
+    from kvtrace.proxy.answers import TakenOut
+    from kvtrace.proxy.app import _last_event_end, cut_events
+
+    taken, sent, pending = TakenOut(plan.source == sc.MARGIN_SOURCE_INJECTED), b"", b""
+    for start in range(0, len(stream), read):
+        pending += stream[start:start + read]
+        end = _last_event_end(pending)
+        if end:
+            sent += cut_events(plan, pending[:end], taken)
+            pending = pending[end:]
+    return sent, taken
+
+
+def test_a_stream_s_record_reads_the_logprobs_the_cut_took_out_and_finds_what_the_upstream_sent():
+    from kvtrace.proxy.answers import streamed_answer
+
+    positions = [{"id": n, "token": f"t{n}", "bytes": [116], "logprob": -0.1 * n,
+                  "top_logprobs": [{"id": n, "token": f"t{n}", "logprob": -0.1 * n},
+                                   {"id": 99, "token": "x", "logprob": -3.0}]} for n in range(6)]
+    chat = [{"choices": [{"index": 0, "delta": {"content": f"t{n}"}, "finish_reason": None,
+                          "logprobs": {"content": [p]}}], "object": "chat.completion.chunk"}
+            for n, p in enumerate(positions)]
+    chat.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 4},
+                 "timings": {"prompt_n": 4, "predicted_n": 6, "cache_n": 0}})
+    completions = [{"choices": [{"index": 0, "text": f"t{n}", "logprobs": {"content": [p]}}]}
+                   for n, p in enumerate(positions)]
+    native = [{"content": f"t{n}", "completion_probabilities": [p]} for n, p in enumerate(positions)]
+    native.append({"content": "", "stop": True, "stop_type": "eos", "tokens_evaluated": 4, "id_slot": 1})
+    for endpoint, documents in ((CHAT, chat), (COMPLETIONS, completions), (NATIVE, native)):
+        plan = plan_request(endpoint, {"prompt": "x", "messages": []}, LLAMA_SERVER)
+        stream = _stream(documents)
+        for read in (7, 64, len(stream)):  # events split across reads, and many in one
+            sent, taken = _relayed(plan, stream, read)
+            assert b"top_logprobs" not in sent
+            assert taken.documents(endpoint) is not None, endpoint  # read from what the cut took
+            assert streamed_answer(endpoint, stream, taken) == streamed_answer(endpoint, stream), (endpoint, read)
+        assert len(streamed_answer(endpoint, stream, taken).response["choices"][0]["logprobs"]["content"]) == 6
+
+
+def test_a_stream_whose_events_hold_several_choices_is_read_from_the_upstream_s_bytes():
+    from kvtrace.proxy.answers import streamed_answer
+
+    plan = plan_request(CHAT, {"messages": []}, OPENAI_COMPATIBLE)
+    stream = _stream([{"choices": [{"index": i, "logprobs": TOP_TWO} for i in range(2)]}])
+    _, taken = _relayed(plan, stream, len(stream))
+    assert taken.documents(CHAT) is None  # which choice a value came from is not certain: not guessed
+    answer = streamed_answer(CHAT, stream, taken)
+    assert answer.response["choices"][0]["logprobs"] == TOP_TWO

@@ -71,8 +71,73 @@ def stream_events(raw: bytes) -> Iterable[dict[str, Any]]:
             yield document
 
 
-def streamed_answer(endpoint: str, raw: bytes) -> UpstreamAnswer:
-    documents = list(stream_events(raw))
+class TakenOut:
+    """What the cut took out of a stream, decoded once, by the cut itself: per ``data:`` line in order,
+    the values of the logprobs member cut from it, and the stream as the client got it. The record
+    reads these instead of decoding the upstream's stream a second time; where they cannot stand in
+    for it (``usable`` false: the proxy did not ask for the logprobs, or a cut failed), it reads that."""
+
+    def __init__(self, usable: bool):
+        self.usable = usable
+        self.lines: list[list[Any]] = []
+        self.sent = bytearray()
+
+    def line(self) -> Optional[list[Any]]:
+        """Where the values cut from the next ``data:`` line go (``None``: not kept)."""
+        if not self.usable:
+            return None
+        values: list[Any] = []
+        self.lines.append(values)
+        return values
+
+    def lost(self) -> None:
+        self.usable = False
+
+    def documents(self, endpoint: str) -> Optional[list[dict[str, Any]]]:
+        """The stream's documents with the logprobs put back; ``None`` where a value's place is unclear."""
+        text = self.sent.decode("utf-8", "replace").split("\n")
+        data = [line for line in text if line.startswith("data:")]
+        if not self.usable or len(data) != len(self.lines):
+            return None
+        documents = []
+        for line, values in zip(data, self.lines):
+            payload = line[5:].strip()
+            if not payload or payload == "[DONE]":
+                continue
+            try:
+                document = loads(payload)
+            except ValueError:
+                continue
+            if not isinstance(document, dict):
+                continue
+            if values and not _put_back(endpoint, document, values):
+                return None
+            documents.append(document)
+        return documents
+
+
+def _put_back(endpoint: str, document: dict[str, Any], values: list[Any]) -> bool:
+    """The one value cut from ``document`` back in its place; ``False`` if that place is not certain."""
+    if len(values) != 1:
+        return False
+    if endpoint == NATIVE:
+        if "completion_probabilities" in document:
+            return False
+        document["completion_probabilities"] = values[0]
+        return True
+    choices = document.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict) \
+            or choices[0].get("logprobs") is not None:
+        return False
+    choices[0]["logprobs"] = values[0]
+    return True
+
+
+def streamed_answer(endpoint: str, raw: bytes, taken: Optional[TakenOut] = None) -> UpstreamAnswer:
+    """A streamed answer: ``raw`` as the upstream sent it, or ``taken`` where it can stand in for it."""
+    documents = taken.documents(endpoint) if taken is not None else None
+    if documents is None:
+        documents = list(stream_events(raw))
     if endpoint == NATIVE:
         return _native(documents)
     merged: dict[str, Any] = {"object": "chat.completion" if endpoint == CHAT else "text_completion"}

@@ -177,14 +177,17 @@ def with_marker(plan: MarginPlan, request: dict[str, Any], profile: UpstreamProf
     return replace(plan, upstream_request=upstream, cuts=plan.cuts + ((name, profile.default_dry_penalty_last_n),))
 
 
-def cut(plan: MarginPlan, text: str) -> str:
-    """One answer document (a JSON body or one event's data) with what the plan added taken out."""
-    for name, replacement in plan.cuts:
-        text = _edit_member(text, name, replacement)
+def cut(plan: MarginPlan, text: str, taken: Optional[list[Any]] = None) -> str:
+    """One answer document (a JSON body or one event's data) with what the plan added taken out.
+
+    ``taken``: where the decoded values of the first cut member (the logprobs) go, in order, so that
+    the record reads them from here instead of decoding the answer a second time."""
+    for number, (name, replacement) in enumerate(plan.cuts):
+        text = _edit_member(text, name, replacement, taken if number == 0 else None)
     return text
 
 
-def _edit_member(text: str, name: str, replacement: Any) -> str:
+def _edit_member(text: str, name: str, replacement: Any, taken: Optional[list[Any]] = None) -> str:
     """Drop or replace every member ``"name": value`` of any object in the JSON ``text``.
 
     A ``"name"`` preceded by ``{`` or ``,`` and followed by ``:`` is a member name, never string
@@ -208,7 +211,9 @@ def _edit_member(text: str, name: str, replacement: Any) -> str:
         value_start = colon + 1
         while value_start < len(text) and text[value_start] in " \t\r\n":
             value_start += 1
-        _, value_end = _DECODER.raw_decode(text, value_start)
+        value, value_end = _DECODER.raw_decode(text, value_start)
+        if taken is not None:
+            taken.append(value)
         if replacement is _REMOVE:
             if text[before] == ",":
                 pieces.append(text[position:before])
