@@ -28,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -95,7 +95,7 @@ class PromptChains:
         self._chains: OrderedDict[int, np.ndarray] = OrderedDict()
         self._tokens = 0
 
-    def chain(self, tokens: list[int], after: Optional[np.ndarray] = None) -> np.ndarray:
+    def chain(self, tokens: Sequence[int], after: Optional[np.ndarray] = None) -> np.ndarray:
         """The chain of ``tokens`` (continuing ``after``, the chain of the tokens before them)."""
         start = 0 if after is None else len(after)
         x = (np.asarray(tokens, np.int64).view(np.uint64) * self._token_key
@@ -137,8 +137,9 @@ class TaskProvenance:
     """How long a record waits for the request of the state its task kept to be remembered (a proxy-marked task's)."""
     MAX_UNCLAIMED = 4096
 
-    def __init__(self, follower: LogFollower, tokenize: Optional[Callable[[dict[str, Any], str], Optional[list[int]]]]
-                 = None, lane: tuple[int, int] = (0, 1)):
+    def __init__(self, follower: LogFollower,
+                 tokenize: Optional[Callable[[dict[str, Any], str], Optional[Sequence[int]]]] = None,
+                 lane: tuple[int, int] = (0, 1)):
         self.follower = follower
         self._tokenize = tokenize
         """(request, endpoint) → the prompt's token ids as the server tokenizes them, or ``None``."""
@@ -152,7 +153,9 @@ class TaskProvenance:
         self._markers = itertools.count(random.randrange(MARKER_SPAN // lanes) * lanes + index, lanes)
         self._unremembered: set[int] = set()  # tasks matched whose request's state is not remembered yet
         self._lock = threading.Lock()  # requests are served by threads of their own
-        self._settled = threading.Condition(self._lock)  # a task's request remembered or let go: waiters look again
+        # Records waiting for a task's request to be remembered or let go, per task: only they are woken then
+        # (one condition for all woke every waiting record at every request, and cost more than the matching).
+        self._waiters: dict[int, tuple[threading.Condition, list[int]]] = {}
         self._reading = threading.Lock()  # the log is parsed by one thread at a time; taken before _lock
 
     # --- the request's way through ---------------------------------------------------------
@@ -174,7 +177,12 @@ class TaskProvenance:
             self._drop(traced)
             if traced.task is not None:
                 self._unremembered.discard(traced.task.task)
-            self._settled.notify_all()
+                self._wake(traced.task.task)
+            if traced.marker is not None:  # a record waiting on an unclaimed task of its marker looks again
+                for task in list(self._waiters):
+                    unclaimed = self._unclaimed.get(task)
+                    if unclaimed is not None and unclaimed.marker == traced.marker:
+                        self._wake(task)
 
     def server_settings(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(cache settings, numerics) the server's log stated, as copies. The log states them at start-up,
@@ -258,7 +266,7 @@ class TaskProvenance:
             if chain is not None and chains is not None:
                 chains.keep(traced.task.task, chain)
             self._unremembered.discard(traced.task.task)
-            self._settled.notify_all()
+            self._wake(traced.task.task)
 
     def _wait_for(self, task: Optional[int]) -> None:
         """A state's request may still be being read (its answer went out before it was recorded, and
@@ -274,8 +282,23 @@ class TaskProvenance:
             return (unclaimed is None or not _is_marker(unclaimed.marker)
                     or not any(w.marker == unclaimed.marker for w in self._waiting))
 
-        with self._settled:
-            self._settled.wait_for(settled, timeout=self.REMEMBER_WAIT_S)
+        if task is None:
+            return
+        with self._lock:
+            condition, count = self._waiters.setdefault(task, (threading.Condition(self._lock), [0]))
+            count[0] += 1
+            try:
+                condition.wait_for(settled, timeout=self.REMEMBER_WAIT_S)
+            finally:
+                count[0] -= 1
+                if not count[0]:
+                    del self._waiters[task]
+
+    def _wake(self, task: int) -> None:
+        """The records waiting for ``task``'s request look again (called with ``_lock`` held)."""
+        waiting = self._waiters.get(task)
+        if waiting is not None:
+            waiting[0].notify_all()
 
     # --- matching -------------------------------------------------------------------------------
 
@@ -376,29 +399,75 @@ def _is_marker(value: Optional[int]) -> bool:
 # --- the prompt's tokens, as the server makes them ---------------------------------------------------
 
 CHAT_TEMPLATE_FIELDS = ("messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_format")
+TOKENIZED_TOKENS = 2_000_000
+"""Token ids of the prompts the server tokenized, kept for the next request with the same prompt (a shadow
+twin, a repeat of an experiment, a client's retry): two upstream calls saved each, 16 MB at most."""
 
 
-def server_tokenizer(post: Callable[[str, dict[str, Any]], Optional[dict[str, Any]]]):
+class _Tokenized:
+    """The server's token ids per prompt (keyed by a hash of what it renders), the oldest let go first."""
+
+    def __init__(self, max_tokens: int):
+        self._max_tokens = max_tokens
+        self._tokens = 0
+        self._kept: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes) -> Optional[np.ndarray]:
+        with self._lock:
+            ids = self._kept.get(key)
+            if ids is not None:
+                self._kept.move_to_end(key)
+            return ids
+
+    def keep(self, key: bytes, ids: np.ndarray) -> None:
+        with self._lock:
+            if key in self._kept or len(ids) > self._max_tokens:
+                return
+            self._kept[key] = ids
+            self._tokens += len(ids)
+            while self._tokens > self._max_tokens:
+                _, dropped = self._kept.popitem(last=False)
+                self._tokens -= len(dropped)
+
+
+def server_tokenizer(post: Callable[[str, dict[str, Any]], Optional[dict[str, Any]]],
+                     max_tokens: int = TOKENIZED_TOKENS):
     """A ``tokenize`` for :class:`TaskProvenance` that asks the server itself (``/apply-template``, ``/tokenize``).
 
     ``post(path, body)``: the server's JSON answer, or ``None``. The server renders and tokenizes a chat
-    prompt the way its chat endpoint does, so the ids are those the slot holds.
+    prompt the way its chat endpoint does, so the ids are those the slot holds. A prompt asked again is
+    answered from what the server said the first time (the proxy serves one server for its life, as its
+    profile of it says).
     """
-    def tokenize(request: dict[str, Any], endpoint: str) -> Optional[list[int]]:
+    tokenized = _Tokenized(max_tokens)
+
+    def tokenize(request: dict[str, Any], endpoint: str) -> Optional[Sequence[int]]:
         if endpoint == "chat":
-            rendered = post("/apply-template", {k: request[k] for k in CHAT_TEMPLATE_FIELDS if k in request})
-            text = rendered.get("prompt") if isinstance(rendered, dict) else None
+            fields = {k: request[k] for k in CHAT_TEMPLATE_FIELDS if k in request}
+            key = b"chat" + hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=16).digest()
         else:
             text = request.get("prompt")
             if isinstance(text, list) and all(isinstance(t, int) for t in text):
                 return list(text)
-        if not isinstance(text, str):
-            return None
+            if not isinstance(text, str):
+                return None
+            key = b"text" + hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        known = tokenized.get(key)
+        if known is not None:
+            return known
+        if endpoint == "chat":
+            rendered = post("/apply-template", fields)
+            text = rendered.get("prompt") if isinstance(rendered, dict) else None
+            if not isinstance(text, str):
+                return None
         answer = post("/tokenize", {"content": text, "add_special": True, "parse_special": True})
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             return None
-        return tokens
+        ids = np.asarray(tokens, np.int64)
+        tokenized.keep(key, ids)
+        return ids
 
     return tokenize
 
