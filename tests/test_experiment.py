@@ -92,9 +92,13 @@ def test_every_generated_token_stays_in_the_conversation(make_llama, llama_patch
         assert output["choices"][0]["text"] + f"\nObservation {turn}: ok\nAgent:" in text.text
 
 
-def test_off_repeats_are_identical_and_count_once(experiment):
-    _, outcome, report = experiment(arms=("off", "reuse"), repeats=2, orders=("canonical", "shuffled"), episodes=6,
-                                    turns=3)
+def test_off_repeats_are_identical_and_count_once(experiment, db):
+    plan, outcome, report = experiment(arms=("off", "reuse"), repeats=2, orders=("canonical", "shuffled"),
+                                       episodes=6, turns=3)
+    # Every request the passes answered is stored with its episode: the repeats are compared on those.
+    columns, found = queries.run(db, "runs")
+    runs = [dict(zip(columns, row)) for row in found if row[0].startswith(plan.prefix + "/")]
+    assert sum(r["requests"] for r in runs) == outcome.requests and {r["episodes"] for r in runs} == {6}, runs
     (off,) = [r for r in report["repeat_agreement"] if r["arm"] == "off"]
     assert (off["runs"], off["n_episodes"], off["n_forked"]) == (4, 6, 0)
     (reuse,) = against(report, "reuse")
