@@ -91,19 +91,25 @@ def spooled_episodes(spool_dir: Path) -> dict[int, set[str]]:
     return episodes
 
 
+def ask_and_wait_for_spans(proxy: str, spool_dir: Path, numbers: range, connections: int) -> None:
+    """Ask requests ``numbers``, ``connections`` at a time, and wait for their spans in the spool: the
+    proxy's stop then has nothing left to flush within its bounded shutdown."""
+    with ThreadPoolExecutor(connections) as pool:
+        assert list(pool.map(lambda n: ask(proxy, n), numbers)) == [200] * len(numbers)
+    deadline = time.monotonic() + SPOOL_WAIT_S
+    while not {f"e{n}" for n in numbers} <= set().union(*spooled_episodes(spool_dir).values()):
+        assert time.monotonic() < deadline, f"answered but not spooled: {spooled_episodes(spool_dir)}"
+        time.sleep(0.2)
+
+
 def ask_until_each_worker_served(proxy: str, spool_dir: Path, workers: list[int]) -> list[int]:
     """Ask in rounds, waiting after each for its spans in the spool, until every one of ``workers`` has
     spooled an answer; the request numbers asked, from 0."""
     asked: list[int] = []
     for _ in range(ROUNDS):
         numbers = range(len(asked), len(asked) + ROUND)
-        with ThreadPoolExecutor(ROUND) as pool:
-            assert list(pool.map(lambda n: ask(proxy, n), numbers)) == [200] * ROUND
+        ask_and_wait_for_spans(proxy, spool_dir, numbers, ROUND)
         asked += numbers
-        deadline = time.monotonic() + SPOOL_WAIT_S
-        while not {f"e{n}" for n in asked} <= set().union(*spooled_episodes(spool_dir).values()):
-            assert time.monotonic() < deadline, f"answered but not spooled: {spooled_episodes(spool_dir)}"
-            time.sleep(0.2)
         if set(workers) <= set(spooled_episodes(spool_dir)):
             return asked
     raise AssertionError(f"{len(asked)} requests and a worker served none: {spooled_episodes(spool_dir)}")
@@ -129,8 +135,7 @@ def test_two_workers_record_every_request_once_each_tied_to_its_own_task(tiny_gg
             assert len(workers) == 2
             asked = ask_until_each_worker_served(proxy, spool_dir, workers)
             more = range(len(asked), len(asked) + REQUESTS)  # then many at once, both workers busy
-            with ThreadPoolExecutor(6) as pool:
-                assert list(pool.map(lambda n: ask(proxy, n), more)) == [200] * REQUESTS
+            ask_and_wait_for_spans(proxy, spool_dir, more, 6)
             asked += more
     # Each worker spooled to a file of its own.
     files = [f for f in spool_dir.iterdir() if f.suffix == ".jsonl"]
@@ -162,8 +167,7 @@ def test_a_worker_that_dies_is_replaced_and_what_it_spooled_stays(tiny_gguf, tmp
                 time.sleep(0.1)
             assert second in workers_of(parent)  # the other one served on
             after_kill = range(len(before_kill), len(before_kill) + 12)
-            with ThreadPoolExecutor(4) as pool:
-                assert list(pool.map(lambda n: ask(proxy, n), after_kill)) == [200] * 12
+            ask_and_wait_for_spans(proxy, spool_dir, after_kill, 4)
     assert "starting another" in (tmp_path / "proxy.log").read_text()
     # The killed worker's file is still there, and the spans it held are stored.
     (killed,) = [f for f in spool_dir.iterdir() if f.suffix == ".jsonl" and f"-{first}-" in f.name]
