@@ -7,9 +7,11 @@ The engine configuration is read once, when the engine core makes its scheduler
 from __future__ import annotations
 
 import functools
+import hashlib
 import operator
 import os
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.patches.hooks import observing
@@ -19,6 +21,9 @@ from kvtrace.recording.recorder import get_recorder, settings_text
 
 _SAMPLING_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "ignore_eos", "logprobs")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+"""The files a model directory's weights are in: part of its fingerprint."""
+FINGERPRINT_TAIL_BYTES = 64 * 1024
 _GEN_AI_REQUEST = ((sc.GEN_AI_REQUEST_TEMPERATURE, "temperature"), (sc.GEN_AI_REQUEST_TOP_P, "top_p"),
                    (sc.GEN_AI_REQUEST_TOP_K, "top_k"), (sc.GEN_AI_REQUEST_SEED, "seed"),
                    (sc.GEN_AI_REQUEST_MAX_TOKENS, "max_tokens"))
@@ -57,6 +62,7 @@ class EngineSettings:
                 "hash_algorithm": str(getattr(cache, "prefix_caching_hash_algo", "")),
                 "num_blocks": getattr(cache, "num_gpu_blocks", None),
             }),
+            sc.MODEL_FINGERPRINT: model_fingerprint(str(getattr(model, "model", "") or "")) or "",
             sc.NUMERICS_SETTINGS: settings_text({
                 "dtype": dtype,
                 "quantization": quantization,
@@ -67,6 +73,7 @@ class EngineSettings:
                 # The bounds of a step's batch: how many rows and tokens it may hold (docs/batching.md).
                 "max_num_seqs": getattr(scheduler, "max_num_seqs", None),
                 "max_num_batched_tokens": getattr(scheduler, "max_num_batched_tokens", None),
+                "chunked_prefill": bool(getattr(scheduler, "enable_chunked_prefill", False)),
             }),
         }
         if block_size:
@@ -77,6 +84,25 @@ class EngineSettings:
 
 
 SETTINGS = EngineSettings()
+
+
+def model_fingerprint(model: str) -> Optional[str]:
+    """Cheap identity of a local model directory: its ``config.json``, and each weight file's name, size and
+    last 64 KiB (inside the tensor data, so two random-weight models of one shape differ), read once at
+    engine start. None for a model that is not a local directory (a hub name: its files are vLLM's to find)."""
+    folder = Path(model)
+    try:
+        digest = hashlib.blake2b((folder / "config.json").read_bytes(), digest_size=16)
+        weights = sorted(f for f in folder.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
+        for weight in weights:
+            size = weight.stat().st_size
+            digest.update(f"{weight.name}:{size}".encode())
+            with open(weight, "rb") as f:
+                f.seek(max(0, size - FINGERPRINT_TAIL_BYTES))
+                digest.update(f.read(FINGERPRINT_TAIL_BYTES))
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
 def _on_scheduler_init(result: Any, scheduler: Any, args: tuple, kwargs: dict) -> None:
