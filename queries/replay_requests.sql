@@ -1,19 +1,19 @@
 -- answers: Everything needed to re-execute one run's requests: each request once, in the order the
 --   engine served them, with its prompt and generated token ids (ids capture only), how its prompt
 --   was served (layer, reused tokens, the span that stored a restored state) and the engine
---   configuration it recorded. Prompt ids and a served request's slot are read from the request span
+--   configuration it recorded (vLLM's cache settings too). Prompt ids and a served request's slot are read from the request span
 --   itself (otel_traces): only replay needs them, so the typed requests table does not carry them for
 --   every other query.
 -- params: run String
 -- columns: span_id, run_id, episode_id, turn, capture_mode, engine, engine_version, model,
---   model_fingerprint, numerics_settings, sampling_settings, cache_layer, reused_tokens,
+--   model_fingerprint, numerics_settings, cache_settings, sampling_settings, cache_layer, reused_tokens,
 --   source_span_id, slot_id, prompt_tokens, prompt_token_ids, token_ids
 WITH
 ${shared_requests_once}
 (run) -> true AS in_runs,
 run_requests AS (
     SELECT TraceId, SpanId, Timestamp, run_id, episode_id, turn, capture_mode, engine, engine_version, model,
-           model_fingerprint, numerics_settings, sampling_settings, cache_layer, reused_tokens, source_span_id,
+           model_fingerprint, numerics_settings, cache_settings, sampling_settings, cache_layer, reused_tokens, source_span_id,
            prompt_tokens, token_ids
     FROM requests_once
     WHERE run_id = {run:String}
@@ -30,6 +30,7 @@ SELECT
     r.SpanId AS span_id, r.run_id AS run_id, r.episode_id AS episode_id, toInt64(r.turn) AS turn,
     r.capture_mode AS capture_mode, r.engine AS engine, r.engine_version AS engine_version, r.model AS model,
     r.model_fingerprint AS model_fingerprint, r.numerics_settings AS numerics_settings,
+    r.cache_settings AS cache_settings,
     r.sampling_settings AS sampling_settings, r.cache_layer AS cache_layer, r.reused_tokens AS reused_tokens,
     r.source_span_id AS source_span_id, p.slot_id AS slot_id, r.prompt_tokens AS prompt_tokens, p.prompt_token_ids AS prompt_token_ids,
     r.token_ids AS token_ids

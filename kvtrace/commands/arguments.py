@@ -111,6 +111,16 @@ def input_file(text: str) -> Path:
     return path
 
 
+def model_path(text: str) -> Path:
+    """A model: a GGUF file (``input_file``) or a model directory (vLLM's: one that holds a config.json)."""
+    path = Path(text)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise argparse.ArgumentTypeError(f"{text}: a directory without config.json, not a model directory")
+        return path
+    return input_file(text)
+
+
 def output_file(text: str) -> Path:
     """A file path the command will be able to write (its directories are created as needed).
 

@@ -1,14 +1,15 @@
 """``kvtrace replay RUN --episode E``: re-execute recorded requests on their recorded cache paths and
 check every generated token (the reproduction control); ``kvtrace replay RUN_A RUN_B --episode E
 --counterfactual``: switch only the cache path at the fork and say whether the fork follows it.
-``--server URL``: a run recorded in front of llama-server is re-executed on that server."""
+``--server URL``: a run recorded in front of llama-server is re-executed on that server; a run
+recorded inside vLLM is re-executed in a vLLM process of its own."""
 
 from __future__ import annotations
 
 import json
 import sys
 from kvtrace.analysis.forks import diff_runs
-from kvtrace.commands.arguments import http_url, input_file, positive_number
+from kvtrace.commands.arguments import http_url, model_path, positive_number
 from kvtrace.commands.common import open_database, progress_printer
 from kvtrace.errors import ConfigError
 from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT
@@ -25,8 +26,9 @@ def add_arguments(p) -> None:
                      "and --counterfactual: at the episode's fork, run each side's request on the other side's cache "
                      "path, everything else fixed; the verdict (confirmed, not_cache, not_reproduced) is kept, and "
                      "`kvtrace diff` shows it next to the label. Needs runs recorded with KVTRACE_CAPTURE=ids: inside "
-                     "llama-cpp-python, or through `kvtrace proxy --llama-server-log` in front of llama-server, "
-                     "replayed with --server on a llama-server started with the recorded model and command line "
+                     "llama-cpp-python, inside vLLM's offline LLM (recompute is a prefix-cache reset; a reuse runs "
+                     "once the blocks of the requests it started from are cached), or through `kvtrace proxy "
+                     "--llama-server-log` in front of llama-server, replayed with --server on a llama-server started with the recorded model and command line "
                      "(and --cache-ram 0). A prompt-cache restore of a state another slot saved is refused.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="one run (reproduce) or RUN_A RUN_B (--counterfactual)")
     p.add_argument("--episode", action="append", required=True, metavar="ID",
@@ -34,9 +36,10 @@ def add_arguments(p) -> None:
     p.add_argument("--counterfactual", action="store_true",
                    help="with RUN_A RUN_B: switch the cache path of the forked request between the runs")
     engine = p.add_mutually_exclusive_group()
-    engine.add_argument("--model", type=input_file, metavar="PATH.gguf",
-                        help="the model file the run used (default: the file in kvtrace's model cache with the "
-                             "recorded model fingerprint)")
+    engine.add_argument("--model", type=model_path, metavar="PATH.gguf|DIR",
+                        help="the model the run used: a GGUF file, or a vLLM run's model directory (default: the "
+                             "file in kvtrace's model cache with the recorded model fingerprint; for vLLM the "
+                             "recorded directory, else one in the model cache with its fingerprint)")
     engine.add_argument("--server", type=http_url, metavar="URL",
                         help="a llama-server to re-execute a run recorded through kvtrace proxy on: token-id "
                              "prompts on /completion, slot 0, cache_prompt false for recompute")

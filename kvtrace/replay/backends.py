@@ -1,9 +1,10 @@
 """Where a replay's steps run: one backend per kind of engine, behind one method.
 
-``EngineProcess`` loads the recorded model file in a llama-cpp-python process of its own
-(``engine_process``); ``ServerBackend`` sends the steps to a running llama-server (``server``). Both
-return, per step key, the generated ids and the prompt tokens the engine reused, and refuse
-(``ReplayRefused``) an engine that is not the recorded one.
+``EngineProcess`` loads the recorded model in an engine process of its own (``engine_process``): a
+GGUF file in llama-cpp-python, or a model directory in vLLM's offline ``LLM``; ``ServerBackend`` sends
+the steps to a running llama-server (``server``). Each returns, per step key, the generated ids and
+the prompt tokens the engine reused, and refuses (``ReplayRefused``) an engine that is not the
+recorded one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from kvtrace.progress import Progress
-from kvtrace.replay.recorded import LLAMA_SERVER, EngineConfiguration, RecordedRun, ReplayRefused, Step
+from kvtrace.replay.recorded import LLAMA_SERVER, VLLM, EngineConfiguration, RecordedRun, ReplayRefused, Step
 
 
 class Backend(Protocol):
@@ -24,7 +25,8 @@ class Backend(Protocol):
 def backend_for(runs: list[RecordedRun], server: Optional[str], model: Optional[Path], progress: Progress,
                 timeout: float) -> Backend:
     """The backend that re-executes ``runs``: the server at ``server`` for llama-server runs, else an engine
-    process on ``model`` (default: the recorded model found in kvtrace's model cache)."""
+    process on ``model`` (default: the recorded model found in kvtrace's model cache, or for vLLM the recorded
+    model directory)."""
     served = sorted({r.run_id for run in runs for r in run.requests if r.configuration.engine == LLAMA_SERVER})
     if served:
         if server is None:
@@ -33,10 +35,17 @@ def backend_for(runs: list[RecordedRun], server: Optional[str], model: Optional[
         from kvtrace.replay.server import ServerBackend
 
         return ServerBackend(server, timeout)
+    on_vllm = any(r.configuration.engine == VLLM for run in runs for r in run.requests)
     if server is not None:
-        raise ReplayRefused(f"run {runs[0].run_id!r} was recorded inside llama-cpp-python; --server replays runs "
-                            f"recorded in front of llama-server (leave it out, or give --model PATH.gguf)")
-    from kvtrace.replay.engine_process import EngineProcess
+        inside, model_hint = ("vLLM", "DIR") if on_vllm else ("llama-cpp-python", "PATH.gguf")
+        raise ReplayRefused(f"run {runs[0].run_id!r} was recorded inside {inside}; --server replays runs recorded "
+                            f"in front of llama-server (leave it out, or give --model {model_hint})")
+    from kvtrace.replay.engine_process import VLLM_CHILD_MODULE, EngineProcess
+
+    if on_vllm:
+        from kvtrace.replay.vllm_model import find_recorded_directory
+
+        return EngineProcess(find_recorded_directory(runs[0], model), timeout, VLLM_CHILD_MODULE)
     from kvtrace.replay.model_lookup import find_recorded_model
 
     return EngineProcess(model or find_recorded_model(runs[0], progress, timeout), timeout)

@@ -1,8 +1,9 @@
-"""The llama-cpp-python backend: a replay's steps in an engine process of its own (``child``).
+"""The in-process engines' backend: a replay's steps in an engine process of its own.
 
-Watched as an experiment pass is (``experiment.isolation.run_child``): the model file is loaded there
-with the recorded configuration, a different one is refused, and a native crash or hang ends the
-replay with a clear error.
+llama-cpp-python runs in ``child``, vLLM's offline ``LLM`` in ``vllm_child``. Watched as an experiment
+pass is (``experiment.isolation.run_child``): the model is loaded there with the recorded
+configuration, a different one is refused, and a native crash or hang ends the replay with a clear
+error.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from kvtrace.progress import Progress
 from kvtrace.replay.recorded import EngineConfiguration, ReplayRefused, Step, plan_json
 
 CHILD_MODULE = "kvtrace.replay.child"
+VLLM_CHILD_MODULE = "kvtrace.replay.vllm_child"
 
 
 class EngineProcess:
-    """Re-executes steps on ``model`` in a fresh llama-cpp-python process per replay."""
+    """Re-executes steps on ``model`` in a fresh engine process per replay (``child_module``: which engine)."""
 
-    def __init__(self, model: Path, timeout: float = DEFAULT_PASS_TIMEOUT):
+    def __init__(self, model: Path, timeout: float = DEFAULT_PASS_TIMEOUT, child_module: str = CHILD_MODULE):
         self.model = model
         self.timeout = timeout
+        self.child_module = child_module
 
     def execute(self, configuration: EngineConfiguration, steps: list[Step],
                 progress: Progress) -> dict[str, dict[str, Any]]:
@@ -43,7 +46,7 @@ class EngineProcess:
             plan.write(plan_json(str(self.model), configuration, steps))  # a file: prompts outgrow a command line
             plan.flush()
             try:
-                result = run_child(CHILD_MODULE, plan.name, self.timeout, advance)
+                result = run_child(self.child_module, plan.name, self.timeout, advance)
             except PassDied as died:
                 raise EngineFailed(f"the replay's engine {died.cause} after {died.requests} request(s)") from None
             finally:

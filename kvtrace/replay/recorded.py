@@ -10,7 +10,10 @@ request's end state, saved and loaded the way the experiment's restore control d
 In-context reuse continues from the run's previous request: one engine serves a run, one request
 at a time, as kvtrace's experiment passes and tests run it. A llama-server request recorded through
 ``kvtrace proxy`` names the request that left its slot's state (or stored the restored one) itself:
-the proxy read it from the server's log.
+the proxy read it from the server's log. A vLLM request that hit cached prefix blocks names the
+request that stored the last of them (vLLM's block hashes, read by the hooks): the blocks it found are
+that request's, so it is re-executed after that request, with the prefix cache holding what that
+request and the ones it started from left there.
 """
 
 from __future__ import annotations
@@ -23,19 +26,24 @@ from kvtrace import queries
 from kvtrace import semconv as sc
 from kvtrace.errors import ConfigError
 from kvtrace.patches.llama_cpp.engine import ENGINE as LLAMA_CPP
+from kvtrace.patches.vllm.common import ENGINE as VLLM
 
 LLAMA_SERVER = "llama-server"
 """The engine name of requests ``kvtrace proxy`` recorded in front of llama.cpp's server."""
-REPLAYABLE_ENGINES = (LLAMA_CPP, LLAMA_SERVER)
+REPLAYABLE_ENGINES = (LLAMA_CPP, LLAMA_SERVER, VLLM)
+
+VLLM_RUNTIME_CACHE_SETTINGS = ("num_blocks",)
+"""vLLM cache settings that follow from the memory given to the KV cache, not from a choice: not compared."""
 
 UNREPLAYABLE_SAMPLING = ("logits_processor", "grammar")
 """Sampling inputs kvtrace records only as used or not: a replay runs without them."""
 
 
-GREEDY = {"temp": 0.0, "temperature": 0.0, "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+GREEDY = {"temp": 0.0, "temperature": 0.0, "repeat_penalty": 1.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0,
+          "presence_penalty": 0.0}
 """Sampling settings at which the chosen token is the logits' arg-max: the only requests whose generated
 ids replay can read back exactly (``completion_token_ids``: the last one is the arg-max of the last row).
-``temp`` as llama-cpp-python records it, ``temperature`` as a client of llama-server sent it."""
+``temp`` as llama-cpp-python records it, ``temperature`` as a client of llama-server or vLLM sent it."""
 
 
 class ReplayRefused(ConfigError):
@@ -51,6 +59,8 @@ class EngineConfiguration:
     model: str
     model_fingerprint: str
     numerics: dict[str, Any]
+    cache: dict[str, Any] = field(default_factory=dict)
+    """The cache settings replay must load too (vLLM's block size, prefix caching, hash algorithm)."""
 
     def differences(self, other: "EngineConfiguration") -> list[str]:
         """What differs from ``other``, one phrase each (empty: the same engine, model and numerics)."""
@@ -59,10 +69,11 @@ class EngineConfiguration:
             found.append(f"model fingerprint ({self.model_fingerprint} vs {other.model_fingerprint})")
         if self.engine_version != other.engine_version:
             found.append(f"engine version ({self.engine_version} vs {other.engine_version})")
-        for key in sorted(set(self.numerics) | set(other.numerics)):
-            mine, theirs = self.numerics.get(key), other.numerics.get(key)
-            if mine != theirs:
-                found.append(f"{key} ({mine!r} vs {theirs!r})")
+        for settings, others in ((self.numerics, other.numerics), (self.cache, other.cache)):
+            for key in sorted(set(settings) | set(others)):
+                mine, theirs = settings.get(key), others.get(key)
+                if mine != theirs:
+                    found.append(f"{key} ({mine!r} vs {theirs!r})")
         return found
 
 
@@ -87,12 +98,14 @@ class RecordedRequest:
     """The server slot that served it (llama-server; None in process)."""
 
     def path(self) -> str:
-        """The cache path in words: ``recompute``, ``in-context reuse of 40 tokens`` or
-        ``prompt-cache restore of 40 tokens``."""
+        """The cache path in words: ``recompute``, ``in-context reuse of 40 tokens``, ``prompt-cache restore of
+        40 tokens`` or (vLLM) ``prefix-block reuse of 64 tokens``."""
         if self.starts_from is None:
             return "recompute"
         if self.cache_layer == sc.LAYER_PROMPT_CACHE:
             return f"prompt-cache restore of {self.reused_tokens} tokens"
+        if self.cache_layer == sc.LAYER_PREFIX_BLOCKS:
+            return f"prefix-block reuse of {self.reused_tokens} tokens"
         return f"in-context reuse of {self.reused_tokens} tokens"
 
     def unrecorded_inputs(self) -> list[str]:
@@ -157,7 +170,8 @@ def _refuse_unreplayable(run_id: str, rows: list[dict[str, Any]]) -> None:
     engines = sorted({row["engine"] for row in rows if row["engine"] not in REPLAYABLE_ENGINES})
     if engines:
         raise ReplayRefused(f"run {run_id!r} was recorded by {', '.join(engines)}; replay re-executes "
-                            f"llama-cpp-python runs and llama-server runs recorded through kvtrace proxy only")
+                            f"llama-cpp-python runs, vLLM runs and llama-server runs recorded through kvtrace "
+                            f"proxy only")
     for row in rows:
         sampling = json.loads(row["sampling_settings"] or "{}")
         if row["engine"] == LLAMA_SERVER and sampling.get("temperature") is None:
@@ -182,6 +196,14 @@ def _request(row: dict[str, Any], previous: Optional[RecordedRequest], slots: di
     spans = slots.keys()
     if row["reused_tokens"] > 0 and row["engine"] == LLAMA_SERVER:
         starts_from = _served_source(row, slots)
+    elif row["reused_tokens"] > 0 and row["engine"] == VLLM:
+        starts_from = row["source_span_id"]
+        if starts_from not in spans:
+            raise ReplayRefused(
+                f"episode {row['episode_id']} turn {row['turn']} of run {row['run_id']!r} reused "
+                f"{row['reused_tokens']} tokens of prefix blocks stored by "
+                f"{'span ' + starts_from if starts_from else 'a request the hooks could not name'}, which is not "
+                f"in the run; they cannot be rebuilt")
     elif row["reused_tokens"] > 0:
         if row["cache_layer"] == sc.LAYER_PROMPT_CACHE:
             starts_from = row["source_span_id"]
@@ -194,8 +216,12 @@ def _request(row: dict[str, Any], previous: Optional[RecordedRequest], slots: di
         else:
             raise ReplayRefused(f"the first request of run {row['run_id']!r} reused {row['reused_tokens']} tokens "
                                 f"left by something outside the run; it cannot be rebuilt")
+    cache = {}
+    if row["engine"] == VLLM:
+        cache = {k: v for k, v in json.loads(row["cache_settings"] or "{}").items()
+                 if k not in VLLM_RUNTIME_CACHE_SETTINGS}
     configuration = EngineConfiguration(row["engine"], row["engine_version"], row["model"],
-                                        row["model_fingerprint"], json.loads(row["numerics_settings"] or "{}"))
+                                        row["model_fingerprint"], json.loads(row["numerics_settings"] or "{}"), cache)
     return RecordedRequest(
         span_id=row["span_id"], run_id=row["run_id"], episode_id=row["episode_id"], turn=int(row["turn"]),
         capture_mode=row["capture_mode"], configuration=configuration,
