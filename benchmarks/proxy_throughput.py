@@ -17,10 +17,13 @@ drift on a shared machine hits them alike), each for ``--seconds``:
   ``relay`` (recording disabled: HTTP and the cut alone), ``traced`` (the record and its span), and
   ``traced+log`` (``--llama-server-log``: the fake writes each request's task to a llama-server-shaped
   log, so the proxy matches it and makes the integrity check's ``/apply-template`` + ``/tokenize``
-  calls). CPU per request, and each part's share as the difference between arms.
+  calls; each request's prompt is its own unless ``--repeat-prompts``, so the proxy's cache of the
+  server's tokens does not answer for it). CPU per request, and each part's share as the difference
+  between arms.
 
 Every answer is checked: the client counts the events of each stream and refuses one in which the
-added logprobs were not cut. With ``--baseline TREE`` (a directory holding another kvtrace source
+added logprobs were not cut; an arm's CPU is read once the proxy is idle again, its records made.
+With ``--baseline TREE`` (a directory holding another kvtrace source
 tree, e.g. ``git archive REV kvtrace | tar -x -C TREE``, compiled modules copied in), every arm has a
 twin whose proxy imports kvtrace from TREE, run in turn with it, and the table gives both. With
 ``--profile FILE``, one more ``--workers 1`` proxy runs under cProfile (its main thread only: use
@@ -31,6 +34,7 @@ rounds; asserts nothing (the figures belong to this machine).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -195,17 +199,22 @@ def run_fake(args: argparse.Namespace) -> None:
 
 # --- the client ---------------------------------------------------------------------------------------
 
-def _request(streamed: bool, tokens: int) -> bytes:
-    body = json.dumps({"messages": [{"role": "user", "content": "Describe the kitchen in detail"}],
+def _request(streamed: bool, tokens: int, number: Optional[int]) -> bytes:
+    """The client's request; ``number`` makes its prompt its own (``None``: every prompt the same)."""
+    prompt = "Describe the kitchen in detail" + (f", room {number}" if number is not None else "")
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}],
                        "max_tokens": tokens if streamed else 1, "stream": streamed}).encode()
     return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: proxy\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\n\r\n%b" % (len(body), body))
 
 
-def _drive(url: str, streamed: bool, tokens: int, seconds: float, concurrency: int) -> dict:
+_PROMPT_NUMBERS = itertools.count()
+"""Numbers for the client's prompts, never one twice in a run (each proxy remembers the prompts it tokenized)."""
+
+
+def _drive(url: str, streamed: bool, tokens: int, seconds: float, concurrency: int, repeat: bool) -> dict:
     """``concurrency`` connections asking in a loop for ``seconds``; answers counted and checked."""
     host, port = url.removeprefix("http://").split(":")
-    request = _request(streamed, tokens)
     totals = {"requests": 0, "tokens": 0, "bad": 0}
     lock = threading.Lock()
     stop = time.monotonic() + seconds
@@ -215,7 +224,7 @@ def _drive(url: str, streamed: bool, tokens: int, seconds: float, concurrency: i
         with socket.create_connection((host, int(port))) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while time.monotonic() < stop:
-                sock.sendall(request)
+                sock.sendall(_request(streamed, tokens, None if repeat else next(_PROMPT_NUMBERS)))
                 answer = bytearray()
                 # A streamed answer ends with the last chunk; a whole one is small and framed by its length.
                 while not (answer.endswith(b"0\r\n\r\n") if streamed else _whole_done(answer)):
@@ -254,7 +263,8 @@ def _whole_done(answer: bytearray) -> bool:
 def run_client(args: argparse.Namespace) -> None:
     for line in sys.stdin:  # "URL streams|requests": one arm's turn
         url, mode = line.split()
-        print(json.dumps(_drive(url, mode == "streams", args.tokens, args.seconds, args.concurrency)), flush=True)
+        print(json.dumps(_drive(url, mode == "streams", args.tokens, args.seconds, args.concurrency,
+                                args.repeat_prompts)), flush=True)
 
 
 # --- the proxies and the table -----------------------------------------------------------------------
@@ -308,8 +318,8 @@ class Proxy:
 def _helper(role: str, args: argparse.Namespace, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, __file__, "--role", role, "--tokens", str(args.tokens), "--seconds",
                              str(args.seconds), "--concurrency", str(args.concurrency), "--events-per-write",
-                             str(args.events_per_write), *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+                             str(args.events_per_write), *(["--repeat-prompts"] if args.repeat_prompts else []),
+                             *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
 def _ask(process: subprocess.Popen, line: str) -> str:
@@ -329,6 +339,7 @@ def measure(args: argparse.Namespace) -> None:
         client = _helper("client", args)
         arms = {"streams": {"workers 1": [], "workers 2": ["--workers", "2"]},
                 "requests": {"relay": [], "traced": [], "traced+log": ["--llama-server-log", str(log)]}}
+        arms = {mode: named for mode, named in arms.items() if args.only in (None, mode)}
         if args.baseline is not None:
             arms = {mode: {**named, **{f"{name} (baseline)": extra for name, extra in named.items()}}
                     for mode, named in arms.items()}
@@ -351,9 +362,10 @@ def measure(args: argparse.Namespace) -> None:
                         results[name].append(_turn(client, proxies[name], mode))
             if args.profile:
                 results["profiled"].append(_turn(client, proxies["profiled"], "streams"))
-            calls_before = json.loads(_ask(fake, "calls"))
-            _turn(client, proxies["traced+log"], "requests")
-            calls = json.loads(_ask(fake, "calls"))
+            calls_before = calls = json.loads(_ask(fake, "calls"))
+            if "traced+log" in proxies:
+                _turn(client, proxies["traced+log"], "requests")
+                calls = json.loads(_ask(fake, "calls"))
         finally:
             for proxy in proxies.values():
                 proxy.stop()
@@ -365,10 +377,22 @@ def measure(args: argparse.Namespace) -> None:
 def _turn(client: subprocess.Popen, proxy: Proxy, mode: str) -> dict:
     cpu = proxy.cpu_s()
     result = json.loads(_ask(client, f"{proxy.url} {mode}"))
-    result["cpu_s"] = proxy.cpu_s() - cpu
+    result["cpu_s"] = _settled_cpu(proxy) - cpu
     if result["bad"]:
         raise SystemExit(f"{proxy.name}: {result['bad']} answers were not the server's (logprobs left, or an error)")
     return result
+
+
+def _settled_cpu(proxy: Proxy) -> float:
+    """The proxy's CPU seconds once the records of the turn's requests are made (they are made after
+    the answers, and would otherwise go uncounted, in another arm's turn)."""
+    last = proxy.cpu_s()
+    while True:
+        time.sleep(0.5)
+        now = proxy.cpu_s()
+        if now == last:
+            return now
+        last = now
 
 
 def _span(values: list[float], digits: int = 0) -> str:
@@ -393,10 +417,11 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict
                   f"{_span([r['cpu_s'] / r['tokens'] * 1e6 for r in runs], 1):>12} µs/token   "
                   f"{_span([r['cpu_s'] / r['wall_s'] for r in runs], 2):>10} CPU s/s")
     for suffix in ("", " (baseline)"):
-        scaling = [two / one for one, two in zip(rates[f"workers 1{suffix}"], rates[f"workers 2{suffix}"])]
+        scaling = [two / one for one, two in zip(rates.get(f"workers 1{suffix}", []),
+                                                 rates.get(f"workers 2{suffix}", []))]
         if scaling:
             print(f"  workers 2 / workers 1{suffix} (paired by round): {_span(scaling, 2)}×")
-    print("requests (non-streamed chat, one token):")
+    print(f"requests (non-streamed chat, one token, {'one prompt' if args.repeat_prompts else 'a prompt each'}):")
     for name, runs in results.items():
         if runs and not runs[0]["tokens"]:
             cost[name] = [r["cpu_s"] / r["requests"] * 1e6 for r in runs]
@@ -410,6 +435,8 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict
         print(f"    relay (HTTP both ways, the cut)          {_span(relay):>12} µs")
         print(f"    record and span                          {_span([b - a for a, b in zip(relay, traced)]):>12} µs")
         print(f"    llama-server log and integrity calls     {_span([b - a for a, b in zip(traced, logged)]):>12} µs")
+    if "relay" not in cost:
+        return
     completions = calls.get("/v1/chat/completions", 0) or 1
     print(f"    upstream calls per request: /apply-template {calls.get('/apply-template', 0) / completions:.2f}, "
           f"/tokenize {calls.get('/tokenize', 0) / completions:.2f}")
@@ -423,6 +450,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=256, help="tokens per streamed answer")
     parser.add_argument("--events-per-write", type=int, default=0, metavar="N",
                         help="events the fake server writes at once (default 0: a whole answer)")
+    parser.add_argument("--only", choices=("streams", "requests"), default=None, help="run these arms alone")
+    parser.add_argument("--repeat-prompts", action="store_true",
+                        help="every request with the same prompt (default: each its own, as real traffic)")
     parser.add_argument("--baseline", type=Path, default=None, metavar="TREE",
                         help="pair every arm with a proxy that imports kvtrace from this source tree")
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",

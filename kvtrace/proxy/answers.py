@@ -72,17 +72,19 @@ def stream_events(raw: bytes) -> Iterable[dict[str, Any]]:
 
 
 class TakenOut:
-    """What the cut took out of a stream, decoded once, by the cut itself: per ``data:`` line in order,
-    the values of the logprobs member cut from it, and the stream as the client got it. The record
-    reads these instead of decoding the upstream's stream a second time; where they cannot stand in
-    for it (``usable`` false: the proxy did not ask for the logprobs, or a cut failed), it reads that."""
+    """What the cut took out of a stream: per ``data:`` line in order, the JSON text of the logprobs
+    cut from it, and the stream as the client got it. The record decodes these, once, instead of the
+    upstream's stream (kept as text, not decoded, while the stream runs: a stream's decoded logprobs
+    held by every stream in flight made the garbage collector's passes cost more than the decoding);
+    where they cannot stand in for it (``usable`` false: the proxy did not ask for the logprobs, or a
+    cut failed), it reads the upstream's stream."""
 
     def __init__(self, usable: bool):
         self.usable = usable
-        self.lines: list[list[Any]] = []
+        self.lines: list[list[str]] = []
         self.sent = bytearray()
 
-    def line(self) -> Optional[list[Any]]:
+    def line(self) -> Optional[list[str]]:
         """Where the values cut from the next ``data:`` line go (``None``: not kept)."""
         if not self.usable:
             return None
@@ -116,10 +118,11 @@ class TakenOut:
         return documents
 
 
-def _put_back(endpoint: str, document: dict[str, Any], values: list[Any]) -> bool:
+def _put_back(endpoint: str, document: dict[str, Any], texts: list[str]) -> bool:
     """The one value cut from ``document`` back in its place; ``False`` if that place is not certain."""
-    if len(values) != 1:
+    if len(texts) != 1:
         return False
+    values = [loads(texts[0])]
     if endpoint == NATIVE:
         if "completion_probabilities" in document:
             return False
