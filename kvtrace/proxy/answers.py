@@ -71,76 +71,8 @@ def stream_events(raw: bytes) -> Iterable[dict[str, Any]]:
             yield document
 
 
-class TakenOut:
-    """What the cut took out of a stream: per ``data:`` line in order, the JSON text of the logprobs
-    cut from it, and the stream as the client got it. The record decodes these, once, instead of the
-    upstream's stream (kept as text, not decoded, while the stream runs: a stream's decoded logprobs
-    held by every stream in flight made the garbage collector's passes cost more than the decoding);
-    where they cannot stand in for it (``usable`` false: the proxy did not ask for the logprobs, or a
-    cut failed), it reads the upstream's stream."""
-
-    def __init__(self, usable: bool):
-        self.usable = usable
-        self.lines: list[list[str]] = []
-        self.sent = bytearray()
-
-    def line(self) -> Optional[list[str]]:
-        """Where the values cut from the next ``data:`` line go (``None``: not kept)."""
-        if not self.usable:
-            return None
-        values: list[Any] = []
-        self.lines.append(values)
-        return values
-
-    def lost(self) -> None:
-        self.usable = False
-
-    def documents(self, endpoint: str) -> Optional[list[dict[str, Any]]]:
-        """The stream's documents with the logprobs put back; ``None`` where a value's place is unclear."""
-        text = self.sent.decode("utf-8", "replace").split("\n")
-        data = [line for line in text if line.startswith("data:")]
-        if not self.usable or len(data) != len(self.lines):
-            return None
-        documents = []
-        for line, values in zip(data, self.lines):
-            payload = line[5:].strip()
-            if not payload or payload == "[DONE]":
-                continue
-            try:
-                document = loads(payload)
-            except ValueError:
-                continue
-            if not isinstance(document, dict):
-                continue
-            if values and not _put_back(endpoint, document, values):
-                return None
-            documents.append(document)
-        return documents
-
-
-def _put_back(endpoint: str, document: dict[str, Any], texts: list[str]) -> bool:
-    """The one value cut from ``document`` back in its place; ``False`` if that place is not certain."""
-    if len(texts) != 1:
-        return False
-    values = [loads(texts[0])]
-    if endpoint == NATIVE:
-        if "completion_probabilities" in document:
-            return False
-        document["completion_probabilities"] = values[0]
-        return True
-    choices = document.get("choices")
-    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict) \
-            or choices[0].get("logprobs") is not None:
-        return False
-    choices[0]["logprobs"] = values[0]
-    return True
-
-
-def streamed_answer(endpoint: str, raw: bytes, taken: Optional[TakenOut] = None) -> UpstreamAnswer:
-    """A streamed answer: ``raw`` as the upstream sent it, or ``taken`` where it can stand in for it."""
-    documents = taken.documents(endpoint) if taken is not None else None
-    if documents is None:
-        documents = list(stream_events(raw))
+def streamed_answer(endpoint: str, raw: bytes) -> UpstreamAnswer:
+    documents = list(stream_events(raw))
     if endpoint == NATIVE:
         return _native(documents)
     merged: dict[str, Any] = {"object": "chat.completion" if endpoint == CHAT else "text_completion"}

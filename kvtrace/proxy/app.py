@@ -89,22 +89,6 @@ def _last_event_end(buffer: bytes) -> int:
     return max(lf + 2 if lf != -1 else 0, crlf + 4 if crlf != -1 else 0)
 
 
-def cut_events(plan: MarginPlan, events: bytes, taken: answers.TakenOut) -> bytes:
-    """Whole server-sent events with what ``plan`` added cut from each ``data:`` line; the logprobs cut
-    (decoded by the cut) and the bytes the client gets go to ``taken``."""
-    lines = events.decode("utf-8").split("\n")
-    for i, line in enumerate(lines):
-        if line.startswith("data:"):
-            start = line.find("{")
-            values = taken.line()
-            if start != -1:
-                lines[i] = line[:start] + cut(plan, line[start:], values)
-    out = "\n".join(lines).encode("utf-8")
-    if taken.usable:
-        taken.sent += out
-    return out
-
-
 @dataclass
 class Traced:
     """One traced request on its way: the record, the client's request and the margin plan."""
@@ -243,8 +227,7 @@ class ProxyApp:
     def _stream(self, response: UpstreamResponse, responder: Responder, traced: Traced) -> None:
         responder.start(response.status, _response_headers(response))
         kept = bytearray()
-        taken = answers.TakenOut(traced.plan.source == sc.MARGIN_SOURCE_INJECTED)
-        broken = self._relay(response, responder, traced.plan, kept, taken)
+        broken = self._relay(response, responder, traced.plan, kept)
         gone = responder.client_gone
         if broken is not None:
             self._broke_off(responder, broken)  # unfinished, as the upstream left it
@@ -254,17 +237,15 @@ class ProxyApp:
             except ClientGone:
                 gone = True
         raw = bytes(kept)
-        self._finish(traced, response.status, lambda: answers.streamed_answer(traced.plan.endpoint, raw, taken),
+        self._finish(traced, response.status, lambda: answers.streamed_answer(traced.plan.endpoint, raw),
                      cancelled=gone, broken=broken)
 
     def _relay(self, response: UpstreamResponse, responder: Responder, plan: MarginPlan,
-               kept: bytearray, taken: answers.TakenOut) -> Optional[str]:
-        """Forward a stream read by read, keeping what the upstream sent; why it broke off, if it did.
+               kept: bytearray) -> Optional[str]:
+        """Forward a stream chunk by chunk, keeping what the upstream sent; why it broke off, if it did.
 
-        Without added logprobs every read goes on as it arrived. With them, an event must be whole
-        before its added members can be cut, so a read's last event waits only for its own rest. What
-        one read brought goes out in one write, and the cut's decoded logprobs are kept (``taken``):
-        the record reads them instead of decoding the stream again.
+        Without added logprobs every chunk goes on as it arrived. With them, an event must be whole
+        before its added members can be cut, so a chunk waits only for the rest of its event.
         """
         pending = b""
         try:
@@ -279,14 +260,14 @@ class ProxyApp:
                 end = _last_event_end(pending)
                 if end:
                     events, pending = pending[:end], pending[end:]
-                    responder.send(self._cut_events(plan, events, taken))
+                    responder.send(self._cut_events(plan, events))
         except UpstreamBrokeOff as exc:
             return f"the upstream broke off the stream: {exc}"
         except ClientGone:
             return None  # the client left while a chunk was being written
         if pending:
             try:
-                responder.send(self._cut_events(plan, pending, taken))
+                responder.send(self._cut_events(plan, pending))
             except ClientGone:
                 pass
         return None
@@ -298,11 +279,16 @@ class ProxyApp:
         _send_error(responder, 502, "upstream_broke_off", message)
         return message
 
-    def _cut_events(self, plan: MarginPlan, events: bytes, taken: answers.TakenOut) -> bytes:
+    def _cut_events(self, plan: MarginPlan, events: bytes) -> bytes:
         try:
-            return cut_events(plan, events, taken)
+            lines = events.decode("utf-8").split("\n")
+            for i, line in enumerate(lines):
+                if line.startswith("data:"):
+                    start = line.find("{")
+                    if start != -1:
+                        lines[i] = line[:start] + cut(plan, line[start:])
+            return "\n".join(lines).encode("utf-8")
         except Exception:
-            taken.lost()
             self._count_failure("cutting the added logprobs from a stream event")
             return events
 

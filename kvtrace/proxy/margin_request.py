@@ -30,8 +30,6 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-import msgspec
-
 from kvtrace import semconv as sc
 
 CHAT = "chat"
@@ -179,51 +177,19 @@ def with_marker(plan: MarginPlan, request: dict[str, Any], profile: UpstreamProf
     return replace(plan, upstream_request=upstream, cuts=plan.cuts + ((name, profile.default_dry_penalty_last_n),))
 
 
-def cut(plan: MarginPlan, text: str, taken: Optional[list[str]] = None) -> str:
-    """One answer document (a JSON body or one event's data) with what the plan added taken out.
-
-    ``taken``: where the JSON text of each value of the first cut member (the logprobs) goes, in
-    order, for the record to decode once the answer is out."""
-    for number, (name, replacement) in enumerate(plan.cuts):
-        known = _logprobs_texts(text) if number == 0 and name in _LOGPROBS_MEMBERS else ()
-        text = _edit_member(text, name, replacement, taken if number == 0 else None, known)
+def cut(plan: MarginPlan, text: str) -> str:
+    """One answer document (a JSON body or one event's data) with what the plan added taken out."""
+    for name, replacement in plan.cuts:
+        text = _edit_member(text, name, replacement)
     return text
 
 
-class _Choice(msgspec.Struct):
-    logprobs: msgspec.Raw = msgspec.Raw()
-
-
-class _Document(msgspec.Struct):
-    """Where an answer's logprobs stand: their JSON text as the server wrote it, nothing else decoded."""
-
-    choices: list[_Choice] = []
-    completion_probabilities: msgspec.Raw = msgspec.Raw()
-
-
-_LOGPROBS_MEMBERS = ("logprobs", "completion_probabilities")
-_DOCUMENT = msgspec.json.Decoder(_Document)
-
-
-def _logprobs_texts(text: str) -> tuple[str, ...]:
-    """The JSON text of each logprobs value (objects and arrays) in an answer document; ``()`` if its
-    shape is another. msgspec finds them at a third of what the JSON decoder's extent costs."""
-    try:
-        document = _DOCUMENT.decode(text)
-    except msgspec.DecodeError:
-        return ()
-    values = [choice.logprobs for choice in document.choices] + [document.completion_probabilities]
-    return tuple(raw for raw in (bytes(value).decode("utf-8") for value in values) if raw[:1] in ("{", "["))
-
-
-def _edit_member(text: str, name: str, replacement: Any, taken: Optional[list[str]] = None,
-                 known: tuple[str, ...] = ()) -> str:
+def _edit_member(text: str, name: str, replacement: Any) -> str:
     """Drop or replace every member ``"name": value`` of any object in the JSON ``text``.
 
     A ``"name"`` preceded by ``{`` or ``,`` and followed by ``:`` is a member name, never string
     content: inside a JSON string every ``"`` is escaped, so ``,"`` cannot occur there. The
-    value's extent is that of a ``known`` value's text where the value starts with it (an object or
-    an array ends where its text does), else the JSON decoder's.
+    value's extent comes from the JSON decoder itself.
     """
     marker = f'"{name}"'
     pieces = []
@@ -242,12 +208,7 @@ def _edit_member(text: str, name: str, replacement: Any, taken: Optional[list[st
         value_start = colon + 1
         while value_start < len(text) and text[value_start] in " \t\r\n":
             value_start += 1
-        value_end = next((value_start + len(value) for value in known if text.startswith(value, value_start)),
-                         None)
-        if value_end is None:
-            _, value_end = _DECODER.raw_decode(text, value_start)
-        if taken is not None:
-            taken.append(text[value_start:value_end])
+        _, value_end = _DECODER.raw_decode(text, value_start)
         if replacement is _REMOVE:
             if text[before] == ",":
                 pieces.append(text[position:before])
