@@ -28,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
@@ -95,7 +95,7 @@ class PromptChains:
         self._chains: OrderedDict[int, np.ndarray] = OrderedDict()
         self._tokens = 0
 
-    def chain(self, tokens: Sequence[int], after: Optional[np.ndarray] = None) -> np.ndarray:
+    def chain(self, tokens: list[int], after: Optional[np.ndarray] = None) -> np.ndarray:
         """The chain of ``tokens`` (continuing ``after``, the chain of the tokens before them)."""
         start = 0 if after is None else len(after)
         x = (np.asarray(tokens, np.int64).view(np.uint64) * self._token_key
@@ -138,7 +138,7 @@ class TaskProvenance:
     MAX_UNCLAIMED = 4096
 
     def __init__(self, follower: LogFollower,
-                 tokenize: Optional[Callable[[dict[str, Any], str], Optional[Sequence[int]]]] = None,
+                 tokenize: Optional[Callable[[dict[str, Any], str], Optional[list[int]]]] = None,
                  lane: tuple[int, int] = (0, 1)):
         self.follower = follower
         self._tokenize = tokenize
@@ -442,7 +442,7 @@ def server_tokenizer(post: Callable[[str, dict[str, Any]], Optional[dict[str, An
     """
     tokenized = _Tokenized(max_tokens)
 
-    def tokenize(request: dict[str, Any], endpoint: str) -> Optional[Sequence[int]]:
+    def tokenize(request: dict[str, Any], endpoint: str) -> Optional[list[int]]:
         if endpoint == "chat":
             fields = {k: request[k] for k in CHAT_TEMPLATE_FIELDS if k in request}
             key = b"chat" + hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=16).digest()
@@ -455,7 +455,7 @@ def server_tokenizer(post: Callable[[str, dict[str, Any]], Optional[dict[str, An
             key = b"text" + hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
         known = tokenized.get(key)
         if known is not None:
-            return known
+            return known.tolist()  # a list of its own: the record may keep it
         if endpoint == "chat":
             rendered = post("/apply-template", fields)
             text = rendered.get("prompt") if isinstance(rendered, dict) else None
@@ -465,9 +465,8 @@ def server_tokenizer(post: Callable[[str, dict[str, Any]], Optional[dict[str, An
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             return None
-        ids = np.asarray(tokens, np.int64)
-        tokenized.keep(key, ids)
-        return ids
+        tokenized.keep(key, np.asarray(tokens, np.int64))  # 8 bytes a token, where a list of ints takes 36
+        return tokens
 
     return tokenize
 
