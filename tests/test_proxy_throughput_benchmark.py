@@ -1,0 +1,34 @@
+"""benchmarks/proxy_throughput.py's fake llama-server and client, through the proxy in this process: the
+benchmark measures what it says only while its streams are whole, their logprobs cut, and each marked
+request's task is in its log for the proxy to find."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+from kvtrace import semconv as sc
+from kvtrace.proxy.app import proxy_in_thread
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import proxy_throughput as benchmark  # noqa: E402
+
+TOKENS = 16
+
+
+def test_the_fake_server_s_streams_and_answers_reach_the_client_whole_and_the_log_ties_each_to_its_task(
+        tmp_path, memory_recorder, finished_requests):
+    fake = benchmark.FakeLlamaServer(TOKENS, 0, tmp_path / "server.log")
+    threading.Thread(target=fake.serve, daemon=True).start()
+    upstream = f"http://127.0.0.1:{fake.listener.getsockname()[1]}"
+    with proxy_in_thread(upstream, memory_recorder, llama_server_log=tmp_path / "server.log") as proxy:
+        streams = benchmark._drive(proxy, True, TOKENS, 0.2, 2, False)
+        whole = benchmark._drive(proxy, False, TOKENS, 0.2, 2, False)
+    assert streams["bad"] == whole["bad"] == 0  # every answer a 200 with the added logprobs cut
+    assert streams["requests"] > 0 and streams["tokens"] == streams["requests"] * TOKENS
+    spans = finished_requests(memory_recorder)
+    assert len(spans) == streams["requests"] + whole["requests"] == fake.calls["/v1/chat/completions"]
+    assert {attributes[sc.SERVER_TASK_MATCH] for attributes, _, _ in spans} == {sc.TASK_MATCH_MARKER}
+    assert fake.calls["/tokenize"] == len(spans)  # each prompt its own: tokenized once each
