@@ -96,6 +96,8 @@ class RecordedRequest:
     """Span id of the request whose end state this one started from (None: it recomputed its prompt)."""
     slot: Optional[int] = None
     """The server slot that served it (llama-server; None in process)."""
+    steps: Optional["RecordedSteps"] = None
+    """The engine steps that computed it, where the engine recorded them (docs/batching.md)."""
 
     def path(self) -> str:
         """The cache path in words: ``recompute``, ``in-context reuse of 40 tokens``, ``prompt-cache restore of
@@ -111,6 +113,17 @@ class RecordedRequest:
     def unrecorded_inputs(self) -> list[str]:
         """Sampling inputs this request used that the record does not hold (a replay runs without them)."""
         return [name for name in UNREPLAYABLE_SAMPLING if self.sampling.get(name)]
+
+
+@dataclass(frozen=True)
+class RecordedSteps:
+    """How the engine batched one request: per generated token the rows and tokens of the step that computed
+    its logits (the first token's step is the prompt's last prefill step), and the prompt's computed tokens
+    per prefill step."""
+
+    rows: tuple[int, ...]
+    tokens: tuple[int, ...]
+    prefill: tuple[int, ...]
 
 
 @dataclass
@@ -228,7 +241,10 @@ def _request(row: dict[str, Any], previous: Optional[RecordedRequest], slots: di
         sampling=json.loads(row["sampling_settings"] or "{}"), cache_layer=row["cache_layer"],
         reused_tokens=int(row["reused_tokens"]), prompt=tuple(int(t) for t in row["prompt_token_ids"]),
         output=tuple(int(t) for t in row["token_ids"]), starts_from=starts_from,
-        slot=None if row["slot_id"] is None else int(row["slot_id"]))
+        slot=None if row["slot_id"] is None else int(row["slot_id"]),
+        steps=RecordedSteps(tuple(int(n) for n in row["step_rows"]), tuple(int(n) for n in row["step_tokens"]),
+                            tuple(int(n) for n in row["prefill_steps"]))
+        if row.get("batch_composition") == sc.BATCH_RECORDED else None)
 
 
 def _served_source(row: dict[str, Any], slots: dict[str, Any]) -> str:
@@ -260,6 +276,8 @@ class Step:
     """Span id whose end state is loaded first (None: recompute from an empty context)."""
     keep_state: bool
     """Keep this step's end state under ``span_id`` for later steps."""
+    companions: tuple[tuple[int, int], ...] = ()
+    """Requests sent alongside in one batch, as (prompt length, generated tokens) each (vLLM; none: alone)."""
 
 
 def step(request: RecordedRequest, key: str, starts_from: Optional[str], needed_sources: set[str]) -> Step:
