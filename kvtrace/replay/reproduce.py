@@ -6,22 +6,24 @@ state an episode's requests started from are re-executed too (first) and checked
 
 ``counterfactual``: at a fork of runs A and B (same prompt, different output), each side's request
 runs on its own recorded path (the fork must reproduce) and on the other side's path, everything
-else held fixed. ``confirmed``: the switched paths move the fork token to the other side's token;
-``not_cache``: the fork stays with its request; ``not_reproduced``: the recorded paths do not give
-the recorded fork, so something the spans do not record differs.
+else held fixed (at a ``batch_composition`` fork both took one path, and the batch is switched).
+``confirmed``: the switched paths move the fork token to the other side's token; ``not_cache``: the
+fork stays with its request; ``not_reproduced``: the recorded paths do not give the recorded fork,
+so something the spans do not record differs.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.analysis.forks import Fork
 from kvtrace.progress import Progress
+from kvtrace.replay import batch
 from kvtrace.replay.backends import Backend
-from kvtrace.replay.recorded import (RecordedRequest, RecordedRun, ReplayRefused, as_factual_steps,
-                                     one_configuration, step)
+from kvtrace.replay.recorded import (VLLM, EngineConfiguration, RecordedRequest, RecordedRun, ReplayRefused, Step,
+                                     as_factual_steps, one_configuration, step)
 
 A_ON_B_PATH, B_ON_A_PATH = "a-on-b-path", "b-on-a-path"
 """Step keys of the two switched re-executions (the others are keyed by their request's span id)."""
@@ -133,7 +135,8 @@ def replay_episodes(run: RecordedRun, episodes: list[str], backend: Backend,
 
 def counterfactual(run_a: RecordedRun, run_b: RecordedRun, fork: Fork, backend: Backend,
                    progress: Progress = Progress()) -> Counterfactual:
-    """Switch only the cache path of the forked request between the two sides, and judge the fork."""
+    """Switch only the cache path of the forked request between the two sides (at a ``batch_composition``
+    fork: only its batch), and judge the fork."""
     if fork.kind != sc.FORK_KIND_OUTPUT or fork.position < 0:
         raise ReplayRefused(f"episode {fork.episode} forked at {fork.where()} because the prompts already differ "
                             f"there (an earlier turn's output differs upstream); the counterfactual switches the "
@@ -144,15 +147,47 @@ def counterfactual(run_a: RecordedRun, run_b: RecordedRun, fork: Fork, backend: 
     sources = {r.starts_from for r in needed_a + needed_b if r.starts_from} | {a.starts_from, b.starts_from}
     sources.discard(None)
     steps = [step(r, r.span_id, r.starts_from, sources) for r in needed_a + needed_b]
+    if fork.attribution == sc.ATTRIBUTION_BATCH_COMPOSITION:
+        return _batch_counterfactual(fork, a, b, configuration, steps, backend, progress)
     steps += [step(a, A_ON_B_PATH, b.starts_from, set()), step(b, B_ON_A_PATH, a.starts_from, set())]
     outcomes = backend.execute(configuration, steps, progress)
     return judge_fork(fork, a, b, outcomes)
 
 
-def judge_fork(fork: Fork, a: RecordedRequest, b: RecordedRequest,
-               outcomes: dict[str, dict[str, Any]]) -> Counterfactual:
+def _batch_counterfactual(fork: Fork, a: RecordedRequest, b: RecordedRequest, configuration: EngineConfiguration,
+                          steps: list[Step], backend: Backend, progress: Progress) -> Counterfactual:
+    """Both sides took the same cache path: each side's request runs on it at its own recorded batch and at the
+    other side's (companions of the recorded sizes sent alongside, ``batch``)."""
+    if configuration.engine != VLLM:
+        raise ReplayRefused(f"episode {fork.episode} forked by batch composition on {configuration.engine}; replay "
+                            f"recreates a recorded batch on vLLM only")
+    with_a, with_b = batch.companions(a), batch.companions(b)
+    steps = [replace(s, companions=with_a) if s.key == a.span_id else
+             replace(s, companions=with_b) if s.key == b.span_id else s for s in steps]
+    steps += [replace(step(a, A_ON_B_PATH, a.starts_from, set()), companions=with_b),
+              replace(step(b, B_ON_A_PATH, b.starts_from, set()), companions=with_a)]
+    outcomes = backend.execute(configuration, steps, progress)
+    judged = judge_fork(fork, a, b, outcomes, varied="batch", sides=(batch.described(a), batch.described(b)))
+    judged.explanation += "; " + "; ".join(
+        _reproduces(side, judged.recorded, first, second)
+        for side, first, second in (("A", judged.own_path[0], judged.switched_path[1]),
+                                    ("B", judged.own_path[1], judged.switched_path[0])))
+    return judged
+
+
+def _reproduces(side: str, recorded: tuple[int, int], first: int, second: int) -> str:
+    """Which side's token the two requests chose at ``side``'s batch (both prompts are the same)."""
+    whose = {recorded[0]: "A", recorded[1]: "B"}
+    if first == second:
+        return f"at {side}'s batch both requests reproduce {whose.get(first, 'neither side')}'s token ({first})"
+    return f"at {side}'s batch A's request chose {first}, B's {second}"
+
+
+def judge_fork(fork: Fork, a: RecordedRequest, b: RecordedRequest, outcomes: dict[str, dict[str, Any]],
+               varied: str = "cache path", sides: Optional[tuple[str, str]] = None) -> Counterfactual:
     """The verdict from four re-executions in ``outcomes``: each side's request on its own path (keyed by its
-    span id) and on the other side's (``A_ON_B_PATH``, ``B_ON_A_PATH``)."""
+    span id) and on the other side's (``A_ON_B_PATH``, ``B_ON_A_PATH``); ``varied`` names what differs between
+    a side's path and the other's, ``sides`` says what each side's was (default: the cache paths)."""
     p = fork.position
     common = list(a.output[:p])
 
@@ -163,7 +198,9 @@ def judge_fork(fork: Fork, a: RecordedRequest, b: RecordedRequest,
     recorded = (a.output[p], b.output[p])
     own = (at_fork(a.span_id), at_fork(b.span_id))
     switched = (at_fork(A_ON_B_PATH), at_fork(B_ON_A_PATH))
-    paths = f"A: {a.path()}, B: {b.path()}"
+    own_a, own_b = sides or (a.path(), b.path())
+    paths = f"A: {own_a}, B: {own_b}"
+    other = "path" if varied == "cache path" else varied
     if own != recorded:
         unrecorded = sorted(set(a.unrecorded_inputs()) | set(b.unrecorded_inputs()))
         hint = (f"; the record says a {' and a '.join(unrecorded)} was used, which replay cannot re-apply"
@@ -174,12 +211,12 @@ def judge_fork(fork: Fork, a: RecordedRequest, b: RecordedRequest,
                        f"between the runs{hint}")
     elif switched == (recorded[1], recorded[0]):
         verdict = sc.VERDICT_CONFIRMED
-        explanation = (f"switching only the cache path ({paths}) moves the token at the fork to the other side's: "
-                       f"A's request on B's path chose {switched[0]}, B's on A's path chose {switched[1]}")
+        explanation = (f"switching only the {varied} ({paths}) moves the token at the fork to the other side's: "
+                       f"A's request on B's {other} chose {switched[0]}, B's on A's {other} chose {switched[1]}")
     else:
         verdict = sc.VERDICT_NOT_CACHE
-        explanation = (f"the fork reproduces on the recorded paths ({paths}) but does not follow the path when it "
-                       f"is switched: A's request on B's path chose {switched[0]}, B's on A's path chose "
+        explanation = (f"the fork reproduces on the recorded paths ({paths}) but does not follow the {varied} "
+                       f"when it is switched: A's request on B's {other} chose {switched[0]}, B's on A's {other} chose "
                        f"{switched[1]} (recorded {recorded[0]} and {recorded[1]})")
     return Counterfactual(fork.run_a, fork.run_b, fork.episode, fork.turn, p, fork.attribution, a.span_id, b.span_id,
                           verdict, explanation, recorded, own, switched)

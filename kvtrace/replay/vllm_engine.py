@@ -10,7 +10,9 @@ The prefix cache is the only state a request finds: a recompute step runs right 
 ``reset_prefix_cache()``; a step that starts from a request's end state runs once the cache holds
 exactly the blocks of that request and the ones it started from, rebuilt by resetting and
 re-running them whenever it holds anything else. vLLM's own count of cached prompt tokens
-(``RequestOutput.num_cached_tokens``, what the hooks recorded) is the reused count.
+(``RequestOutput.num_cached_tokens``, what the hooks recorded) is the reused count. A step with
+companions (``batch``) sends them in the request's own ``generate`` call; their blocks are not a
+request's, so the cache is reset before the next step.
 """
 
 from __future__ import annotations
@@ -107,7 +109,10 @@ def execute(llm, steps: list[dict[str, Any]], progress: Callable[[int, dict], No
             if source is not None:
                 run(by_span[source])  # rebuild the blocks this step starts from
         outcome = _generate(llm, step)
-        holding.append(step["key"])
+        if step.get("companions"):
+            holding = None  # companions leave blocks of their own: the cache is known again after a reset
+        elif holding is not None:
+            holding.append(step["key"])
         return outcome
 
     outcomes = {}
@@ -124,11 +129,20 @@ def _reset(llm) -> None:
 
 def _generate(llm, step: dict[str, Any]) -> dict[str, Any]:
     """One greedy request of the recorded length: ``ignore_eos``, so a recorded end token is generated, and
-    nothing past the recorded tokens."""
+    nothing past the recorded tokens; its companions (``batch.companions``) sent in the same call, after it."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=max(1, step["max_tokens"]), ignore_eos=True)
-    (out,) = llm.generate(TokensPrompt(prompt_token_ids=[int(t) for t in step["prompt"]]), params,
-                          use_tqdm=False)
+    prompt = [int(t) for t in step["prompt"]]
+    requests = [(prompt, max(1, step["max_tokens"]))]
+    requests += [(filler_prompt(prompt, k, length), generated)
+                 for k, (length, generated) in enumerate(step.get("companions") or (), start=1)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    out = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in requests], params, use_tqdm=False)[0]
     return {"token_ids": [int(t) for t in out.outputs[0].token_ids], "reused": int(out.num_cached_tokens or 0)}
+
+
+def filler_prompt(prompt: list[int], k: int, length: int) -> list[int]:
+    """Companion ``k``'s prompt: the request's own ids from offset ``k`` on, cycled to ``length``; ordinary ids
+    whose first block no other prompt of the call shares, so no companion finds another's blocks."""
+    return [prompt[(k + i) % len(prompt)] for i in range(length)]

@@ -72,17 +72,22 @@ class FakeLLM:
         self.cached.clear()
         return True
 
-    def generate(self, prompt, params, use_tqdm=False):
-        ids = prompt["prompt_token_ids"]
+    def generate(self, prompts, params, use_tqdm=False):
+        """Every prompt of the call, outputs in the prompts' order; ``calls`` holds the call's prompts (one: as is)."""
+        outputs = [self._one(prompt["prompt_token_ids"], settings) for prompt, settings in zip(prompts, params)]
+        self.calls.append(tuple(prompts[0]["prompt_token_ids"]) if len(prompts) == 1 else
+                          [(tuple(p["prompt_token_ids"]), s["max_tokens"]) for p, s in zip(prompts, params)])
+        return outputs
+
+    def _one(self, ids, params):
         hit = 0
         while hit + self.BLOCK <= len(ids) - 1 and tuple(ids[:hit + self.BLOCK]) in self.cached:
             hit += self.BLOCK
         everything = ids + [sum(ids) % 97 + i for i in range(params["max_tokens"])]
         for end in range(self.BLOCK, len(everything) + 1, self.BLOCK):
             self.cached.add(tuple(everything[:end]))
-        self.calls.append(tuple(ids))
         output = types.SimpleNamespace(token_ids=everything[len(ids):])
-        return [types.SimpleNamespace(outputs=[output], num_cached_tokens=hit)]
+        return types.SimpleNamespace(outputs=[output], num_cached_tokens=hit)
 
 
 @pytest.fixture
