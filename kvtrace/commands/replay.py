@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+
 from kvtrace.analysis.forks import diff_runs
 from kvtrace.commands.arguments import http_url, model_path, positive_number
 from kvtrace.commands.common import open_database, progress_printer
@@ -24,17 +25,20 @@ def add_arguments(p) -> None:
                      "configuration, each on its recorded cache path (reuse of N tokens, a prompt-cache restore of a "
                      "named state, or recompute), and check every generated token against the record. With two runs "
                      "and --counterfactual: at the episode's fork, run each side's request on the other side's cache "
-                     "path, everything else fixed; the verdict (confirmed, not_cache, not_reproduced) is kept, and "
-                     "`kvtrace diff` shows it next to the label. Needs runs recorded with KVTRACE_CAPTURE=ids: inside "
-                     "llama-cpp-python, inside vLLM's offline LLM (recompute is a prefix-cache reset; a reuse runs "
-                     "once the blocks of the requests it started from are cached), or through `kvtrace proxy "
-                     "--llama-server-log` in front of llama-server, replayed with --server on a llama-server started with the recorded model and command line "
-                     "(and --cache-ram 0). A prompt-cache restore of a state another slot saved is refused.")
+                     "path (at a batch_composition fork on vLLM: at the other side's recorded batch), everything else "
+                     "fixed; the verdict (confirmed, not_cache, not_reproduced) is kept, and `kvtrace diff` shows it "
+                     "next to the label. Needs runs recorded with KVTRACE_CAPTURE=ids: inside llama-cpp-python; "
+                     "inside vLLM, offline LLM or `vllm serve` (re-executed in an offline LLM: recompute is a "
+                     "prefix-cache reset, a reuse runs once the blocks of the requests it started from are cached); "
+                     "or through `kvtrace proxy --llama-server-log` in front of llama-server, replayed with --server "
+                     "on a llama-server started with the recorded model and command line (and --cache-ram 0). A "
+                     "prompt-cache restore of a state another slot saved is refused.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="one run (reproduce) or RUN_A RUN_B (--counterfactual)")
     p.add_argument("--episode", action="append", required=True, metavar="ID",
                    help="the episode to re-execute (repeatable without --counterfactual)")
     p.add_argument("--counterfactual", action="store_true",
-                   help="with RUN_A RUN_B: switch the cache path of the forked request between the runs")
+                   help="with RUN_A RUN_B: switch the cache path (a batch_composition fork on vLLM: the batch) "
+                        "of the forked request between the runs")
     engine = p.add_mutually_exclusive_group()
     engine.add_argument("--model", type=model_path, metavar="PATH.gguf|DIR",
                         help="the model the run used: a GGUF file, or a vLLM run's model directory (default: the "
