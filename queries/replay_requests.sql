@@ -9,14 +9,14 @@
 -- columns: span_id, run_id, episode_id, turn, capture_mode, engine, engine_version, model,
 --   model_fingerprint, numerics_settings, cache_settings, sampling_settings, cache_layer, reused_tokens,
 --   source_span_id, slot_id, prompt_tokens, prompt_token_ids, token_ids, batch_composition, step_rows,
---   step_tokens, prefill_steps
+--   step_tokens, prefill_steps, duration_ns
 WITH
 ${shared_requests_once}
 (run) -> true AS in_runs,
 run_requests AS (
     SELECT TraceId, SpanId, Timestamp, run_id, episode_id, turn, capture_mode, engine, engine_version, model,
            model_fingerprint, numerics_settings, cache_settings, sampling_settings, cache_layer, reused_tokens, source_span_id,
-           prompt_tokens, token_ids, batch_composition, step_rows, step_tokens, prefill_steps
+           prompt_tokens, token_ids, batch_composition, step_rows, step_tokens, prefill_steps, duration_ns
     FROM requests_once
     WHERE run_id = {run:String}
 ),
@@ -36,7 +36,7 @@ SELECT
     r.sampling_settings AS sampling_settings, r.cache_layer AS cache_layer, r.reused_tokens AS reused_tokens,
     r.source_span_id AS source_span_id, p.slot_id AS slot_id, r.prompt_tokens AS prompt_tokens, p.prompt_token_ids AS prompt_token_ids,
     r.token_ids AS token_ids, r.batch_composition AS batch_composition, r.step_rows AS step_rows,
-    r.step_tokens AS step_tokens, r.prefill_steps AS prefill_steps
+    r.step_tokens AS step_tokens, r.prefill_steps AS prefill_steps, r.duration_ns AS duration_ns
 FROM run_requests AS r
 LEFT JOIN prompts AS p ON p.TraceId = r.TraceId AND p.SpanId = r.SpanId
 ORDER BY r.Timestamp, r.SpanId

@@ -97,6 +97,9 @@ def _print_reproduction(result) -> None:
     episodes = ", ".join(result.episodes)
     print(f"replay of run {result.run_id}, episode {episodes}: {result.requests_reproduced}/{len(result.requests)} "
           f"requests and {result.tokens_reproduced}/{result.tokens} tokens reproduced exactly")
+    if result.recorded_seconds > 0:
+        print(f"  re-executed in {result.seconds:.1f} s, the engine's start included; recorded in "
+              f"{result.recorded_seconds:.1f} s ({result.seconds / result.recorded_seconds:.2f}x)")
     if result.dependencies:
         print(f"  (first re-executed {len(result.dependencies)} request(s) of other episodes whose state it reused: "
               f"{sum(r.reproduced for r in result.dependencies)}/{len(result.dependencies)} reproduced)")

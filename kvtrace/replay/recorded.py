@@ -98,6 +98,8 @@ class RecordedRequest:
     """The server slot that served it (llama-server; None in process)."""
     steps: Optional["RecordedSteps"] = None
     """The engine steps that computed it, where the engine recorded them (docs/batching.md)."""
+    duration_ns: int = 0
+    """How long the request took when it was recorded (its span's duration)."""
 
     def path(self) -> str:
         """The cache path in words: ``recompute``, ``in-context reuse of 40 tokens``, ``prompt-cache restore of
@@ -244,7 +246,8 @@ def _request(row: dict[str, Any], previous: Optional[RecordedRequest], slots: di
         slot=None if row["slot_id"] is None else int(row["slot_id"]),
         steps=RecordedSteps(tuple(int(n) for n in row["step_rows"]), tuple(int(n) for n in row["step_tokens"]),
                             tuple(int(n) for n in row["prefill_steps"]))
-        if row.get("batch_composition") == sc.BATCH_RECORDED else None)
+        if row.get("batch_composition") == sc.BATCH_RECORDED else None,
+        duration_ns=int(row.get("duration_ns") or 0))
 
 
 def _served_source(row: dict[str, Any], slots: dict[str, Any]) -> str:

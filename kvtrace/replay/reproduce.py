@@ -14,6 +14,7 @@ so something the spans do not record differs.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
@@ -58,6 +59,10 @@ class Reproduction:
     """The episodes' own requests."""
     dependencies: list[RequestReplay] = field(default_factory=list)
     """Requests of other episodes whose end state the episodes' requests started from."""
+    seconds: float = 0.0
+    """The re-execution's wall time, the engine's start (or the server's checks) included."""
+    recorded_seconds: float = 0.0
+    """What the same requests took when they were recorded: their spans' durations added up."""
 
     @property
     def requests_reproduced(self) -> int:
@@ -81,6 +86,7 @@ class Reproduction:
                 "tokens": self.tokens, "tokens_reproduced": self.tokens_reproduced,
                 "dependencies": len(self.dependencies),
                 "dependencies_reproduced": sum(r.reproduced for r in self.dependencies),
+                "seconds": round(self.seconds, 3), "recorded_seconds": round(self.recorded_seconds, 3),
                 "per_request": [asdict(r) | {"reproduced": r.reproduced} for r in self.requests + self.dependencies]}
 
 
@@ -124,8 +130,10 @@ def replay_episodes(run: RecordedRun, episodes: list[str], backend: Backend,
     """Re-execute ``episodes`` of ``run`` (and what they depend on) and compare every generated token."""
     targets = [r for e in episodes for r in run.episode(e)]
     needed = run.needed_for(targets)
+    started = time.monotonic()
     outcomes = backend.execute(one_configuration(needed), as_factual_steps(needed), progress)
-    result = Reproduction(run.run_id, episodes)
+    result = Reproduction(run.run_id, episodes, seconds=time.monotonic() - started,
+                          recorded_seconds=sum(r.duration_ns for r in needed) / 1e9)
     wanted = set(episodes)
     for request in needed:
         judged = _judge(request, outcomes[request.span_id])
