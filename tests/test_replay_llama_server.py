@@ -1,11 +1,12 @@
 """`kvtrace replay --server` on a conversation recorded through `kvtrace proxy` in front of llama-server.
 
-An operator serves the tiny model with llama-server and records through the proxy (ids captured,
-the server's log read). Two arms of the same episode: in `reuse` every later turn continues from
-the slot's own state, in `recompute` every turn recomputes its prompt (`cache_prompt: false`).
-Re-sent to the server as token-id prompts on their recorded paths, every turn of either arm gives
-back every recorded token, with the recorded reused count; the counterfactual between the arms
-gives a verdict that `kvtrace diff` shows.
+An operator serves the tiny model at Q8_0 with llama-server (flash attention on) and records
+through the proxy (ids captured, the server's log read). Two arms of the same episode: in `reuse`
+every later turn continues from the slot's own state, in `recompute` every turn recomputes its
+prompt (`cache_prompt: false`). Re-sent to the server as token-id prompts on their recorded paths,
+every turn of either arm gives back every recorded token, with the recorded reused count. The arms
+fork at turn 2 (`hit_vs_recompute`); switching only the cache path at the fork moves the fork token
+to the other side's: `confirmed`, which `kvtrace diff` then shows.
 
 Replay refuses what it cannot re-execute, one line each: a llama-server run without --server, a
 server that does not answer (exit 1) or serves another model (exit 2), a run recorded with hashed
@@ -28,7 +29,11 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("h11")
 
 TURNS, TOKENS = 4, 12
-PROMPT = "Episode 0: the agent opens the kitchen drawer and"
+PROMPT = "Episode 5: the agent opens the kitchen drawer and"
+ARMS_SETTINGS = ("-fa", "on", "-lv", "4", "--cache-ram", "0")
+"""The arms' server: flash attention on, where a reused prefix's logits differ from a recomputed one's (the
+quantized tiny model forks at turn 2 with this prompt); without a prompt cache the slot's own state is the only
+one a request can reuse, when recorded and replayed."""
 
 
 def record_arm(proxy: str, run: str, reuse: bool, biased_turn: int = -1) -> None:
@@ -53,13 +58,18 @@ def runner_up(proxy: str, prompt: str) -> int:
     return answer["completion_probabilities"][0]["top_logprobs"][1]["id"]
 
 
+@pytest.fixture(scope="module")
+def tiny_q8_gguf(tmp_path_factory):
+    """The tiny model at Q8_0: its reused and recomputed prefixes differ in the last bits, as F32's need not."""
+    return make_model(tmp_path_factory.mktemp("models") / "tiny-Q8_0.gguf", "Q8_0", "tiny")
+
+
 @pytest.fixture
-def recorded_arms(tiny_gguf, tmp_path, spool_recorder):
+def recorded_arms(tiny_q8_gguf, tmp_path, spool_recorder):
     """The reuse and recompute arms recorded through the proxy; yields the server, still running."""
     llama_server_binary()
     log_path = tmp_path / "server.log"
-    # --cache-ram 0: the slot's own state is the only one a request can reuse, when recorded and replayed.
-    with running_llama_server(tiny_gguf, "-lv", "4", "--cache-ram", "0", log_path=log_path) as server:
+    with running_llama_server(tiny_q8_gguf, *ARMS_SETTINGS, log_path=log_path) as server:
         with running_proxy(server, spool_recorder, llama_server_log=log_path) as proxy:
             record_arm(proxy, "reuse", reuse=True)
             record_arm(proxy, "recompute", reuse=False)
@@ -81,7 +91,7 @@ def refusal(capsys, code: int, *argv: str) -> str:
 
 
 @pytest.mark.slow
-def test_each_arm_replays_exactly_on_the_server_and_the_counterfactual_gives_a_verdict(recorded_arms, capsys):
+def test_each_arm_replays_exactly_on_the_server_and_the_counterfactual_confirms_the_fork(recorded_arms, capsys):
     server = recorded_arms
     paths = {}
     for run in ("reuse", "recompute"):
@@ -96,20 +106,20 @@ def test_each_arm_replays_exactly_on_the_server_and_the_counterfactual_gives_a_v
 
     code, forks, _ = kvtrace_json(capsys, "diff", "reuse", "recompute", "--episode", "e0")
     assert code == 0
-    if not forks:  # the tiny F32 model may compute a reused prefix bit for bit as a recomputed one
-        err = refusal(capsys, 2, "replay", "reuse", "recompute", "--episode", "e0", "--counterfactual",
-                      "--server", server)
-        assert "did not fork in episode 'e0'" in err
-        return
+    assert forks, "this prompt forks with prefix reuse on the tiny Q8_0 model, flash attention on"
     fork = forks[0]
+    assert (fork["turn"], fork["attribution"]) == (2, sc.ATTRIBUTION_HIT_VS_RECOMPUTE)
     code, verdict, err = kvtrace_json(capsys, "replay", "reuse", "recompute", "--episode", "e0", "--counterfactual",
                                       "--server", server)
     assert code == 0, err
-    assert verdict["recorded"] == [fork["a"]["token"], fork["b"]["token"]]
-    assert verdict["own_path"] == verdict["recorded"]  # the fork reproduces on its recorded paths
-    assert verdict["verdict"] in (sc.VERDICT_CONFIRMED, sc.VERDICT_NOT_CACHE)
+    recorded_a, recorded_b = verdict["recorded"]
+    assert (recorded_a, recorded_b) == (fork["a"]["token"], fork["b"]["token"])
+    assert verdict["own_path"] == [recorded_a, recorded_b]  # the fork reproduces on its recorded paths
+    # Switching only the cache path moves the fork token to the other side's: the cache path made the fork.
+    assert verdict["switched_path"] == [recorded_b, recorded_a]
+    assert verdict["verdict"] == sc.VERDICT_CONFIRMED
     code, forks, _ = kvtrace_json(capsys, "diff", "reuse", "recompute", "--episode", "e0")
-    assert forks[0]["verdict"] == verdict["verdict"]
+    assert forks[0]["verdict"] == sc.VERDICT_CONFIRMED
 
 
 @pytest.mark.slow
@@ -167,7 +177,7 @@ def test_a_fork_made_by_an_unrecorded_logit_bias_is_not_reproduced_on_the_server
 
 @pytest.mark.slow
 def test_replay_refuses_a_missing_or_other_server_hashed_ids_and_an_unknown_episode(
-        recorded_arms, tiny_gguf, tmp_path, capsys, monkeypatch, spool_dir):
+        recorded_arms, tiny_q8_gguf, tmp_path, capsys, monkeypatch, spool_dir):
     from kvtrace.config import Settings
     from kvtrace.recording.exporters.spool import SpoolExporter
     from kvtrace.recording.recorder import Recorder
@@ -186,7 +196,7 @@ def test_replay_refuses_a_missing_or_other_server_hashed_ids_and_an_unknown_epis
     hashed = Recorder(Settings.from_env(), exporter=SpoolExporter(spool_dir))
     try:
         log_path = tmp_path / "private.log"
-        with running_llama_server(tiny_gguf, "-lv", "4", "--cache-ram", "0", log_path=log_path) as private:
+        with running_llama_server(tiny_q8_gguf, *ARMS_SETTINGS, log_path=log_path) as private:
             with running_proxy(private, hashed, llama_server_log=log_path) as proxy:
                 record_arm(proxy, "private", reuse=True)
     finally:
@@ -197,5 +207,5 @@ def test_replay_refuses_a_missing_or_other_server_hashed_ids_and_an_unknown_epis
     other = make_model(tmp_path / "other-F32.gguf", "F32", "tiny", seed=2)
     with running_llama_server(other, "--cache-ram", "0", log_path=tmp_path / "other.log") as elsewhere:
         err = refusal(capsys, 2, "replay", "reuse", "--episode", "e0", "--server", elsewhere)
-    assert "differs from the recorded one in model (tiny-F32.gguf vs other-F32.gguf)" in err
+    assert "differs from the recorded one in model (tiny-Q8_0.gguf vs other-F32.gguf)" in err
     assert not verdicts.verdicts_file().exists()
