@@ -61,6 +61,7 @@ def runner_up(proxy: str, prompt: str) -> int:
 @pytest.fixture(scope="module")
 def tiny_q8_gguf(tmp_path_factory):
     """The tiny model at Q8_0: its reused and recomputed prefixes differ in the last bits, as F32's need not."""
+    pytest.importorskip("llama_cpp")  # llama.cpp's own quantizer
     return make_model(tmp_path_factory.mktemp("models") / "tiny-Q8_0.gguf", "Q8_0", "tiny")
 
 
