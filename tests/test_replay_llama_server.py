@@ -16,6 +16,7 @@ ids, an unknown episode; nothing is kept then.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,18 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("h11")
 
 TURNS, TOKENS = 4, 12
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+MEASURED_HERE = "avx2" in _cpu_flags() and "avx512f" not in _cpu_flags()
+"""The arms' fork was measured on AVX2 without AVX-512 (llama.cpp's AVX2 kernels): there it must appear."""
 PROMPT = "Episode 5: the agent opens the kitchen drawer and"
 ARMS_SETTINGS = ("-fa", "on", "-lv", "4", "--cache-ram", "0")
 """The arms' server: flash attention on, where a reused prefix's logits differ from a recomputed one's (the
@@ -107,9 +120,16 @@ def test_each_arm_replays_exactly_on_the_server_and_the_counterfactual_confirms_
 
     code, forks, _ = kvtrace_json(capsys, "diff", "reuse", "recompute", "--episode", "e0")
     assert code == 0
-    assert forks, "this prompt forks with prefix reuse on the tiny Q8_0 model, flash attention on"
+    if not forks:
+        # Measured on AVX2 without AVX-512: other CPUs run other kernels and may fork elsewhere or nowhere.
+        assert not MEASURED_HERE, "this prompt forks with prefix reuse on the tiny Q8_0 model, flash attention on"
+        assert main(["-q", "replay", "reuse", "recompute", "--episode", "e0", "--counterfactual",
+                     "--server", server]) == 2
+        assert "did not fork" in capsys.readouterr().err
+        return
     fork = forks[0]
-    assert (fork["turn"], fork["attribution"]) == (2, sc.ATTRIBUTION_HIT_VS_RECOMPUTE)
+    assert fork["attribution"] == sc.ATTRIBUTION_HIT_VS_RECOMPUTE
+    assert fork["turn"] == 2 or not MEASURED_HERE
     code, verdict, err = kvtrace_json(capsys, "replay", "reuse", "recompute", "--episode", "e0", "--counterfactual",
                                       "--server", server)
     assert code == 0, err
