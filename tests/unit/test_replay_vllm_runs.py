@@ -10,7 +10,6 @@ which follows from the memory given to the cache. The model directory is found b
 from __future__ import annotations
 
 import json
-import sys
 import types
 
 import pytest
@@ -88,15 +87,6 @@ class FakeLLM:
             self.cached.add(tuple(everything[:end]))
         output = types.SimpleNamespace(token_ids=everything[len(ids):])
         return types.SimpleNamespace(outputs=[output], num_cached_tokens=hit)
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    module, inputs = types.ModuleType("vllm"), types.ModuleType("vllm.inputs")
-    module.SamplingParams = lambda **settings: settings
-    inputs.TokensPrompt = lambda **prompt: prompt
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
 
 
 def test_a_reuse_runs_once_the_cache_holds_its_sources_blocks_and_a_recompute_after_a_reset(monkeypatch, fake_vllm):
