@@ -26,6 +26,7 @@ from kvtrace.proxy.margin_request import (_REMOVE, CHAT, COMPLETIONS, OPENAI_COM
 from scripted_upstream import Answer, ScriptedUpstream, chunked, head, json_answer, openai_profile
 
 pytest.importorskip("h11")
+pytest.importorskip("httptools")
 from kvtrace.proxy.app import proxy_in_thread  # noqa: E402  (needs h11)
 
 pytestmark = pytest.mark.timeout(300)

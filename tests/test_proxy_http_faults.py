@@ -22,6 +22,7 @@ from kvtrace.proxy.limits import Limits
 from scripted_upstream import Answer, ScriptedUpstream, head, json_answer, openai_profile, sse_answer
 
 h11 = pytest.importorskip("h11")
+pytest.importorskip("httptools")
 from kvtrace.proxy.app import ProxyApp, proxy_in_thread  # noqa: E402  (needs h11)
 
 COMPLETION = {"prompt": "Once upon a time", "max_tokens": 2}

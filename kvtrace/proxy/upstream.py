@@ -1,5 +1,5 @@
-"""The proxy's upstream side: HTTP/1.1 requests to one server over kept-alive connections, on h11's
-client mode (the same state machine as the client-facing side, :mod:`http1`).
+"""The proxy's upstream side: HTTP/1.1 requests to one server over kept-alive connections, each
+answer parsed by httptools (llhttp, the C parser uvicorn reads requests with).
 
 A request is sent at most once. A kept-alive connection is reused only when a look at its socket
 shows the upstream has neither closed it nor sent anything since its last answer, and a request
@@ -12,12 +12,15 @@ the wire and cannot be answered, so once a connection is found closed after a ch
 upstream's connections are no longer kept after chunked answers.
 
 The upstream's answer is read as it arrives: its head within ``MAX_HEAD_BYTES`` (also the bound on
-a chunk's size line and on trailers), its body in the pieces each read brings, never a whole chunk
-held back.
+what may come between two pieces of body: a chunk's size line, the trailers), its body in the
+pieces each read brings, never a whole chunk held back. What llhttp leaves to its caller is done
+here: interim 1xx answers are skipped, a HEAD answer ends at its head, a body without a length
+ends with the connection, and a connection that brought more than its answer is not reused.
 """
 
 from __future__ import annotations
 
+import re
 import select
 import socket
 import ssl
@@ -26,19 +29,24 @@ import time
 from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
-import h11
+import httptools
 
 from kvtrace.errors import ConfigError
 from kvtrace.proxy.http1 import READ_SIZE, Headers
 
 CONNECT_TIMEOUT_S = 30.0
 MAX_HEAD_BYTES = 64 << 10
-"""An answer's head, a chunk's size line, the trailers: past this the answer is refused (502)."""
+"""An answer's head, or what is read between two pieces of its body (a chunk's size line, the
+trailers): past this the answer is refused (502, or broken off once it began)."""
 MAX_IDLE_CONNECTIONS = 64
 """Kept-alive connections held for reuse; more are closed when their answer ends."""
 MAX_IDLE_S = 2.0
 """A connection idle longer is not reused: servers close idle ones after a few seconds (llama-server's
 HTTP library after 5), and a close that crosses the request on the wire would cost the client a 502."""
+
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_TARGET = re.compile(rb"[\x21-\x7e]+")
+_FIELD_VALUE = re.compile(rb"[^\x00\r\n]*")
 
 
 class UpstreamUnreachable(Exception):
@@ -53,10 +61,121 @@ class _NothingSent(Exception):
     """The connection took not one byte of the request."""
 
 
+class _Malformed(Exception):
+    """The upstream's bytes are not an answer the proxy relays."""
+
+
+class _Stop(Exception):
+    """Raised inside a parser callback to stop llhttp where the answer ends."""
+
+
+def request_head(method: str, target: bytes, headers: Headers) -> bytes:
+    """A request's head as written upstream; ``ValueError`` for a part that HTTP cannot carry."""
+    if not _TOKEN.fullmatch(method.encode("latin-1")) or not _TARGET.fullmatch(target):
+        raise ValueError(f"bad method or target: {method} {target!r}")
+    lines = [b"%s %s HTTP/1.1" % (method.encode("latin-1"), target)]
+    for name, value in headers:
+        if not _TOKEN.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
+            raise ValueError(f"bad header {name!r}")
+        lines.append(name + b": " + value)
+    lines.append(b"\r\n")
+    return b"\r\n".join(lines)
+
+
+class _Answer:
+    """One answer as llhttp calls it back: the head, the body's pieces since they were last taken,
+    whether it ended, and whether the connection may carry another request after it."""
+
+    def __init__(self, head_only: bool):
+        self.parser = httptools.HttpResponseParser(self)
+        self.head_only = head_only
+        """An answer to HEAD: it has no body, whatever its head says."""
+        self.status = 0
+        self.headers: Headers = []
+        self.head_done = False
+        self.body: list[bytes] = []
+        self.complete = False
+        self.reusable = False
+        """Its connection may carry another request (HTTP/1.1 keep-alive, framed by length or chunks)."""
+        self.until_close = False
+        """The body has neither a length nor chunks: it ends with the connection."""
+        self.more = False
+        """Bytes came after the answer's end."""
+        self.waiting_bytes = 0
+        """Bytes read since the last piece of body (or of the head): bounded by ``MAX_HEAD_BYTES``."""
+
+    # --- llhttp's callbacks ---
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            self.more = True  # the upstream sent more than it framed: never relayed
+            raise _Stop
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.head_done:  # after the head: trailers, which are not relayed
+            self.headers.append((name.lower(), value.strip()))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            if status == 101:
+                raise _Malformed("the upstream switched protocols (101), which the proxy does not relay")
+            self.headers = []  # an interim answer: the real one follows
+            return
+        if sum(len(name) + len(value) + 4 for name, value in self.headers) > MAX_HEAD_BYTES:
+            raise _Malformed(f"the answer's head is over {MAX_HEAD_BYTES} bytes")
+        framing = [value for name, value in self.headers if name == b"transfer-encoding"]
+        if framing and (len(framing) > 1 or framing[0].lower() != b"chunked"):
+            raise _Malformed("a transfer-encoding other than chunked")
+        self.status = status
+        self.head_done = True
+        self.waiting_bytes = 0
+        self.until_close = not framing and not any(name == b"content-length" for name, _ in self.headers)
+        self.reusable = (self.parser.should_keep_alive() and self.parser.get_http_version() == "1.1"
+                         and not self.until_close and not self.head_only)
+        if self.head_only:
+            self.complete = True
+            raise _Stop  # llhttp would wait for the body its head announces
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.waiting_bytes = 0
+
+    def on_message_complete(self) -> None:
+        if self.head_done:
+            self.complete = True
+
+    # --- the reader's side ---
+
+    def feed(self, data: bytes) -> None:
+        """Parse what one read brought; ``_Malformed`` when it is not (the rest of) an answer."""
+        self.waiting_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Malformed):
+                raise cause from None
+            if not isinstance(cause, _Stop):
+                if not self.complete:
+                    raise _Malformed(f"not an HTTP/1.1 answer: {exc}") from None
+                self.more = True  # what followed the end is not an answer
+        if self.waiting_bytes > MAX_HEAD_BYTES and not self.complete:
+            raise _Malformed(f"over {MAX_HEAD_BYTES} bytes of " +
+                             ("head" if not self.head_done else "framing between two pieces of the body"))
+
+    def ended_by_close(self) -> None:
+        """The upstream closed the connection: the answer's end if its body runs to the close."""
+        if not self.head_done:
+            raise _Malformed("the upstream closed the connection without answering")
+        if not self.until_close:
+            raise _Malformed("the upstream closed the connection before the answer's end")
+        self.complete = True
+
+
 class _Connection:
     def __init__(self, sock: socket.socket):
         self.socket = sock
-        self.protocol = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.idle_since = 0.0
         self.after_chunked = False
         """Its last answer was chunked."""
@@ -84,8 +203,13 @@ class _Connection:
                     raise _NothingSent(str(exc) or type(exc).__name__) from None
                 raise
 
-    def receive(self) -> None:
-        self.protocol.receive_data(self.socket.recv(READ_SIZE))
+    def receive(self, answer: _Answer) -> None:
+        """One read into ``answer``'s parser."""
+        data = self.socket.recv(READ_SIZE)
+        if data:
+            answer.feed(data)
+        else:
+            answer.ended_by_close()
 
     def close(self) -> None:
         try:
@@ -97,11 +221,13 @@ class _Connection:
 class UpstreamResponse:
     """An answer whose body is read as it arrives; its connection goes back to the pool at the end."""
 
-    def __init__(self, upstream: "Upstream", connection: _Connection, response: h11.Response):
+    def __init__(self, upstream: "Upstream", connection: _Connection, answer: _Answer):
         self._upstream = upstream
         self._connection = connection
-        self.status = response.status_code
-        self.headers: Headers = list(response.headers)
+        self._answer = answer
+        self.status = answer.status
+        self.headers: Headers = answer.headers
+        """Names in lower case, values without the spaces around them."""
         self._done = False
         self._chunked = "chunked" in self.header(b"transfer-encoding").lower()
 
@@ -113,36 +239,26 @@ class UpstreamResponse:
 
     def chunks(self) -> Iterator[bytes]:
         """The body as it arrives: what one read of the socket brought, framing removed."""
-        protocol = self._connection.protocol
-        pieces: list[bytes] = []
+        answer, receive = self._answer, self._connection.receive
+        pieces = answer.body
         broken = None
         while True:
-            try:
-                event = protocol.next_event()
-                if type(event) is h11.Data:
-                    pieces.append(event.data)
-                    continue
-                if type(event) is h11.EndOfMessage:
-                    break
-                if event is not h11.NEED_DATA:
-                    raise OSError(f"unexpected {type(event).__name__}")
-            except (OSError, h11.RemoteProtocolError) as exc:
-                broken = str(exc) or type(exc).__name__
-                break
             if pieces:
                 yield pieces[0] if len(pieces) == 1 else b"".join(pieces)
                 pieces.clear()
+            if answer.complete:
+                break
             try:
-                self._connection.receive()
-            except OSError as exc:
+                receive(answer)
+            except (OSError, _Malformed) as exc:
                 broken = str(exc) or type(exc).__name__
                 break
         if pieces:
-            yield b"".join(pieces)  # what arrived before the end, or before the break
+            yield b"".join(pieces)  # what arrived before the break
         if broken is not None:
             raise UpstreamBrokeOff(broken)
         self._done = True
-        self._upstream._release(self._connection, self._chunked)
+        self._upstream._release(self._connection, answer, self._chunked)
 
     def read(self) -> bytes:
         return b"".join(self.chunks())
@@ -182,10 +298,10 @@ class Upstream:
         would without the proxy).
         """
         try:
-            head = h11.Request(method=method, target=f"{self.prefix}{target}".encode("latin-1"),
-                               headers=[(b"host", self.host_header), (b"content-length", b"%d" % len(body)),
-                                        *headers])
-        except h11.LocalProtocolError as exc:
+            message = request_head(method, f"{self.prefix}{target}".encode("latin-1"),
+                                   [(b"host", self.host_header), (b"content-length", b"%d" % len(body)),
+                                    *headers]) + body
+        except (ValueError, UnicodeEncodeError) as exc:
             raise UpstreamUnreachable(f"the request cannot be written to the upstream ({exc})") from None
         while True:
             connection = self._take()
@@ -193,9 +309,6 @@ class Upstream:
             if connection is None:
                 connection = self._connect()
             connection.socket.settimeout(timeout)
-            protocol = connection.protocol
-            message = protocol.send(head) + (protocol.send(h11.Data(data=body)) if body else b"") + protocol.send(
-                h11.EndOfMessage())
             try:
                 connection.send(message)
             except _NothingSent as exc:
@@ -206,28 +319,16 @@ class Upstream:
             except OSError as exc:
                 connection.close()
                 raise UpstreamUnreachable(f"the connection failed while the request was sent ({exc})") from None
+            answer = _Answer(head_only=method == "HEAD")
             try:
-                return UpstreamResponse(self, connection, self._read_head(connection))
-            except (OSError, h11.RemoteProtocolError) as exc:
+                while not answer.head_done:
+                    connection.receive(answer)
+                return UpstreamResponse(self, connection, answer)
+            except (OSError, _Malformed) as exc:
                 connection.close()  # the request may have reached the upstream: it is not sent again
                 if reused and connection.after_chunked:
                     self.closes_after_chunked = True
                 raise UpstreamUnreachable(str(exc) or type(exc).__name__) from None
-
-    @staticmethod
-    def _read_head(connection: _Connection) -> h11.Response:
-        protocol = connection.protocol
-        while True:
-            event = protocol.next_event()
-            if event is h11.NEED_DATA:
-                connection.receive()
-            elif type(event) is h11.Response:
-                # h11 bounds a head that is still arriving; one that came whole in a read is counted here.
-                if sum(len(name) + len(value) + 4 for name, value in event.headers) > MAX_HEAD_BYTES:
-                    raise OSError(f"the answer's head is over {MAX_HEAD_BYTES} bytes")
-                return event
-            elif type(event) is not h11.InformationalResponse:  # 1xx answers are interim: the real one follows
-                raise OSError("the upstream closed the connection without answering")
 
     def _take(self) -> Optional[_Connection]:
         while True:
@@ -252,14 +353,12 @@ class Upstream:
             raise UpstreamUnreachable(f"cannot connect to {self.host}:{self.port} ({exc})") from None
         return _Connection(sock)
 
-    def _release(self, connection: _Connection, chunked: bool) -> None:
-        protocol = connection.protocol
+    def _release(self, connection: _Connection, answer: _Answer, chunked: bool) -> None:
         connection.after_chunked = chunked
         if chunked and self.closes_after_chunked:
             connection.close()
             return
-        if protocol.our_state is h11.DONE and protocol.their_state is h11.DONE and not protocol.trailing_data[0]:
-            protocol.start_next_cycle()
+        if answer.reusable and not answer.more:
             with self._lock:
                 if len(self._idle) < MAX_IDLE_CONNECTIONS:
                     connection.idle_since = time.monotonic()
