@@ -47,7 +47,7 @@
 --   step_tokens_a, step_tokens_b, prefill_steps_a, prefill_steps_b
 WITH
 ${shared_requests_once}
-(run) -> true AS in_runs,
+(run) -> run IN ({run_a:String}, {run_b:String}) AS in_runs,
 ${shared_output_divergence}
 ${shared_diff_sides}
 ${shared_first_fork}

@@ -12,7 +12,7 @@
 --   turns_a, turns_b, span_id_a, span_id_b, token_a, token_b, output_tokens_a, output_tokens_b
 WITH
 ${shared_requests_once}
-(run) -> true AS in_runs,
+(run) -> run IN ({run_a:String}, {run_b:String}) AS in_runs,
 ${shared_output_divergence}
 ${shared_diff_sides}
 ${shared_first_fork}

@@ -7,8 +7,10 @@
 -- through it. The traces searched are only those that hold records made outside an engine. The table is
 -- read FINAL, so a span stored twice is one request; the subqueries only test membership, where a copy
 -- changes nothing. Needs `in_runs(run_id)`, a WITH lambda naming the runs the query reads
--- (`(run) -> true AS in_runs` for every run): they are chosen where the table is read, so the primary
--- key skips the other runs' rows whatever plan the query gets.
+-- (`(run) -> true AS in_runs` for every run): they are chosen where the table is read, the subqueries'
+-- reads too (the engine records a probed request in the probe's run), so the primary key skips the
+-- other runs' rows whatever plan the query gets, and a query of some runs costs the same in a database
+-- of any size.
 requests_once AS (
     SELECT *, token_digest  -- a MATERIALIZED column: not in *
     FROM kvtrace_requests FINAL
@@ -17,6 +19,7 @@ requests_once AS (
            OR (TraceId, SpanId) NOT IN (
                SELECT TraceId, ParentSpanId
                FROM kvtrace_requests
-               WHERE reused_tokens_source = '' AND ParentSpanId != ''
-                 AND TraceId IN (SELECT TraceId FROM kvtrace_requests WHERE reused_tokens_source != '')))
+               WHERE in_runs(run_id) AND reused_tokens_source = '' AND ParentSpanId != ''
+                 AND TraceId IN (SELECT TraceId FROM kvtrace_requests
+                                 WHERE in_runs(run_id) AND reused_tokens_source != '')))
 ),
