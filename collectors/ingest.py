@@ -77,7 +77,7 @@ class IngestReport:
 @dataclass
 class _Line:
     number: int
-    text: bytes
+    text: memoryview  # a view of the chunk read
     rows: list[SpanRow]
     hash: str = ""
 
@@ -169,19 +169,22 @@ class Ingestor:
                 continue
             if cut < 0:
                 break
-            chunk, parsed, collecting = data[: cut + 1], [], gc.isenabled()
+            view, parsed, start, collecting = memoryview(data), [], 0, gc.isenabled()
             gc.disable()  # a chunk's rows make no reference cycles: the collector would walk them for nothing
             try:
-                for line in chunk.splitlines():
+                while start <= cut:  # lines as views of the chunk, not copies; a "\r" before "\n" left out
+                    end = data.index(b"\n", start)
+                    stop = end - 1 if end > start and data[end - 1] == 13 else end
                     line_no += 1
                     result.lines += 1
-                    if line and not line.isspace():
-                        self._parse(path, line_no, line, parsed, result)
+                    if stop > start and not (data[start] in b" \t\r\x0b\x0c" and data[start:stop].isspace()):
+                        self._parse(path, line_no, view[start:stop], parsed, result)
+                    start = end + 1
                 self._store(path, parsed, result)
             finally:
                 if collecting:
                     gc.enable()
-            hasher.update(chunk)
+            hasher.update(view[: cut + 1])
             offset += cut + 1
             self._save(path, head_key, hasher, offset, before, result, complete=False)
             self.progress(f"{path.name}: {result.spans} spans")
@@ -261,7 +264,7 @@ class Ingestor:
         result.lines = 1
         self._save(path, key, document, len(data), (0, 0, 0), result, True)
 
-    def _parse(self, path: Path, line_no: int, line: bytes, parsed: list[_Line], result: FileResult) -> None:
+    def _parse(self, path: Path, line_no: int, line, parsed: list[_Line], result: FileResult) -> None:
         """A line's rows into ``parsed``, or the line into quarantine when it is no OTLP trace request."""
         dropped: list[str] = []
         try:

@@ -165,7 +165,7 @@ _DECODE = msgspec.json.Decoder(ExportRequest).decode
 _JSON = msgspec.json.Encoder().encode
 
 
-def decode(line: Union[bytes, str]) -> ExportRequest:
+def decode(line: Union[bytes, str, memoryview]) -> ExportRequest:
     """One line as an export request; ``MalformedSpan`` saying what is wrong and where."""
     try:
         return _DECODE(line)
@@ -173,7 +173,7 @@ def decode(line: Union[bytes, str]) -> ExportRequest:
         raise MalformedSpan(f"not an OTLP/JSON trace request: {exc}") from None
     except msgspec.DecodeError as exc:
         try:
-            json.loads(line)
+            json.loads(line if isinstance(line, (str, bytes)) else bytes(line))
         except (ValueError, RecursionError) as python_exc:
             raise MalformedSpan(f"not JSON: {python_exc}") from None
         # JSON to Python, not to a strict parser: a lone surrogate, NaN or Infinity no database can store.
@@ -283,7 +283,8 @@ def _text_of(kv: KeyValue, arrays: Optional[dict], dropped: Optional[list[str]])
         if typecode is None:
             return value_as_string(value)
         if arrays is not None and key in TOKEN_ARRAYS:
-            arrays[TOKEN_ARRAYS[key]] = numbers(value, typecode)
+            packed = value.bytesValue  # kept as bytes: store.py views a column's arrays at once
+            arrays[TOKEN_ARRAYS[key]] = numbers(value, typecode) if packed is None or len(packed) % 8 else packed
             return _LEFT_OUT
         if value.bytesValue is not None:  # e.g. packed prompt ids: the Collector's JSON text
             return "[" + ",".join(map(str if typecode == INT64 else _double_text,

@@ -29,7 +29,7 @@ class Quarantine:
             if (str(source), line_no) not in self._recorded[target]:
                 private_dir(self.directory, link_ok=False)
                 record = {"file": str(source), "line": line_no, "error": reason,
-                          "text": text.decode("utf-8", errors="replace")}
+                          "text": bytes(text).decode("utf-8", errors="replace")}
                 with os.fdopen(append_private(target), "a", encoding="utf-8") as out:
                     out.write(json.dumps(record) + "\n")
                 self._recorded[target].add((str(source), line_no))

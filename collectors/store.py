@@ -83,13 +83,15 @@ def _offsets(lengths) -> pa.Array:
     return _buffer(offsets, "i32")
 
 
-def _list_column(arrays: list[np.ndarray], kind: str) -> pa.Array:
-    """One Array column from per-row numpy arrays: their concatenation and offsets, no per-number work."""
-    dtype = _NUMERIC[kind][0]
-    values = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+def _list_column(arrays: list, kind: str) -> pa.Array:
+    """One Array column from per-row arrays (packed little-endian bytes as the spool holds them, or numpy):
+    one join and one view, no per-number work."""
+    dtype = np.dtype(_NUMERIC[kind][0])
+    packed = [a if type(a) is bytes else np.asarray(a, dtype.newbyteorder("<")).tobytes() for a in arrays]
+    values = np.frombuffer(b"".join(packed), dtype.newbyteorder("<")).astype(dtype, copy=False)
     if kind == "f64":
         values = values + 0.0  # -0.0 + 0.0 is 0.0: a negative zero is stored as 0
-    return pa.ListArray.from_arrays(_offsets([len(a) for a in arrays]), _buffer(values, kind))
+    return pa.ListArray.from_arrays(_offsets([len(a) >> 3 for a in packed]), _buffer(values, kind))
 
 
 class _Attributes:
@@ -108,17 +110,15 @@ class _Attributes:
     def columns(self, columns: list[Column], rows: np.ndarray) -> dict[str, pa.Array]:
         """``columns`` (each from the attribute its ``source`` names) of ``rows`` (indices of the maps), a
         missing key's text read as ""."""
-        wanted = {column.source: i for i, column in enumerate(columns)}
-        code_of = np.array([wanted.get(key, -1) for key in self._key_names], np.int64)
+        sources = {source: i for i, source in enumerate(dict.fromkeys(column.source for column in columns))}
+        code_of = np.array([sources.get(key, -1) for key in self._key_names], np.int64)
         codes = code_of[self._key_codes] if len(code_of) else np.zeros(0, np.int64)
-        missing = len(self._texts) - 1
-        out = {}
-        for i, column in enumerate(columns):
-            where = np.full(self._rows, missing, np.int64)
-            entries = np.flatnonzero(codes == i)
-            where[self._row_of[entries]] = entries  # a map holds a key once
-            out[column.name] = _typed(self._texts.take(_buffer(where[rows], "i64")), column)
-        return out
+        where = np.full((len(sources), self._rows), len(self._texts) - 1, np.int64)
+        entries = np.flatnonzero(codes >= 0)
+        where[codes[entries], self._row_of[entries]] = entries  # a map holds a key once
+        texts = self._texts.take(_buffer(where[:, rows].ravel(), "i64"))  # one gather for every column
+        n = len(rows)
+        return {column.name: _typed(texts.slice(sources[column.source] * n, n), column) for column in columns}
 
 
 def _typed(texts: pa.Array, column: Column) -> pa.Array:
@@ -173,7 +173,7 @@ def typed_table(table: Table, rows: list[SpanRow], attributes: Optional[_Attribu
     if table.event_prefix:
         events = _Attributes([rows[at].Events_Attributes[i] for at, i in found])
         typed.update(events.columns([c for c in table.columns if c.origin == EVENT_ATTRIBUTE], np.arange(len(found))))
-    columns, empty = {}, np.zeros(0, np.int64)
+    columns = {}
     for column in table.columns:
         if column.origin == SPAN:
             columns[column.name] = arrow([getattr(row, column.source) for row in spans], kind_of(column.value_type))
@@ -181,7 +181,7 @@ def typed_table(table: Table, rows: list[SpanRow], attributes: Optional[_Attribu
             value = _EVENT_VALUES[column.source]
             columns[column.name] = arrow([value(rows[at], i) for at, i in found], kind_of(column.value_type))
         elif column.origin == TOKEN_ARRAY:
-            columns[column.name] = _list_column([row.arrays.get(column.name, empty) for row in spans],
+            columns[column.name] = _list_column([row.arrays.get(column.name, b"") for row in spans],
                                                 kind_of(column.value_type)[1])
         elif column.origin != MATERIALIZED:
             columns[column.name] = typed[column.name]
