@@ -10,7 +10,7 @@
 --   prompt_tokens_b, state_key_b, source_run_id_b, source_episode_id_b, source_turn_b
 WITH
 ${shared_requests_once}
-(run) -> true AS in_runs,
+(run) -> run IN ({run_a:String}, {run_b:String}) AS in_runs,
 ${shared_diff_sides}
 paired AS (
     SELECT

@@ -8,7 +8,7 @@
 --   event_names, event_layers, event_outcomes, event_tokens
 WITH
 ${shared_requests_once}
-(run) -> true AS in_runs,
+(run) -> run IN ({run_a:String}, {run_b:String}) AS in_runs,
 requests AS (
     SELECT run_id, turn, SpanId AS span_id, request_id, capture_mode, prompt_hash, prompt_tokens,
            cache_layer, reused_tokens, state_key, source_request_id, source_run_id, source_episode_id,

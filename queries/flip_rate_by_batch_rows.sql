@@ -14,7 +14,7 @@
 -- columns: rows_difference, episodes, positions, flips, flip_rate, ci_low, ci_high, interval_method
 WITH
 ${shared_requests_once}
-(run) -> true AS in_runs,
+(run) -> run IN ({run_a:String}, {run_b:String}) AS in_runs,
 ${shared_output_divergence}
 ${shared_wilson_interval}
 ${shared_cluster_interval}

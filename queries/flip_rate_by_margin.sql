@@ -19,7 +19,7 @@
 --   flip_rate, ci_low, ci_high, interval_method
 WITH
 ${shared_requests_once}
-(run) -> true AS in_runs,
+(run) -> startsWith(run, {run_prefix:String}) AS in_runs,
 ${shared_output_divergence}
 ${shared_wilson_interval}
 ${shared_cluster_interval}

@@ -11,7 +11,7 @@
 -- columns: engine, model, weight_format, requests, violations
 WITH
 ${shared_requests_once}
-(run) -> true AS in_runs,
+(run) -> startsWith(run, {run_prefix:String}) AS in_runs,
 ${shared_request_scope}
 violated AS (
     SELECT SpanId, uniqExact(event_index) AS events  -- each event once, however many copies were stored

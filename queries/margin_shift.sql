@@ -24,7 +24,7 @@
 --   p95_abs_shift, max_abs_shift, shadow_pairs, shadow_episodes, episodes, ci_low, ci_high
 WITH
 ${shared_requests_once}
-(run) -> true AS in_runs,
+(run) -> startsWith(run, {run_prefix:String}) AS in_runs,
 ${shared_wilson_interval}
 ${shared_cluster_interval}
 ${shared_output_divergence}

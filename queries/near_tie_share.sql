@@ -10,7 +10,7 @@
 -- columns: engine, model, weight_format, requests, positions, near_ties, near_tie_share
 WITH
 ${shared_requests_once}
-(run) -> true AS in_runs,
+(run) -> startsWith(run, {run_prefix:String}) AS in_runs,
 ${shared_request_scope}
 hits AS (
     SELECT q.engine AS engine, q.model AS model, q.weight_format AS weight_format,

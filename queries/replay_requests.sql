@@ -12,7 +12,7 @@
 --   step_tokens, prefill_steps, duration_ns
 WITH
 ${shared_requests_once}
-(run) -> true AS in_runs,
+(run) -> run = {run:String} AS in_runs,
 run_requests AS (
     SELECT TraceId, SpanId, Timestamp, run_id, episode_id, turn, capture_mode, engine, engine_version, model,
            model_fingerprint, numerics_settings, cache_settings, sampling_settings, cache_layer, reused_tokens, source_span_id,
