@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Optional
 from kvtrace.collectors.checkpoints import Checkpoint, IngestLog, digest, key_of
 from kvtrace.collectors.otlp_rows import MalformedSpan, SpanRow, rows_from_request
 from kvtrace.collectors.quarantine import Quarantine
+from kvtrace.collectors.schema import first_line
 from kvtrace.collectors.span_files import find_files, passed_over_message, writer_is_gone
 from kvtrace.collectors.store import batch_token, store_rows
 from kvtrace.config import default_spool_dir
@@ -82,10 +83,10 @@ class _Line:
     hash: str = ""
 
 
-def _is_pretty_printed(first_line: bytes) -> bool:
+def _is_pretty_printed(head: bytes) -> bool:
     """A multi-line JSON document starts with a line that is not a JSON value by itself: an object's first
     line that does not end it (a whole object ends with its closing brace)."""
-    stripped = first_line.strip()
+    stripped = head.strip()
     return stripped.startswith(b"{") and (stripped == b"{" or not stripped.endswith(b"}"))
 
 
@@ -103,11 +104,6 @@ def database_refuses_writes(exc: BaseException) -> bool:
     if type(exc).__name__ in ("OperationalError", "StreamFailureError"):
         return True
     return any(marker in str(exc).lower() for marker in _REFUSAL_MARKERS)
-
-
-def first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return (lines[0] if lines else type(exc).__name__)[:300]
 
 
 class Ingestor:

@@ -250,7 +250,7 @@ def init_schema(client, database: str | None = None, cluster: str | None = None)
             except Exception as exc:
                 raise SchemaUpgradeFailed(
                     f"cannot bring database {database!r} from schema version {before} to {everything[-1].version}: "
-                    f"{step} failed: {_first_line(exc)}. Nothing is recorded as applied; fix the cause and run "
+                    f"{step} failed: {first_line(exc)}. Nothing is recorded as applied; fix the cause and run "
                     "`kvtrace db init` again."
                 ) from None
 
@@ -276,7 +276,7 @@ def init_schema(client, database: str | None = None, cluster: str | None = None)
             client.insert(VERSIONS_TABLE, unrecorded, column_names=["version", "name"], database=database)
         except Exception as exc:
             raise SchemaUpgradeFailed(f"database {database!r} has the schema of version {everything[-1].version} "
-                                      f"but recording it failed: {_first_line(exc)}") from None
+                                      f"but recording it failed: {first_line(exc)}") from None
     return SchemaChange(before, everything[-1].version, tuple(m.label for m in to_apply))
 
 
@@ -317,6 +317,7 @@ def sharding_updates(engines: dict[str, str], database: str, cluster: str) -> li
     return statements
 
 
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+def first_line(exc: BaseException) -> str:
+    """An error's first line (at most 300 characters), for a message of one line."""
+    lines = str(exc).strip().splitlines()
+    return (lines[0] if lines else type(exc).__name__)[:300]
