@@ -163,7 +163,8 @@ OUTPUT_ROWS_CUT_AT = "kvtrace.output.rows_cut_at"
 left out, the token ids kept: the sampler's row there was not the output token, or had not reached the
 engine core in time (:data:`OUTPUT_ROWS_CUT_REASON`).  Absent when every token has its row."""
 OUTPUT_ROWS_CUT_REASON = "kvtrace.output.rows_cut_reason"
-"""Why the arrays stop at :data:`OUTPUT_ROWS_CUT_AT`: :data:`ROWS_MISALIGNED` or :data:`ROWS_LATE`."""
+"""Why the arrays stop at :data:`OUTPUT_ROWS_CUT_AT`: :data:`ROWS_MISALIGNED`, :data:`ROWS_LATE` or
+:data:`ROWS_UNREPORTED`."""
 
 # --- values (appended) ----------------------------------------------------------
 
@@ -173,6 +174,9 @@ ROWS_MISALIGNED = "misaligned"
 ROWS_LATE = "late"
 """The request's last rows had not reached the engine core when it was finished (still on the device
 when its wait ran out, or never sent)."""
+ROWS_UNREPORTED = "unreported"
+"""The server reported every generated id but no log-probabilities for the token there (llama-server
+leaves out a token that ends inside a UTF-8 character)."""
 
 # gen_ai.operation.name values.
 OPERATION_TEXT_COMPLETION = "text_completion"

@@ -145,3 +145,24 @@ def test_server_dialects_of_logprobs_and_cached_tokens():
     ex = parse_exchange({"prompt": "p"}, lonely, hasher, None)
     assert ex.margins == [] and len(ex.token_ids) == 1 and not math.isnan(ex.logprobs[0])
     assert (ex.cached_tokens, ex.cached_tokens_source) == (None, sc.REUSED_SOURCE_UNKNOWN)
+
+
+def test_generated_ids_the_logprobs_left_out_are_kept_and_the_per_token_arrays_stop_there():
+    from kvtrace.exchanges.exchange import TextHasher, parse_exchange
+
+    def entry(token_id: int) -> dict:
+        top = [{"id": token_id, "logprob": -0.5}, {"id": 2, "logprob": -1.0}]
+        return {"id": token_id, "token": "x", "logprob": -0.5, "top_logprobs": top}
+
+    def read(reported: list[int], generated: list[int]):
+        answer = {"choices": [{"logprobs": {"content": [entry(t) for t in reported]}, "token_ids": generated}]}
+        return parse_exchange({"prompt": "p"}, answer, TextHasher(b"k"), None)
+
+    # 198 (é's first byte) and 229, 133 (€'s first two) end inside a character: no logprobs for them.
+    ex = read([272, 172, 175, 274], [272, 198, 172, 229, 133, 175, 274])
+    assert ex.token_ids == [272, 198, 172, 229, 133, 175, 274] and ex.rows_cut_at == 1
+    assert (ex.top1_ids, ex.runner_up_ids, ex.margins, ex.logprobs) == ([272], [2], [0.5], [-0.5])
+    ex = read([272, 172], [272, 172, 198])  # the answer ended inside a character
+    assert ex.token_ids == [272, 172, 198] and ex.rows_cut_at == 2 and len(ex.margins) == 2
+    ex = read([272, 172], [272, 999, 5])  # not the same generation: the logprobs' ids stand alone
+    assert ex.token_ids == [272, 172] and ex.rows_cut_at is None and len(ex.margins) == 2

@@ -79,3 +79,31 @@ def test_a_record_waiting_for_the_request_its_state_came_from_is_woken_when_that
     provenance.remember(source, record)
     waiting.join(30)
     assert not waiting.is_alive()
+
+
+def test_a_state_whose_answer_left_a_generated_id_out_goes_on_only_as_far_as_its_ids_stand_in_place(tmp_path):
+    from types import SimpleNamespace
+
+    from kvtrace import semconv as sc
+    from kvtrace.llama_server.log import LogFollower, TaskDecision
+    from kvtrace.llama_server.tasks import PromptChains, TaskProvenance, fingerprint
+
+    def answer(tokens: list[str], generated: int) -> dict:
+        entries = [{"id": 10 + i, "token": t, "bytes": list(t.encode()), "logprob": 0.0} for i, t in enumerate(tokens)]
+        return {"choices": [{"logprobs": {"content": entries}}], "timings": {"prompt_n": 3, "predicted_n": generated}}
+
+    provenance = TaskProvenance(LogFollower(tmp_path / "server.log"))
+    chains = provenance._chains = PromptChains(b"key")
+    prompt = chains.chain([1, 2, 3])
+    kept = {}
+    # Five tokens generated, four given: the one left out ended inside "é", whose entry carries its byte too.
+    # Its state is known as far as the entry before; with every id given, to all but the last.
+    for task, tokens, generated in ((7, [" a", " b", "\u00e9", " c"], 5), (8, [" a", " b", "\u00e9", " c"], 4),
+                                    (9, [" a", " b", " c", " d"], 5)):
+        traced = SimpleNamespace(task=TaskDecision(task, 0), prompt_chain=prompt,
+                                 answer=fingerprint(answer(tokens, generated), None))
+        record = SimpleNamespace(config={sc.OUTPUT_TOKEN_ID_SOURCE: sc.TOKEN_ID_SOURCE_ENGINE},
+                                 output_token_ids=[10, 11, 12, 13], origin=lambda: None)
+        provenance.remember(traced, record)
+        kept[task] = len(chains.get(task))
+    assert kept == {7: 3 + 2, 8: 3 + 3, 9: 3 + 4}  # 9: the one left out came after every entry

@@ -128,6 +128,30 @@ def test_a_client_that_asks_for_logprobs_gets_them_untouched_and_they_give_the_m
                                                    for p in positions]
 
 
+SPLIT_CHARACTERS = 'root ::= "ab" "\u00e9\u20ac" "cd"'
+"""A grammar whose answer spells é and € in byte tokens (the tiny model's vocabulary has neither): the tokens
+before each character's last byte end inside it, and llama-server's logprobs leave them out."""
+
+
+def test_a_token_that_ends_inside_a_utf8_character_keeps_its_id_and_the_client_its_answer(
+        llama_server, memory_recorder, finished_requests):
+    body = {**NATIVE, "grammar": SPLIT_CHARACTERS, "cache_prompt": False}
+    generated = httpx.post(llama_server + "/completion", json={**body, "return_tokens": True}, timeout=120).json()
+    ids, margins = margins_asked_directly(llama_server, "/completion", body)
+    assert len(ids) < len(generated["tokens"])  # what the probabilities leave out
+    unreported = next(i for i, (a, b) in enumerate(zip(ids, generated["tokens"])) if a != b)
+    with running_proxy(llama_server, memory_recorder) as proxy:
+        direct = httpx.post(llama_server + "/completion", json=body, timeout=120)
+        proxied = httpx.post(proxy + "/completion", json=body, timeout=120)
+    assert same_bytes(proxied.content) == same_bytes(direct.content)  # "tokens": [], as the server's own
+    (attributes, _, _), = finished_requests(memory_recorder)
+    assert list(attributes[sc.OUTPUT_TOKEN_IDS]) == generated["tokens"]
+    assert attributes[sc.GEN_AI_USAGE_OUTPUT_TOKENS] == generated["tokens_predicted"]
+    assert (attributes[sc.OUTPUT_ROWS_CUT_AT], attributes[sc.OUTPUT_ROWS_CUT_REASON]) == (
+        unreported, sc.ROWS_UNREPORTED)
+    assert list(attributes[sc.OUTPUT_MARGINS]) == margins[:unreported]
+
+
 def test_the_span_says_whether_the_prompt_was_recomputed_or_reused(llama_server, memory_recorder, finished_requests):
     conversation = {"messages": [{"role": "user", "content": "List the tools in the shed, one per line"}],
                     "max_tokens": 6, "temperature": 0}

@@ -42,6 +42,19 @@ def test_completions_answers_get_their_null_back_and_a_native_answer_its_setting
                                    '"n_keep":0}}')
 
 
+def test_a_whole_native_answer_is_asked_for_its_generated_ids_and_gives_back_the_empty_list():
+    native = plan_request(NATIVE, {"prompt": "x"}, LLAMA_SERVER)
+    assert native.upstream_request["return_tokens"] is True
+    answer = '{"content":"y","tokens":[198,172],"stop":true,"completion_probabilities":[{"id":172}]}'
+    assert cut(native, answer) == '{"content":"y","tokens":[],"stop":true}'
+    # A stream's events carry their ids anyway; a client that asked for the ids keeps them.
+    for request in ({"prompt": "x", "stream": True}, {"prompt": "x", "return_tokens": True}):
+        plan = plan_request(NATIVE, request, LLAMA_SERVER)
+        assert plan.upstream_request.get("return_tokens") == request.get("return_tokens")
+        assert "tokens" not in dict(plan.cuts)
+    assert "return_tokens" not in plan_request(CHAT, {"messages": []}, LLAMA_SERVER).upstream_request
+
+
 def test_every_choice_loses_what_was_added():
     plan = plan_request(CHAT, {"messages": []}, OPENAI_COMPATIBLE)
     assert plan.upstream_request["top_logprobs"] == 2

@@ -15,7 +15,11 @@ what an engine patch observes directly is read back from the response:
   turned into a 63-bit keyed hash under the deployment key
   (``KVTRACE_HASH_KEY``): equal tokens compare equal across runs, the text
   cannot be recovered.  The capture policy then applies to these ids as to
-  any others.  ``kvtrace.output.token_id_source`` says which.
+  any others.  ``kvtrace.output.token_id_source`` says which.  Where the
+  answer lists every generated id besides (``choices[0].token_ids``: a whole
+  llama-server ``/completion`` answer's ``tokens``) and the logprobs leave some
+  out (a token that ends inside a UTF-8 character), the ids are the list and
+  the per-token arrays stop at the first id left out (``rows_cut_at``).
 * **Prompt hash.**  The keyed hash of the prompt token ids when the response
   carries them (vLLM ``return_token_ids``), else a keyed hash of the canonical
   JSON of the prompt-shaping request fields (messages / prompt, tools,
@@ -70,6 +74,9 @@ class Exchange:
     token_id_source: str = sc.TOKEN_ID_SOURCE_TEXT_HASH
     finish_reason: str = ""
     sampling: dict[str, Any] = field(default_factory=dict)
+    rows_cut_at: Optional[int] = None
+    """Where the per-token arrays (logprobs, margins, top-1, runner-up) stop short of ``token_ids``: the
+    first generated id the logprobs left out (``None``: none was)."""
 
 
 class TextHasher:
@@ -158,7 +165,33 @@ def parse_exchange(request: dict[str, Any], response: dict[str, Any], hasher: Te
             exchange.runner_up_ids.append(-1)
     if not complete:
         exchange.margins = []
+    if use_engine_ids:
+        _fill_unreported(exchange, choice.get("token_ids"))
     return exchange
+
+
+def _fill_unreported(exchange: Exchange, generated: Any) -> None:
+    """Every generated id, where the answer lists them and the logprobs' ids are among them in order; the
+    per-token arrays cut where the first id without logprobs stands."""
+    if not isinstance(generated, list) or len(generated) <= len(exchange.token_ids) \
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in generated):
+        return
+    first_unreported = None
+    position = 0
+    for reported in exchange.token_ids:
+        # The server leaves out the tokens before the one that completes a character: skip to it.
+        while position < len(generated) and generated[position] != reported:
+            if first_unreported is None:
+                first_unreported = position
+            position += 1
+        if position == len(generated):
+            return  # not the same generation: the logprobs' ids stand alone
+        position += 1
+    cut_at = position if first_unreported is None else first_unreported
+    exchange.token_ids = [_check_id(t, "token id") for t in generated]
+    exchange.rows_cut_at = cut_at
+    for name in ("top1_ids", "runner_up_ids", "margins", "logprobs"):
+        setattr(exchange, name, getattr(exchange, name)[:cut_at])
 
 
 def _positions(logprobs: Any) -> list[tuple[_Token, list[_Token]]]:
@@ -279,3 +312,5 @@ def fill_record(record: RequestRecord, exchange: Exchange, reused_tokens: int, r
     record.margins = list(exchange.margins)
     record.logprobs = list(exchange.logprobs)
     record.finish_reason = exchange.finish_reason or None
+    if exchange.rows_cut_at is not None:
+        record.rows_cut_at, record.rows_cut_reason = exchange.rows_cut_at, sc.ROWS_UNREPORTED

@@ -55,6 +55,10 @@ class Fingerprint:
     evaluated_tokens: Optional[int]
     generated_tokens: Optional[int]
     slot: Optional[int]
+    ids_in_place: Optional[int] = None
+    """Where the answer's logprobs give fewer ids than it generated (llama-server leaves out a token that ends
+    inside a UTF-8 character): how many of its ids, from the first, stand where they were generated. ``None``:
+    every generated id is given."""
 
     @property
     def has_timings(self) -> bool:
@@ -73,8 +77,28 @@ def fingerprint(response: dict[str, Any], slot: Optional[int]) -> Fingerprint:
     def number(value: Any) -> Optional[int]:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
-    return Fingerprint(number(usage.get("prompt_tokens")), number(timings.get("prompt_n")),
-                       number(timings.get("predicted_n")), slot)
+    generated = number(timings.get("predicted_n"))
+    return Fingerprint(number(usage.get("prompt_tokens")), number(timings.get("prompt_n")), generated, slot,
+                       _ids_in_place(response, generated))
+
+
+def _ids_in_place(response: dict[str, Any], generated: Optional[int]) -> Optional[int]:
+    choices = response.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    logprobs = choice.get("logprobs")
+    entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+    given = choice.get("token_ids")
+    if generated is None or not isinstance(entries, list) or len(entries) >= generated \
+            or (isinstance(given, list) and len(given) >= generated):
+        return None
+    # The entry after a left-out token carries that token's bytes too, one of them past ASCII (a character
+    # begun, not ended); the entries before the first such byte are each their own token's.
+    for position, entry in enumerate(entries):
+        raw = entry.get("bytes") if isinstance(entry, dict) else None
+        text = entry.get("token", "") if isinstance(entry, dict) else ""
+        if any(b >= 0x80 for b in raw) if isinstance(raw, list) else not str(text).isascii():
+            return position
+    return len(entries)  # left out at the end: a character the answer ended in
 
 
 class PromptChains:
@@ -254,10 +278,12 @@ class TaskProvenance:
         with self._lock:
             chains = self._chains
         if chain is not None and chains is not None:
-            # The slot's state goes on with the generated ids it evaluated (all but the last); with
-            # ids the server did not report, the chain covers the prompt only.
+            # The slot's state goes on with the generated ids it evaluated (all but the last), or as far as
+            # the answer gives them in place; with ids the server did not report, the chain covers the prompt only.
             engine_ids = record.config.get(sc.OUTPUT_TOKEN_ID_SOURCE) == sc.TOKEN_ID_SOURCE_ENGINE
-            generated = record.output_token_ids[:-1] if engine_ids else []
+            in_place = traced.answer.ids_in_place if traced.answer is not None else None
+            ids = record.output_token_ids
+            generated = (ids[:-1] if in_place is None else ids[:in_place]) if engine_ids else []
             chain = chains.chain(generated, after=chain) if generated else chain
         with self._lock:
             self._origins[traced.task.task] = record.origin()

@@ -9,7 +9,8 @@ between the upstream and the client.
   and the usage / timings the last events carry.
 * **llama-server's native** ``/completion``: ``completion_probabilities`` become
   ``logprobs.content`` (the same entries), ``tokens_evaluated`` the prompt tokens,
-  ``stop_type`` the finish reason.
+  ``stop_type`` the finish reason, and a whole answer's ``tokens`` (every generated id, where
+  the entries leave out a token that ends inside a UTF-8 character) the choice's ``token_ids``.
 * **Post-sampling probabilities** (``post_sampling_probs``: ``prob`` / ``top_probs`` instead of
   ``logprob`` / ``top_logprobs``) are turned into their logarithms, and the answer says so
   (:attr:`UpstreamAnswer.margin_unit`): after the sampling chain (temperature, truncation) their
@@ -137,6 +138,9 @@ def _native(documents: list[dict[str, Any]]) -> UpstreamAnswer:
     }
     if isinstance(last.get("tokens_evaluated"), int):
         response["usage"] = {"prompt_tokens": last["tokens_evaluated"]}
+    generated = last.get("tokens")
+    if len(documents) == 1 and isinstance(generated, list) and generated:
+        response["choices"][0]["token_ids"] = generated  # a stream's events leave such a token out too
     slot = last.get("id_slot") if isinstance(last.get("id_slot"), int) and last["id_slot"] >= 0 else None
     answer = UpstreamAnswer(response, slot=slot, error=error)
     _fill_prompt_tokens(response)

@@ -15,7 +15,10 @@ What each server adds, and therefore what is cut (``UpstreamProfile``):
   equals the raw-logit margin. Cut: chat ``choices[].logprobs`` (absent when not asked),
   completions ``choices[].logprobs`` back to ``null``, native ``completion_probabilities``,
   and the echoed ``n_probs`` / ``post_sampling_probs`` in ``generation_settings`` back to the
-  values the request would have had.
+  values the request would have had. A whole native answer is also asked for its generated ids
+  (``return_tokens``; its ``tokens`` back to ``[]`` unless the client asked for them): the
+  probabilities leave out a token that ends inside a UTF-8 character, the ids do not. llama-server
+  returns those ids on no other endpoint, and a stream's events leave such a token out too.
 * **any other OpenAI-compatible server.** ``logprobs: true, top_logprobs: 2`` (chat) or
   ``logprobs: 2`` (completions); the answer's ``logprobs`` back to ``null``, as OpenAI's API
   writes it when not asked.
@@ -132,6 +135,9 @@ def _plan_llama_server(endpoint: str, request: dict[str, Any], profile: Upstream
         cuts = (("logprobs", None),) + echoed
     else:
         cuts = (("completion_probabilities", _REMOVE),) + echoed
+        if not request.get("stream") and request.get("return_tokens") is not True:
+            upstream["return_tokens"] = True
+            cuts += (("tokens", []),)  # what a whole native answer carries when not asked
     return MarginPlan(endpoint, sc.MARGIN_SOURCE_INJECTED, upstream, cuts)
 
 

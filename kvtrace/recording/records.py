@@ -111,7 +111,7 @@ class RequestRecord:
     finish_reason: Optional[str] = None
     rows_cut_at: Optional[int] = None
     """Output position where the per-token arrays stop short of the token ids, and why
-    (``semconv.ROWS_MISALIGNED`` / ``ROWS_LATE``); ``None``: they do not."""
+    (``semconv.ROWS_MISALIGNED`` / ``ROWS_LATE`` / ``ROWS_UNREPORTED``); ``None``: they do not."""
     rows_cut_reason: Optional[str] = None
     events: list[CacheEvent] = field(default_factory=list)
     cache_integrity: Optional[str] = None
