@@ -14,12 +14,22 @@ over its threads; on a shared machine it is steadier than wall time).
 --db keeps the generated database in DIR and reuses it on the next run (same sizes), so that
 queries can be timed again without recording and ingesting again.
 
---crowd N also builds, beside it, the database ``crowded``: the same pair of runs and N more copies of
+--crowd N also builds, beside it, the database ``crowd<N>``: the same pair of runs and N more copies of
 it under other run ids (made by the database from the pair's rows; N=9 gives ten times the rows), then
 times the pair's queries there and alone in interleaved rounds and prints, per query, the ratio of the
 medians (inside / alone), wall and CPU: what a query of two runs costs for the rest of the database.
 
     python benchmarks/query_latency.py --db DIR --crowd 9 [--only fork_attribution,divergence_rates]
+
+--scale times the pair's run-scoped queries (forks, fork_attribution, divergence_rates of the pair) in
+two such databases, the pair and 9 copies (12.8M token rows with the default sizes) and the pair and 99
+copies (128M), in interleaved rounds, and prints per query both times and the ratio large / small (the
+target: at most 1.2x); then divergence_rates over every run of the small one (the target: under 0.5 s).
+The copies are made by the database (INSERT ... SELECT, a copy per statement); building the large one
+takes minutes, so --build-only builds the databases into --db and stops, and a later run times them.
+
+    python benchmarks/query_latency.py --db DIR --scale --build-only
+    python benchmarks/query_latency.py --db DIR --scale --only forks --repeat 7
 """
 
 from __future__ import annotations
@@ -139,9 +149,14 @@ def saved_queries() -> list[tuple[str, dict]]:
     ]
 
 
-CROWDED = "crowded"
 PAIR_PREFIX = "bench-"
 """The pair's run ids start with it; the crowd's copies start with ``other``."""
+SCALES = (9, 99)
+"""--scale's databases, by the copies of the pair beside it: 10x and 100x the pair's token rows."""
+
+
+def crowd_database(copies: int) -> str:
+    return f"crowd{copies}"
 
 
 def pair_queries() -> list[tuple[str, dict]]:
@@ -150,41 +165,72 @@ def pair_queries() -> list[tuple[str, dict]]:
             ("divergence_rates", {"run_prefix": PAIR_PREFIX, "baseline_arm": "off"})]
 
 
-def crowd(client, copies: int) -> None:
-    """Database ``crowded``: the pair's rows (of ``default``) and ``copies`` copies under other run ids."""
-    init_schema(client, database=CROWDED)
-    runs = client.query(f"SELECT uniqExact(run_id) FROM {CROWDED}.kvtrace_requests").result_rows[0][0]
-    if runs == 2 * (copies + 1):
-        return
-    if runs:
-        raise SystemExit(f"database {CROWDED} holds another crowd; pass an empty or new --db directory")
-    start = time.perf_counter()
-    for copy in range(copies + 1):
-        run_id = "run_id" if copy == 0 else f"concat('other{copy}/', run_id)"
-        for table in ("kvtrace_requests", "kvtrace_cache_events"):  # kvtrace_tokens follows through its view
-            client.command(f"INSERT INTO {CROWDED}.{table} SELECT * REPLACE ({run_id} AS run_id) FROM default.{table}")
-    client.command(f"OPTIMIZE TABLE {CROWDED}.kvtrace_requests FINAL")
-    token_rows = client.query(f"SELECT count() FROM {CROWDED}.kvtrace_tokens").result_rows[0][0]
-    made = time.perf_counter() - start
-    print(f"crowd: the pair and {copies} copies, {token_rows:,} token rows (made in {made:.1f} s)")
+def crowd(client, copies: int) -> str:
+    """Database ``crowd<copies>``: the pair's rows (of ``default``) and ``copies`` copies under other run ids,
+    one copy per INSERT ... SELECT (a statement of every copy at once holds them all in memory)."""
+    database = crowd_database(copies)
+    init_schema(client, database=database)
+    runs = client.query(f"SELECT uniqExact(run_id) FROM {database}.kvtrace_requests").result_rows[0][0]
+    if runs != 2 * (copies + 1):
+        if runs:
+            raise SystemExit(f"database {database} holds another crowd; pass an empty or new --db directory")
+        start = time.perf_counter()
+        for copy in range(copies + 1):
+            run_id = "run_id" if copy == 0 else f"concat('other{copy}/', run_id)"
+            for table in ("kvtrace_requests", "kvtrace_cache_events"):  # kvtrace_tokens follows through its view
+                client.command(f"INSERT INTO {database}.{table} "
+                               f"SELECT * REPLACE ({run_id} AS run_id) FROM default.{table}")
+        # as the pair's own database is: one part per partition, whatever the inserts left
+        for table in ("kvtrace_requests", "kvtrace_cache_events"):
+            client.command(f"OPTIMIZE TABLE {database}.{table} FINAL")
+        print(f"{database}: made in {time.perf_counter() - start:.1f} s", flush=True)
+    token_rows = client.query(f"SELECT count() FROM {database}.kvtrace_tokens").result_rows[0][0]
+    print(f"{database}: the pair and {copies} copies, {token_rows:,} token rows", flush=True)
+    return database
 
 
-def compare_crowded(client, rounds: int, only: set[str]) -> None:
-    """The pair's queries alone and inside the crowd, in interleaved rounds; the ratio of the medians."""
+def compare_crowded(client, rounds: int, only: set[str], databases: list[str]) -> dict[tuple[str, str], Timing]:
+    """The pair's queries in each database, in interleaved rounds after one untimed round (the first
+    reads the parts from disk); per query the ratio of the medians of each database to the first's (wall
+    and CPU)."""
     timings: dict[tuple[str, str], list[Timing]] = {}
     chosen = [(name, params) for name, params in pair_queries() if not only or name in only]
-    for _ in range(rounds):
+    for round_ in range(rounds + 1):
         for name, params in chosen:
-            for database in ("default", CROWDED):
+            for database in databases:
                 client.database = database
-                timings.setdefault((name, database), []).append(timed(client, name, params, 1))
+                timing = timed(client, name, params, 1)
+                if round_:
+                    timings.setdefault((name, database), []).append(timing)
     client.database = "default"
+    merged_timings = {key: merged(rounds) for key, rounds in timings.items()}
     for name, _ in chosen:
-        alone, inside = (merged(timings[(name, database)]) for database in ("default", CROWDED))
-        print(alone.line(f"{name} alone"))
-        print(inside.line(f"{name} crowded"))
-        print(f"{name:<26} crowded / alone: wall {statistics.median(inside.wall) / statistics.median(alone.wall):.2f}x"
-              f"   cpu {statistics.median(inside.cpu) / statistics.median(alone.cpu):.2f}x", flush=True)
+        first = merged_timings[(name, databases[0])]
+        for database in databases:
+            print(merged_timings[(name, database)].line(f"{name} {database}"))
+        for database in databases[1:]:
+            inside = merged_timings[(name, database)]
+            print(f"{name:<26} {database} / {databases[0]}: "
+                  f"wall {statistics.median(inside.wall) / statistics.median(first.wall):.2f}x"
+                  f" (rounds {ratio_range(inside.wall, first.wall)})   "
+                  f"cpu {statistics.median(inside.cpu) / statistics.median(first.cpu):.2f}x"
+                  f" (rounds {ratio_range(inside.cpu, first.cpu)})", flush=True)
+    return merged_timings
+
+
+def ratio_range(inside: list[float], first: list[float]) -> str:
+    """The lowest and highest ratio of one round's time to the same round's time in the first database."""
+    ratios = [a / b for a, b in zip(inside, first)]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+
+def every_run(client, database: str, rounds: int) -> None:
+    """divergence_rates over every run of ``database`` (each copy's arms against its baseline arm)."""
+    client.database = database
+    timed(client, "divergence_rates", {"baseline_arm": "off"}, 1)  # untimed: reads the parts from disk
+    print(timed(client, "divergence_rates", {"baseline_arm": "off"}, rounds).line(f"every run {database}"),
+          flush=True)
+    client.database = "default"
 
 
 def merged(rounds: list[Timing]) -> Timing:
@@ -201,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated saved queries to time (default: all)")
     parser.add_argument("--crowd", type=int, default=0, metavar="N",
                         help="also time the pair's queries inside a database holding N more copies of the pair")
+    parser.add_argument("--scale", action="store_true",
+                        help=f"time the pair's queries with {SCALES[0]} and with {SCALES[1]} copies beside it")
+    parser.add_argument("--build-only", action="store_true", help="build the databases, time nothing")
     args = parser.parse_args(argv)
     if args.repeat < 3:
         parser.error("--repeat must be at least 3 (best and median of the rounds are reported)")
@@ -209,13 +258,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = open_dataset(root, args.episodes, args.turns, args.tokens)
         only = {name for name in args.only.split(",") if name}
+        crowds = [crowd(client, copies) for copies in ([args.crowd] if args.crowd else []) + list(
+            SCALES if args.scale else ())]
+        if args.build_only:
+            client.close()
+            return 0
         print(f"{args.repeat} rounds per query; {load()}")
-        for name, params in saved_queries():
-            if not only or name in only:
-                print(timed(client, name, params, args.repeat).line(name), flush=True)
-        if args.crowd:
-            crowd(client, args.crowd)
-            compare_crowded(client, args.repeat, only)
+        if args.scale:
+            small, large = (crowd_database(copies) for copies in SCALES)
+            compare_crowded(client, args.repeat, only, [small, large])
+            every_run(client, small, args.repeat)
+        else:
+            for name, params in saved_queries():
+                if not only or name in only:
+                    print(timed(client, name, params, args.repeat).line(name), flush=True)
+            if crowds:
+                compare_crowded(client, args.repeat, only, ["default", crowds[0]])
         print(f"after: {load()}")
         client.close()
     finally:
