@@ -194,10 +194,17 @@ ANALYSIS_SETTINGS = {
 (docs/ARCHITECTURE.md, "A new question"); turning them off never changes a result."""
 
 
+CLUSTER_SETTINGS = {"distributed_product_mode": "global"}
+"""On a cluster (docs/storage.md): a subquery inside a read of a Distributed table runs once, on the node the
+query came to, over every shard, and its rows go to the shards (ClickHouse's default refuses every saved query
+there); on one node it changes nothing."""
+
+
 def run(client, name: str, values: Optional[dict[str, Any]] = None):
     """Run saved query ``name`` with bound parameters; returns (column names, rows)."""
     query = load(name)
-    known = getattr(client, "server_settings", None) or ANALYSIS_SETTINGS  # a server too old for one: left out
-    settings = {setting: value for setting, value in ANALYSIS_SETTINGS.items() if setting in known}
+    wanted = {**ANALYSIS_SETTINGS, **CLUSTER_SETTINGS}
+    known = getattr(client, "server_settings", None) or wanted  # a server too old for one: left out
+    settings = {setting: value for setting, value in wanted.items() if setting in known}
     result = client.query(query.sql, parameters=query.bind(values or {}), settings=settings)
     return list(result.column_names), result.result_rows
