@@ -4,10 +4,10 @@ msgspec decodes a line into the structs below: every field's JSON type is checke
 ``bytesValue`` is base64-decoded there. Attribute values become text as the OpenTelemetry
 Collector's ClickHouse exporter writes them (numbers as text, booleans ``true``/``false``, arrays
 and maps as JSON, bytes as base64), so the views read either writer's rows alike. With
-``typed=True`` (ingest), a ``kvtrace.request`` span's per-token arrays (``tables.TOKEN_ARRAYS``) become
-numpy arrays (``SpanRow.arrays``) instead of text: packed ones
-(``kvtrace/recording/packed_arrays.py``) viewed in place, standard ones of older spools read number
-by number; and every span ingest writes typed rows for is marked ``TYPED_ROWS_STORED``.
+``typed=True`` (ingest), a ``kvtrace.request`` span's per-token arrays (``tables.TOKEN_ARRAYS``) go to
+``SpanRow.arrays`` instead of text: packed ones (``kvtrace/recording/packed_arrays.py``) as their bytes,
+standard ones of older spools as numpy, read number by number; and every span ingest writes typed rows
+for is marked ``TYPED_ROWS_STORED``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class SpanRow(OtelRow):
     """An ``OtelRow``, and read with ``typed=True`` a request span's per-token arrays by ``kvtrace_requests``
     column (absent arrays absent) in ``arrays``, else ``None``."""
 
-    arrays: Optional[dict[str, np.ndarray]] = None
+    arrays: Optional[dict[str, Union[bytes, np.ndarray]]] = None
 
 
 COLUMNS = [field.replace("_", ".") for field in OtelRow._fields]

@@ -3,8 +3,8 @@
 The one write path of ingest and of the ClickHouse exporter. Each typed table's columns are those its
 declaration in ``tables.py`` lists, computed as the table's view computes them from a Collector's rows
 (``conversions.py``; ``tests/test_typed_ingest.py`` holds the two paths to the same rows):
-``kvtrace_requests`` one row per request span, its per-token arrays as Array columns (numpy
-concatenations and offsets, no Python work per number; a negative zero stored as 0, as the Collector's
+``kvtrace_requests`` one row per request span, its per-token arrays as Array columns (the rows'
+packed bytes joined and viewed once, no Python work per number; a negative zero stored as 0, as the Collector's
 text "-0" reads back); ``kvtrace_cache_events`` one row per ``kvtrace.cache.*`` event. Every table is
 built before the first insert, so a value Arrow cannot carry stops the batch before anything of it is
 written.
