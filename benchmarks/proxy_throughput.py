@@ -18,8 +18,10 @@ drift on a shared machine hits them alike), each for ``--seconds``:
   ``traced+log`` (``--llama-server-log``: the fake writes each request's task to a llama-server-shaped
   log, so the proxy matches it and makes the integrity check's ``/apply-template`` + ``/tokenize``
   calls; each request's prompt is its own unless ``--repeat-prompts``, so the proxy's cache of the
-  server's tokens does not answer for it). CPU per request, and each part's share as the difference
-  between arms.
+  server's tokens does not answer for it), and ``traced+log+known`` (the same, every request with one
+  prompt: the cache answers, no call is made). CPU per request, and each part's share as the
+  difference between arms: the record and its span, the log's reading and the task's matching, the
+  integrity check's calls.
 
 Every answer is checked: the client counts the events of each stream and refuses one in which the
 added logprobs were not cut; an arm's CPU is read once the proxy is idle again, its records made.
@@ -261,10 +263,10 @@ def _whole_done(answer: bytearray) -> bool:
 
 
 def run_client(args: argparse.Namespace) -> None:
-    for line in sys.stdin:  # "URL streams|requests": one arm's turn
-        url, mode = line.split()
+    for line in sys.stdin:  # "URL streams|requests [known]": one arm's turn (known: one prompt for all)
+        url, mode, *known = line.split()
         print(json.dumps(_drive(url, mode == "streams", args.tokens, args.seconds, args.concurrency,
-                                args.repeat_prompts)), flush=True)
+                                args.repeat_prompts or bool(known))), flush=True)
 
 
 # --- the proxies and the table -----------------------------------------------------------------------
@@ -338,7 +340,8 @@ def measure(args: argparse.Namespace) -> None:
         upstream = f"http://127.0.0.1:{fake.stdout.readline().strip()}"
         client = _helper("client", args)
         arms = {"streams": {"workers 1": [], "workers 2": ["--workers", "2"]},
-                "requests": {"relay": [], "traced": [], "traced+log": ["--llama-server-log", str(log)]}}
+                "requests": {"relay": [], "traced": [], "traced+log": ["--llama-server-log", str(log)],
+                             "traced+log+known": ["--llama-server-log", str(log)]}}
         arms = {mode: named for mode, named in arms.items() if args.only in (None, mode)}
         if args.baseline is not None:
             arms = {mode: {**named, **{f"{name} (baseline)": extra for name, extra in named.items()}}
@@ -376,7 +379,8 @@ def measure(args: argparse.Namespace) -> None:
 
 def _turn(client: subprocess.Popen, proxy: Proxy, mode: str) -> dict:
     cpu = proxy.cpu_s()
-    result = json.loads(_ask(client, f"{proxy.url} {mode}"))
+    known = " known" if proxy.name.startswith("traced-log-known") else ""
+    result = json.loads(_ask(client, f"{proxy.url} {mode}{known}"))
     result["cpu_s"] = _settled_cpu(proxy) - cpu
     if result["bad"]:
         raise SystemExit(f"{proxy.name}: {result['bad']} answers were not the server's (logprobs left, or an error)")
@@ -430,11 +434,14 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict
     for suffix in ("", " (baseline)"):
         if f"relay{suffix}" not in cost:
             continue
-        relay, traced, logged = (cost[f"{name}{suffix}"] for name in ("relay", "traced", "traced+log"))
+        relay, traced, logged, known = (cost[f"{name}{suffix}"]
+                                        for name in ("relay", "traced", "traced+log", "traced+log+known"))
         print(f"  each part's share of a traced request's CPU{suffix} (paired by round):")
         print(f"    relay (HTTP both ways, the cut)          {_span(relay):>12} µs")
         print(f"    record and span                          {_span([b - a for a, b in zip(relay, traced)]):>12} µs")
-        print(f"    llama-server log and integrity calls     {_span([b - a for a, b in zip(traced, logged)]):>12} µs")
+        print(f"    llama-server log, the task's match       {_span([b - a for a, b in zip(traced, known)]):>12} µs")
+        print(f"    integrity calls (/apply-template, /tokenize) {_span([b - a for a, b in zip(known, logged)]):>8} µs")
+        print(f"    everything (traced+log)                  {_span(logged):>12} µs")
     if "relay" not in cost:
         return
     completions = calls.get("/v1/chat/completions", 0) or 1

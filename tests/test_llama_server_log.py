@@ -88,6 +88,23 @@ def test_the_follower_reads_only_what_was_added_and_waits_for_whole_lines(tmp_pa
     assert follower.poll() == []
 
 
+def test_the_follower_keeps_its_file_open_and_reads_a_truncated_or_replaced_log_from_its_start(tmp_path):
+    path = tmp_path / "server.log"
+    path.write_text(START + task(7, 18, 21))
+    follower = LogFollower(path)
+    assert [d.task for d in follower.poll()] == [7]
+    path.write_text(START)  # truncated in place (a server restarted onto the same file)
+    assert follower.poll() == []
+    with open(path, "a") as log:
+        log.write(task(8, 18, 21))
+    assert [d.task for d in follower.poll()] == [8]
+    replacement = tmp_path / "server.log.new"
+    replacement.write_text(START + task(9, 18, 21) + task(10, 18, 21))
+    replacement.replace(path)  # a new file under the name (rotated): longer than what was read, read whole
+    assert [d.task for d in follower.poll()] == [9, 10]
+    assert follower.poll() == []
+
+
 def test_a_task_is_placed_where_its_line_ends_so_a_request_sent_before_it_may_own_it(tmp_path, monkeypatch):
     # A request sent when the log ended at `sent` may own the tasks whose line ends past it, only those,
     # however the log is cut into pieces and whatever bytes (not ASCII, not UTF-8) come before.
@@ -258,3 +275,23 @@ def test_the_follower_reads_blocks_of_the_cache_listing_as_feeding_each_line_wou
         follower = LogFollower(path)
         follower.poll()
         assert model_state(follower.parser) == expected, piece
+
+
+def test_a_task_pushed_out_of_the_unclaimed_or_logged_again_is_no_longer_any_requests(tmp_path, monkeypatch):
+    # Other proxies' tasks stay unclaimed here until newer ones push them out: a request whose marker one of
+    # them carried does not take it. A server restarted numbers its tasks anew: the new task is the one found.
+    monkeypatch.setattr(TaskProvenance, "WAIT_S", ())
+    monkeypatch.setattr(TaskProvenance, "MAX_UNCLAIMED", 2)
+    path = tmp_path / "server.log"
+    path.write_text(START + launch(40, 0, 1048600) + launch(41, 0, 1048601) + launch(42, 0, 1048602)
+                    + launch(43, 0, 1048603) + launch(43, 1, 1048604))
+    provenance = TaskProvenance(LogFollower(path))
+    requests = {marker: SimpleNamespace(marker=marker, answer=None, task=None, match=None, sent_at=(0, 0))
+                for marker in (1048600, 1048603, 1048604)}
+    with provenance._lock:
+        provenance._waiting.extend(requests.values())
+    for request in requests.values():
+        provenance.find(request, Fingerprint(None, None, None, None))
+    assert {marker: (r.match, r.task and r.task.slot) for marker, r in requests.items()} == {
+        1048600: (sc.TASK_MATCH_NONE, None), 1048603: (sc.TASK_MATCH_NONE, None),
+        1048604: (sc.TASK_MATCH_MARKER, 1)}

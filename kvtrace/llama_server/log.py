@@ -28,6 +28,7 @@ parsed as before), and candidates are parsed only for a lookup that restores one
 
 from __future__ import annotations
 
+import io
 import operator
 import os
 import re
@@ -450,6 +451,7 @@ class LogFollower:
         self._offset = 0
         self._partial = b""
         self._inode: Optional[int] = None
+        self._file: Optional[io.FileIO] = None  # kept open between polls: most find a few lines, or none
 
     READ_BYTES = 1 << 16
     """Read and parsed a piece at a time: a log far ahead (a proxy started on a long-running server,
@@ -461,17 +463,26 @@ class LogFollower:
         """Parse the lines written since the last call; returns the tasks that started in them."""
         started: list[TaskDecision] = []
         try:
-            with open(self.path, "rb") as log:
-                stat = os.fstat(log.fileno())
+            stat = os.stat(self.path)
+            if self._file is None or self._inode != stat.st_ino or stat.st_size < self._offset:
+                self.close()
+                self._file = open(self.path, "rb", buffering=0)  # closed when let go, as a file object is
+                stat = os.fstat(self._file.fileno())  # the file opened, whatever the path names by now
                 if self._inode != stat.st_ino or stat.st_size < self._offset:
                     self._inode, self._offset, self._partial = stat.st_ino, 0, b""  # a new or truncated file
-                log.seek(self._offset)
-                while data := log.read(self.READ_BYTES):
-                    self._offset += len(data)
-                    self._parse(data, started)
+            # Up to where the file ended when looked at (a piece may run past it): the rest at the next poll.
+            while self._offset < stat.st_size and (data := os.pread(self._file.fileno(), self.READ_BYTES,
+                                                                    self._offset)):
+                self._offset += len(data)
+                self._parse(data, started)
         except OSError:
-            pass
+            self.close()
         return started
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def end(self) -> tuple[int, int]:
         """Where the log ends now, as (inode, size); a task whose line ends past it started after now. Reads

@@ -168,6 +168,10 @@ class TaskProvenance:
         self._tokenize = tokenize
         """(request, endpoint) → the prompt's token ids as the server tokenizes them, or ``None``."""
         self._unclaimed: OrderedDict[int, TaskDecision] = OrderedDict()
+        # The same tasks, looked up as a request looks for its own: by its marker, or among the unmarked. Another
+        # proxy's (or worker's) tasks stay unclaimed here until pushed out; a scan of them all cost a millisecond.
+        self._unclaimed_by_marker: dict[int, list[TaskDecision]] = {}
+        self._unclaimed_unmarked: OrderedDict[int, TaskDecision] = OrderedDict()
         self._waiting: list[Traced] = []
         self._origins: OrderedDict[int, StateOrigin] = OrderedDict()
         self._chains: Optional[PromptChains] = None
@@ -181,6 +185,9 @@ class TaskProvenance:
         # (one condition for all woke every waiting record at every request, and cost more than the matching).
         self._waiters: dict[int, tuple[threading.Condition, list[int]]] = {}
         self._reading = threading.Lock()  # the log is parsed by one thread at a time; taken before _lock
+        self._read_from = -1.0  # when the last read of the log began (time.monotonic())
+        self._tasks_seen = False
+        self._settings: Optional[tuple[dict[str, Any], dict[str, Any]]] = None  # once a task has started
 
     # --- the request's way through ---------------------------------------------------------
 
@@ -210,12 +217,17 @@ class TaskProvenance:
 
     def server_settings(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(cache settings, numerics) the server's log stated, as copies. The log states them at start-up,
-        so it is read here only until they are known (the first request's record may be the first to read it)."""
-        if not self.follower.parser.numerics:
-            self._poll()
+        so it is read here only until a task has started (the first request's record may be the first to read
+        it); copies of them are made once then."""
+        if self._settings is not None:
+            return dict(self._settings[0]), dict(self._settings[1])
+        self._poll()
         with self._reading:
             parser = self.follower.parser
-            return dict(parser.settings), dict(parser.numerics)
+            settings = dict(parser.settings), dict(parser.numerics)
+            if self._tasks_seen:
+                self._settings = settings
+            return dict(settings[0]), dict(settings[1])
 
     def find(self, traced: Traced, answer: Fingerprint) -> None:
         """Ties the request to its task (``traced.task``, ``traced.match``), waiting a little for the log
@@ -227,7 +239,9 @@ class TaskProvenance:
         for pause in (0.0, *self.WAIT_S):
             if pause:
                 time.sleep(pause)
-            self._poll()
+            # A read of the log that began after this request's answer was in has every line written before
+            # it: records that finish together read the log once between them, not once each.
+            self._poll(since=time.monotonic())
             with self._lock:
                 outcome, final = self._match(traced, answer)
             # A marker is certain at once; counts only once a second read of the log still says so
@@ -239,7 +253,7 @@ class TaskProvenance:
             traced.match, task = outcome
             if task is not None:
                 traced.task = task
-                self._unclaimed.pop(task.task, None)
+                self._claim(task.task)
                 self._unremembered.add(task.task)
             self._drop(traced)
 
@@ -328,29 +342,51 @@ class TaskProvenance:
 
     # --- matching -------------------------------------------------------------------------------
 
-    def _poll(self) -> None:
+    def _poll(self, since: Optional[float] = None) -> None:
+        """Parse the log's new lines, unless a read that began at ``since`` or later has (``None``: parse)."""
         with self._reading:
+            if since is not None and self._read_from >= since:
+                return
+            self._read_from = time.monotonic()
             started = self.follower.poll()
+            self._tasks_seen = self._tasks_seen or bool(started)
             with self._lock:
                 for decision in started:
+                    self._claim(decision.task)  # a task id seen again: the server restarted
                     self._unclaimed[decision.task] = decision
+                    if _is_marker(decision.marker):
+                        self._unclaimed_by_marker.setdefault(decision.marker, []).append(decision)
+                    else:
+                        self._unclaimed_unmarked[decision.task] = decision
                     while len(self._unclaimed) > self.MAX_UNCLAIMED:
-                        self._unclaimed.popitem(last=False)
+                        self._claim(next(iter(self._unclaimed)))
+
+    def _claim(self, task: int) -> None:
+        """``task`` is no longer unclaimed (called with ``_lock`` held)."""
+        decision = self._unclaimed.pop(task, None)
+        if decision is None:
+            return
+        if not _is_marker(decision.marker):
+            self._unclaimed_unmarked.pop(task, None)
+            return
+        same = self._unclaimed_by_marker[decision.marker]
+        same.remove(decision)
+        if not same:
+            del self._unclaimed_by_marker[decision.marker]
 
     def _drop(self, traced: Traced) -> None:
         self._waiting = [waiting for waiting in self._waiting if waiting is not traced]
 
     def _match(self, traced: Traced, answer: Fingerprint) -> tuple[tuple[str, Optional[TaskDecision]], bool]:
         """((how, task), final): final once the log decided; else the outcome if it stays as it is."""
-        after = [t for t in self._unclaimed.values() if started_after(t, traced.sent_at)]
         if traced.marker is not None:
-            marked = [t for t in after if t.marker == traced.marker]
+            marked = [t for t in self._unclaimed_by_marker.get(traced.marker, ()) if started_after(t, traced.sent_at)]
             if len(marked) > 1:  # another proxy in front of the same server sent the same marker: not guessed
                 return (sc.TASK_MATCH_AMBIGUOUS, None), True
             return ((sc.TASK_MATCH_MARKER, marked[0]), True) if marked else ((sc.TASK_MATCH_NONE, None), False)
         # An unmarked request's task carries no marker of the proxy's, and its timings are out.
-        fitting = [t for t in after if not _is_marker(t.marker) and t.generated_tokens is not None
-                   and answer.fits(t)]
+        fitting = [t for t in self._unclaimed_unmarked.values() if started_after(t, traced.sent_at)
+                   and t.generated_tokens is not None and answer.fits(t)]
         if not fitting:
             return (sc.TASK_MATCH_NONE, None), False
         if len(fitting) > 1:

@@ -25,9 +25,9 @@ Per traced request:
   its task (the proxy may add a marker to the upstream request for it) and checks the state the
   task kept.
 
-HTTP/1.1: :mod:`http1` serves the clients on h11 (blocking sockets, a thread per connection, the
-limits of docs/proxy-limits.md), :mod:`upstream` talks to the server over connections kept alive,
-its answers parsed by httptools, and never sends a request twice.
+HTTP/1.1 is parsed by httptools on both sides: :mod:`http1` serves the clients (blocking sockets, a
+thread per connection, the limits of docs/proxy-limits.md), :mod:`upstream` talks to the server over
+connections kept alive, and never sends a request twice.
 """
 
 from __future__ import annotations
@@ -470,9 +470,11 @@ class ProxyApp:
             pass
 
     def close(self) -> None:
+        # Records first: a record that is still being made may send its shadow twin (whose own record is then
+        # made on the twin's thread).
+        self.background.close()
         if self.shadows is not None:
             self.shadows.close()
-        self.background.close()
         self.upstream.close()
         try:
             recorder = self._recorder()

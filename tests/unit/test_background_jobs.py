@@ -41,3 +41,27 @@ def test_a_stop_while_a_job_starts_waits_for_it_instead_of_failing(monkeypatch):
     assert _SlowStart.errors == []
     assert ran.is_set()
     assert not jobs.try_run(ran.set), "a closed set of jobs starts no more"
+
+
+def test_a_thread_that_finished_its_job_takes_the_next_and_the_limit_still_holds():
+    jobs = background.Background(limit=1, name="test-jobs")
+    threads, release = [], threading.Event()
+    finished = threading.Semaphore(0)
+
+    def job():
+        threads.append(threading.get_ident())
+        release.wait(10)
+        finished.release()
+
+    assert jobs.try_run(job)
+    assert not jobs.try_run(job), "one job on a thread at once: the next runs on its caller's"
+    release.set()
+    assert finished.acquire(timeout=10)
+    # The thread waits for the next job in turn; it is handed over, not started anew.
+    for _ in range(1000):
+        if jobs.try_run(job):
+            break
+        threading.Event().wait(0.01)
+    assert finished.acquire(timeout=10)
+    jobs.close(timeout_s=10)
+    assert len(threads) == 2 and threads[0] == threads[1]
