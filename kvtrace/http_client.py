@@ -1,5 +1,5 @@
 """kvtrace's own HTTP calls: the probe, alert delivery, the server experiment, the database's ``/ping``.
-(The proxy relays on h11 and httptools instead, in kvtrace/proxy/.)
+(The proxy relays on httptools instead, in kvtrace/proxy/.)
 
 The standard library's ``http.client``, one connection per call: no dependency, a time-out for the
 connect apart from the one for each wait on the answer (``/ping`` says which ran out), and redirects

@@ -27,7 +27,7 @@ from scripted_upstream import Answer, ScriptedUpstream, chunked, head, json_answ
 
 pytest.importorskip("h11")
 pytest.importorskip("httptools")
-from kvtrace.proxy.app import proxy_in_thread  # noqa: E402  (needs h11)
+from kvtrace.proxy.app import proxy_in_thread  # noqa: E402  (needs httptools)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -21,9 +21,9 @@ import pytest
 from kvtrace.proxy.limits import Limits
 from scripted_upstream import Answer, ScriptedUpstream, head, json_answer, openai_profile, sse_answer
 
-h11 = pytest.importorskip("h11")
+pytest.importorskip("h11")  # the scripted upstream reads requests with it
 pytest.importorskip("httptools")
-from kvtrace.proxy.app import ProxyApp, proxy_in_thread  # noqa: E402  (needs h11)
+from kvtrace.proxy.app import ProxyApp, proxy_in_thread  # noqa: E402  (needs httptools)
 
 COMPLETION = {"prompt": "Once upon a time", "max_tokens": 2}
 ANSWER = {"id": "c", "object": "text_completion", "model": "m",
@@ -392,6 +392,88 @@ def test_dots_in_a_query_or_inside_a_segment_are_forwarded_as_they_are(memory_re
                             % target.encode()).startswith(b"HTTP/1.1 200 ")
         assert [r.target for r in upstream.received] == ["/base/v1/models?next=../x", "/base/v1/models.json",
                                                          "/base/v1/..hidden/x"]
+
+
+@pytest.mark.parametrize("raw", [
+    b"GET /v1/models HTTP/1.1\r\n\r\n",                                         # HTTP/1.1 without Host
+    b"GET /v1/models HTTP/2.0\r\nhost: x\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\nhost: x\n\n",                                     # bare line feeds
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"0\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\nabc",
+])
+def test_a_malformed_request_gets_400_and_never_reaches_the_upstream(raw, memory_recorder):
+    with ScriptedUpstream(lambda received: json_answer({"data": []})) as upstream, \
+            proxy_in_thread(upstream.url, memory_recorder) as proxy:
+        answer = exchange(port_of(proxy), raw)
+        assert upstream.received == []
+    assert answer.startswith(b"HTTP/1.1 400 "), answer
+    assert counters(memory_recorder)["proxy_bad_requests"] == 1
+
+
+# --- what a client's connection carries ----------------------------------------------------------
+
+
+def echo_target(received):
+    return json_answer({"target": received.target})
+
+
+def test_pipelined_requests_are_answered_in_order_on_one_connection(memory_recorder):
+    with ScriptedUpstream(echo_target) as upstream, proxy_in_thread(upstream.url, memory_recorder) as proxy:
+        answer = exchange(port_of(proxy), b"GET /v1/models?n=1 HTTP/1.1\r\nhost: x\r\n\r\n"
+                                          b"GET /v1/models?n=2 HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    assert answer.count(b"HTTP/1.1 200 ") == 2
+    assert answer.index(b"n=1") < answer.index(b"n=2")
+
+
+def test_a_client_expecting_100_continue_gets_it_before_it_sends_its_body(memory_recorder):
+    body = json.dumps(COMPLETION).encode()
+    with ScriptedUpstream(lambda received: json_answer(ANSWER)) as upstream, \
+            proxy_in_thread(upstream.url, memory_recorder) as proxy:
+        with socket.create_connection(("127.0.0.1", port_of(proxy)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"expect: 100-continue\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body))
+            interim = b""
+            while not interim.endswith(b"\r\n\r\n"):
+                interim += sock.recv(1)
+            sock.sendall(body)
+            answer = read_to_end(sock)
+    assert interim.startswith(b"HTTP/1.1 100 ")
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(json.dumps(ANSWER).encode())
+
+
+def test_a_head_request_gets_the_head_alone_and_the_connection_goes_on(memory_recorder):
+    def answer(received):
+        if received.method == "HEAD":
+            return Answer([head(200, (("content-type", "application/json"), ("content-length", "17")))])
+        return echo_target(received)
+
+    with ScriptedUpstream(answer) as upstream, proxy_in_thread(upstream.url, memory_recorder) as proxy:
+        answer = exchange(port_of(proxy), b"HEAD /v1/models HTTP/1.1\r\nhost: x\r\n\r\n"
+                                          b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    first, second = answer.split(b"HTTP/1.1 200 ")[1:]
+    assert b"content-length: 17\r\n" in first.lower() and first.endswith(b"\r\n\r\n")
+    assert second.endswith(b'{"target": "/v1/models"}')
+
+
+def test_a_streamed_answer_is_chunked_to_http11_clients_and_ended_by_the_close_for_http10(memory_recorder):
+    stream = sse_answer([b'{"a": 1}', b'{"a": 2}'])
+    with ScriptedUpstream(lambda received: stream) as upstream, proxy_in_thread(upstream.url, memory_recorder) as proxy:
+        http11 = exchange(port_of(proxy), b"GET /events HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        http10 = exchange(port_of(proxy), b"GET /events HTTP/1.0\r\n\r\n")
+    events = b'data: {"a": 1}\n\ndata: {"a": 2}\n\n'
+    assert b"transfer-encoding: chunked\r\n" in http11.lower() and http11.endswith(b"0\r\n\r\n")
+    assert b"transfer-encoding" not in http10.lower() and b"connection: close\r\n" in http10.lower()
+    assert http10.endswith(b"\r\n\r\n" + events)
+
+
+def test_a_request_to_switch_protocols_is_answered_and_its_connection_ends(memory_recorder):
+    with ScriptedUpstream(echo_target) as upstream, proxy_in_thread(upstream.url, memory_recorder) as proxy:
+        answer = exchange(port_of(proxy), b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\n"
+                                          b"upgrade: websocket\r\n\r\nGET /v1/models?never HTTP/1.1\r\n\r\n")
+    assert answer.count(b"HTTP/1.1 ") == 1 and answer.startswith(b"HTTP/1.1 200 ")
+    assert b"connection: close\r\n" in answer.lower()
+    assert [r.target for r in upstream.received] == ["/v1/models"]
 
 
 # --- credentials in the upstream URL -------------------------------------------------------------

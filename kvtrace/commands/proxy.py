@@ -79,7 +79,7 @@ def run(args) -> int:
         os.environ["KVTRACE_RUN_ID"] = args.run_id
     settings = check_settings()  # a recorder that could not record is refused now (exit 2), not found later
     try:
-        # Deferred: h11 and httptools come with the optional `proxy` extra.
+        # Deferred: httptools comes with the optional `proxy` extra.
         from kvtrace.proxy.app import serve
     except ImportError as exc:
         raise ConfigError(f"kvtrace proxy needs {exc.name or 'its extra'}: pip install 'kvtrace[proxy]'") from None

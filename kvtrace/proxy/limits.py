@@ -1,8 +1,8 @@
 """What one client may take of ``kvtrace proxy``, and the defaults (docs/proxy-limits.md); what
 shadow twins may take of the upstream (docs/proxy.md, "Shadow twins").
 
-Kept apart from :mod:`http1` so that the command's options read the defaults without h11 (the
-optional ``proxy`` extra).
+Kept apart from :mod:`http1` so that the command's options read the defaults without httptools
+(the optional ``proxy`` extra).
 """
 
 from __future__ import annotations
