@@ -13,7 +13,8 @@ from test_queries_read_final import PAIR, scenario_database
 
 RATES = {"run_prefix": "rates/"}
 RUN_SCOPED = (("forks", PAIR), ("fork_attribution", PAIR), ("divergence_rates", {**RATES, "baseline_arm": "off"}),
-              ("cache_paths", PAIR), ("episode_timeline", {**PAIR, "episode": "hit"}), ("replay_requests", {"run": "A"}),
+              ("cache_paths", PAIR), ("episode_timeline", {**PAIR, "episode": "hit"}),
+              ("replay_requests", {"run": "A"}),
               ("flip_rate_by_batch_rows", PAIR), ("margin_shift", RATES), ("near_tie_share", RATES),
               ("flip_rate_by_margin", RATES), ("integrity_violation_counts", RATES))
 OTHER_ROWS = 500_000
