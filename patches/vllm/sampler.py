@@ -15,7 +15,7 @@ nothing is a host array, applied when the rows are read; the V2 runner's is comp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -146,18 +146,50 @@ def _idle_state(processor: Any) -> str:
     return state
 
 
+class _RunnerBuffers:
+    """The V1 runner's host buffers a step reads, as memoryviews: vLLM allocates them once
+    (``_make_buffer``) and refills them in place, and right after a model step an index into a
+    memoryview costs a fraction of numpy's (the interpreter's own code, not numpy's, cold)."""
+
+    __slots__ = ("discard_np", "discard", "starts_np", "starts")
+
+    def __init__(self, discard_np: Any, starts_np: Any):
+        self.discard_np, self.discard = discard_np, memoryview(discard_np)
+        self.starts_np, self.starts = starts_np, memoryview(starts_np)
+
+
+_buffers: Any = None
+"""The last runner's :class:`_RunnerBuffers` (one runner per process)."""
+
+
+def _runner_buffers(runner: Any) -> Optional[_RunnerBuffers]:
+    """``None`` (counted) for a runner without them: its rows go without their step's shape."""
+    global _buffers
+    try:
+        discard_np, starts_np = runner.discard_request_mask.np, runner.query_start_loc.np
+        buffers = _buffers
+        if buffers is None or buffers.discard_np is not discard_np or buffers.starts_np is not starts_np:
+            buffers = _buffers = _RunnerBuffers(discard_np, starts_np)
+        return buffers
+    except Exception:
+        FAILURES.count("batch composition (V1 runner)")
+        return None
+
+
 def _on_sample_v1(output: Any, logits: Any, runner: Any) -> None:
     """``logits`` as :func:`_logits_to_read_v1` gave them (read only now when they are the step's own)."""
     host = logits if type(logits) is HostLogits else host_float32(logits)
+    buffers = _runner_buffers(runner)
+    discard = buffers.discard if buffers is not None else runner.discard_request_mask.np
     if host is not None:  # one call for the whole step
         # partial prefills sample nothing (vLLM's discard mask: its first rows are this step's)
-        rows = host_rows(host, output.sampled_token_ids, runner.discard_request_mask.np)
-        hand_over(runner.input_batch.req_ids, rows, step_shape_v1(runner, len(rows)))
+        rows = host_rows(host, output.sampled_token_ids, discard)
+        hand_over(runner.input_batch.req_ids, rows, step_shape_v1(buffers.starts, len(rows)) if buffers else None)
         return
     rows = logits.shape[0]
-    skip = np.array(runner.discard_request_mask.np[:rows], dtype=bool)  # a copy: vLLM refills it next step
+    skip = np.array(discard[:rows], dtype=bool)  # a copy: vLLM refills it next step
     queue_device_rows(list(runner.input_batch.req_ids[:rows]), device_rows(logits, output.sampled_token_ids),
-                      step_shape_v1(runner, rows), skip)
+                      step_shape_v1(buffers.starts, rows) if buffers else None, skip)
 
 
 def _on_sample_v2(output: Any, sampler: Any, args: tuple, kwargs: dict) -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
-import numpy as np
-
 from kvtrace.patches.vllm.common import FAILURES
 
 
@@ -23,13 +21,15 @@ class StepShape(NamedTuple):
     row_tokens: Optional[list[int]]  # each row's computed tokens; ``None`` when every row computed one
 
 
-def step_shape_v1(runner: Any, rows: int) -> Optional[tuple]:
-    """The V1 runner's step as a :class:`StepShape`: ``query_start_loc`` holds the step's cumulative
-    tokens per row (``_prepare_inputs``); the per-row split is taken only for a step with a prefill chunk."""
+def step_shape_v1(starts: Any, rows: int) -> Optional[tuple]:
+    """The V1 runner's step as a :class:`StepShape`, from its ``query_start_loc`` host buffer (the step's
+    cumulative tokens per row, ``_prepare_inputs``; a memoryview or an array); the per-row split is
+    taken only for a step with a prefill chunk."""
     try:
-        starts = runner.query_start_loc.np
         tokens = int(starts[rows])
-        return (rows, tokens, None) if tokens == rows else (rows, tokens, np.diff(starts[:rows + 1]).tolist())
+        if tokens == rows:
+            return (rows, tokens, None)
+        return (rows, tokens, [int(starts[i + 1]) - int(starts[i]) for i in range(rows)])
     except Exception:
         FAILURES.count("batch composition (V1 runner)")
         return None
