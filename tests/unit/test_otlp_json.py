@@ -37,6 +37,23 @@ def test_strings_and_arrays_of_strings_survive_the_encoding():
     assert [v["stringValue"] for v in event["attributes"][0]["value"]["arrayValue"]["values"]] == AWKWARD
 
 
+def test_a_value_written_before_under_the_same_key_keeps_its_own_type():
+    # Attributes that repeat on every span are written once and remembered: "1", 1, True and 1.0 under one
+    # key compare equal as Python values, yet each keeps its OTLP type, span after span.
+    def attributes(value):
+        span = ReadableSpan(name="kvtrace.request", context=SpanContext(1, 2, is_remote=False,
+                                                                       trace_flags=TraceFlags(1)),
+                            attributes={"k": value}, start_time=1, end_time=2)
+        decoded = json.loads(encode_request([span], packed=True))["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+        return decoded["attributes"][0]["value"]
+
+    for _ in range(2):
+        assert attributes("1") == {"stringValue": "1"}
+        assert attributes(1) == {"intValue": "1"}
+        assert attributes(True) == {"boolValue": True}
+        assert attributes(1.0) == {"doubleValue": 1.0}
+
+
 def test_a_line_utf8_can_carry_is_its_plain_encoding_and_one_it_cannot_is_repaired_string_by_string():
     span = ReadableSpan(
         name="kvtrace.request", context=SpanContext(1, 2, is_remote=False, trace_flags=TraceFlags(1)),

@@ -77,14 +77,29 @@ def _encode_array_items(values: Sequence[Any]) -> str:
     return ",".join([encode_value(v) for v in values])
 
 
+_ENCODED: tuple[dict, dict] = ({}, {})
+"""String and integer attributes already written, ``(key, value)`` → their ``KeyValue`` text (one dict per
+type: ``1`` and ``"1"`` differ, ``True`` is no int here).  Most of a request span's attributes repeat on every
+span of a process (engine settings, model, capture mode); each dict is cleared whole when full."""
+_ENCODED_LIMIT = 4096
+
+
 def _attribute(key: str, value: Any) -> str:
     """One ``KeyValue`` as JSON text.  Strings and integers, most of a span's attributes, are written
-    here without a call into ``encode_value``: an exported span has dozens of attributes."""
+    here without a call into ``encode_value``, and remembered: an exported span has dozens of attributes."""
     kind = type(value)
-    if kind is str:
-        return '{"key":%s,"value":{"stringValue":%s}}' % (_string(key), _string(value))
-    if kind is int:
-        return '{"key":%s,"value":{"intValue":"%d"}}' % (_string(key), value)
+    if kind is str or kind is int:
+        encoded = _ENCODED[kind is int]
+        text = encoded.get((key, value))
+        if text is None:
+            if kind is str:
+                text = '{"key":%s,"value":{"stringValue":%s}}' % (_string(key), _string(value))
+            else:
+                text = '{"key":%s,"value":{"intValue":"%d"}}' % (_string(key), value)
+            if len(encoded) >= _ENCODED_LIMIT:
+                encoded.clear()
+            encoded[key, value] = text
+        return text
     return '{"key":%s,"value":%s}' % (_string(key), encode_value(value))
 
 
