@@ -104,12 +104,10 @@ class TextHasher:
         return value
 
 
-@dataclass
-class _Token:
-    text: str
-    logprob: float
-    raw_bytes: Optional[bytes]
-    engine_id: Optional[int]
+_Token = tuple
+"""(text, logprob, raw bytes as the answer lists them or ``None``, engine id or ``None``): a plain tuple, as a
+record reads three of them a token; the bytes are checked only where a token's id is hashed from them."""
+_TEXT, _LOGPROB, _RAW, _ENGINE_ID = range(4)
 
 
 def parse_exchange(request: dict[str, Any], response: dict[str, Any], hasher: TextHasher,
@@ -142,32 +140,56 @@ def parse_exchange(request: dict[str, Any], response: dict[str, Any], hasher: Te
         finish_reason=str(choice.get("finish_reason") or ""),
         sampling={k: request[k] for k in SAMPLING_FIELDS if k in request},
     )
-    every = [t for chosen, alternatives in positions for t in (chosen, *alternatives)]
-    use_engine_ids = bool(every) and all(t.engine_id is not None for t in every)
+    use_engine_ids = bool(positions) and all(
+        chosen[_ENGINE_ID] is not None and all(t[_ENGINE_ID] is not None for t in alternatives)
+        for chosen, alternatives in positions)
     exchange.token_id_source = sc.TOKEN_ID_SOURCE_ENGINE if use_engine_ids else sc.TOKEN_ID_SOURCE_TEXT_HASH
-
-    def ident(t: _Token) -> int:
-        if use_engine_ids:
-            return t.engine_id
-        return hasher.token_id(t.raw_bytes if t.raw_bytes is not None else t.text.encode("utf-8", "surrogatepass"))
-
-    complete = True
-    for chosen, alternatives in positions:
-        ranked = sorted(alternatives, key=lambda t: -t.logprob)
-        exchange.token_ids.append(ident(chosen))
-        exchange.logprobs.append(chosen.logprob)
-        exchange.top1_ids.append(ident(ranked[0]) if ranked else ident(chosen))
-        if len(ranked) >= 2:
-            exchange.runner_up_ids.append(ident(ranked[1]))
-            exchange.margins.append(ranked[0].logprob - ranked[1].logprob)
-        else:
-            complete = False
-            exchange.runner_up_ids.append(-1)
-    if not complete:
-        exchange.margins = []
+    _fill_rows(exchange, positions, _ENGINE_ID if use_engine_ids else None, hasher)
     if use_engine_ids:
         _fill_unreported(exchange, choice.get("token_ids"))
     return exchange
+
+
+def _fill_rows(exchange: Exchange, positions: list[tuple[_Token, list[_Token]]], engine_id: Optional[int],
+               hasher: TextHasher) -> None:
+    """The per-token arrays: each position's token, its logprob, the top two alternatives and their margin."""
+    if engine_id is not None:
+        def ident(t: _Token) -> int:
+            return t[engine_id]
+    else:
+        def ident(t: _Token) -> int:
+            return hasher.token_id(_token_bytes(t))
+
+    token_ids, logprobs, top1_ids, runner_up_ids, margins = [], [], [], [], []
+    complete = True
+    for chosen, alternatives in positions:
+        if len(alternatives) == 2:
+            first, second = alternatives
+            if second[_LOGPROB] > first[_LOGPROB]:  # as a stable sort by descending logprob ranks them
+                first, second = second, first
+            ranked = (first, second)
+        else:
+            ranked = sorted(alternatives, key=lambda t: -t[_LOGPROB])
+        token_ids.append(ident(chosen))
+        logprobs.append(chosen[_LOGPROB])
+        top1_ids.append(ident(ranked[0]) if ranked else ident(chosen))
+        if len(ranked) >= 2:
+            runner_up_ids.append(ident(ranked[1]))
+            margins.append(ranked[0][_LOGPROB] - ranked[1][_LOGPROB])
+        else:
+            complete = False
+            runner_up_ids.append(-1)
+    exchange.token_ids, exchange.logprobs, exchange.top1_ids = token_ids, logprobs, top1_ids
+    exchange.runner_up_ids = runner_up_ids
+    exchange.margins = margins if complete else []
+
+
+def _token_bytes(token: _Token) -> bytes:
+    """The token's bytes as the answer lists them where they are bytes, else the UTF-8 of its text."""
+    raw = token[_RAW]
+    if isinstance(raw, list) and all(isinstance(b, int) and 0 <= b < 256 for b in raw):
+        return bytes(raw)
+    return token[_TEXT].encode("utf-8", "surrogatepass")
 
 
 def _fill_unreported(exchange: Exchange, generated: Any) -> None:
@@ -222,9 +244,9 @@ def _positions(logprobs: Any) -> list[tuple[_Token, list[_Token]]]:
             raise ExchangeError("logprobs.top_logprobs must be a list of {token: logprob} objects (completions)")
         out = []
         for i, (text, lp, top) in enumerate(zip(tokens, token_logprobs, tops)):
-            alternatives = [_Token(str(t), _logprob(v, i), None, _vllm_id(str(t))) for t, v in (top or {}).items()
+            alternatives = [(str(t), _logprob(v, i), None, _vllm_id(str(t))) for t, v in (top or {}).items()
                             if v is not None]
-            out.append((_Token(str(text), _logprob(lp if lp is not None else 0.0, i), None, _vllm_id(str(text))),
+            out.append(((str(text), _logprob(lp if lp is not None else 0.0, i), None, _vllm_id(str(text))),
                         alternatives))
         return out
     raise ExchangeError("logprobs has neither `content` (chat) nor `tokens`/`token_logprobs` (completions)")
@@ -254,16 +276,20 @@ def _logprob(value: Any, position: int) -> float:
 def _token(entry: dict[str, Any], position: int) -> _Token:
     if "logprob" not in entry:
         raise ExchangeError(f"logprobs position {position}: a token without a numeric logprob")
-    logprob = _logprob(entry["logprob"], position)
-    text = str(entry.get("token", ""))
-    raw = entry.get("bytes")
-    raw_bytes = bytes(raw) if isinstance(raw, list) and all(isinstance(b, int) and 0 <= b < 256 for b in raw) else None
+    logprob = entry["logprob"]
+    if type(logprob) is not float or not math.isfinite(logprob):  # a decoded float is taken as it is
+        logprob = _logprob(logprob, position)
+    text = entry.get("token", "")
+    if type(text) is not str:
+        text = str(text)
     given = entry.get("id")
-    if isinstance(given, int) and not isinstance(given, bool):
+    if type(given) is int:
+        engine_id = given if 0 <= given <= MAX_TOKEN_ID else _check_id(given, "token id")
+    elif isinstance(given, int) and not isinstance(given, bool):
         engine_id = _check_id(given, "token id")
     else:
         engine_id = _vllm_id(text)
-    return _Token(text, logprob, raw_bytes, engine_id)
+    return (text, logprob, entry.get("bytes"), engine_id)
 
 
 def _vllm_id(text: str) -> Optional[int]:

@@ -82,14 +82,18 @@ def streamed_answer(endpoint: str, raw: bytes) -> UpstreamAnswer:
     finish_reason = None
     any_logprobs = False
     error = None
+    # A stream has an event a token: this loop reads each event's few members once (no per-key loops).
     for document in documents:
         if "error" in document:
             error = _error_text(document["error"])
             continue
-        merged.setdefault("model", document.get("model"))
-        for key in ("usage", "timings"):
-            if isinstance(document.get(key), dict):
-                merged[key] = document[key]
+        if "model" not in merged:
+            merged["model"] = document.get("model")
+        usage, timings = document.get("usage"), document.get("timings")
+        if isinstance(usage, dict):
+            merged["usage"] = usage
+        if isinstance(timings, dict):
+            merged["timings"] = timings
         for choice in document.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
@@ -98,8 +102,9 @@ def streamed_answer(endpoint: str, raw: bytes) -> UpstreamAnswer:
             if not isinstance(logprobs, dict):
                 continue
             any_logprobs = True
-            if isinstance(logprobs.get("content"), list):
-                content.extend(logprobs["content"])
+            entries = logprobs.get("content")
+            if isinstance(entries, list):
+                content += entries
             elif isinstance(logprobs.get("tokens"), list):
                 for key in legacy:
                     legacy[key].extend(logprobs.get(key) or [None] * len(logprobs["tokens"]))
