@@ -80,27 +80,33 @@ def _encode_array_items(values: Sequence[Any]) -> str:
 _ENCODED: tuple[dict, dict] = ({}, {})
 """String and integer attributes already written, ``(key, value)`` → their ``KeyValue`` text (one dict per
 type: ``1`` and ``"1"`` differ, ``True`` is no int here).  Most of a request span's attributes repeat on every
-span of a process (engine settings, model, capture mode); each dict is cleared whole when full."""
+span of a process (engine settings, model, capture mode); each dict is cleared whole when full, and a
+string longer than :data:`_ENCODED_LONGEST` (a client's text) is never kept."""
 _ENCODED_LIMIT = 4096
+_ENCODED_LONGEST = 512
 
 
 def _attribute(key: str, value: Any) -> str:
     """One ``KeyValue`` as JSON text.  Strings and integers, most of a span's attributes, are written
     here without a call into ``encode_value``, and remembered: an exported span has dozens of attributes."""
     kind = type(value)
-    if kind is str or kind is int:
+    remembered = kind is int or (kind is str and len(value) <= _ENCODED_LONGEST)
+    if remembered:
         encoded = _ENCODED[kind is int]
         text = encoded.get((key, value))
-        if text is None:
-            if kind is str:
-                text = '{"key":%s,"value":{"stringValue":%s}}' % (_string(key), _string(value))
-            else:
-                text = '{"key":%s,"value":{"intValue":"%d"}}' % (_string(key), value)
-            if len(encoded) >= _ENCODED_LIMIT:
-                encoded.clear()
-            encoded[key, value] = text
-        return text
-    return '{"key":%s,"value":%s}' % (_string(key), encode_value(value))
+        if text is not None:
+            return text
+    if kind is str:
+        text = '{"key":%s,"value":{"stringValue":%s}}' % (_string(key), _string(value))
+    elif kind is int:
+        text = '{"key":%s,"value":{"intValue":"%d"}}' % (_string(key), value)
+    else:
+        return '{"key":%s,"value":%s}' % (_string(key), encode_value(value))
+    if remembered:
+        if len(encoded) >= _ENCODED_LIMIT:
+            encoded.clear()
+        encoded[key, value] = text
+    return text
 
 
 def encode_attributes(attributes: Any) -> str:
