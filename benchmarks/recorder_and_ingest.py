@@ -241,6 +241,10 @@ def main() -> None:
         # Outside the inserts: decoding, each span's attributes as text, the Arrow columns, the line hashes.
         print(f"  ingest's CPU outside its inserts, share of its CPU: {_best_median(outside_share)} (target 0.33)")
         print(f"    its own Python (its thread outside every database call): {_best_median(python_share)}")
+        rate, share = statistics.median(cpu_rates), statistics.median(python_share)
+        print(f"targets (medians): >= 1,000,000 token rows per CPU-second: {rate:,.0f}, "
+              f"{'met' if rate >= 1e6 else 'not met'}; ingest's own Python <= 0.33 of its CPU: {share:.2f}, "
+              f"{'met' if share <= 1 / 3 else 'not met'}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
