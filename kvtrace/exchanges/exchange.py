@@ -104,9 +104,9 @@ class TextHasher:
         return value
 
 
-_Token = tuple
-"""(text, logprob, raw bytes as the answer lists them or ``None``, engine id or ``None``): a plain tuple, as a
-record reads three of them a token; the bytes are checked only where a token's id is hashed from them."""
+_Token = tuple[str, float, Any, Optional[int]]
+"""(text, logprob, the entry's ``bytes`` member as given, engine id or ``None``): a plain tuple, as a record
+reads three of them a token; the bytes are checked only where a token's id is hashed from them."""
 _TEXT, _LOGPROB, _RAW, _ENGINE_ID = range(4)
 
 
