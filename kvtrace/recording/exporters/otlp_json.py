@@ -9,6 +9,10 @@ protobuf → JSON path is ~2.5 ms per span and writes ids as base64.
 per-token arrays as packed ``bytesValue`` (``kvtrace/recording/packed_arrays.py``) instead of one
 value object per element.
 
+The line is built as plain Python objects and written by msgspec in one call; what repeats (a string
+or integer attribute seen before, a homogeneous array) goes in as text already written (``msgspec.Raw``).
+Floats are written as Python's ``repr`` writes them, so the bytes are those ``json`` wrote before.
+
 Strings are written as Python holds them; ``utf8_line`` makes the line's bytes, repairing on the
 rare line that needs it the strings UTF-8 cannot carry (a client's lone surrogate), so one bad value
 never costs the batch it travels in.
@@ -16,12 +20,13 @@ never costs the batch it travels in.
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import re
 from array import array
 from typing import Any, Iterable, Sequence
+
+import msgspec
 
 from opentelemetry.sdk.trace import ReadableSpan
 
@@ -30,150 +35,150 @@ from kvtrace.recording.packed_arrays import PACKED_ARRAYS, pack
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 _string = json.encoder.encode_basestring
-"""A str as JSON text, what ``_dumps`` gives for one (in C, without the encoder's Python layer: a
-vLLM request span with its cache events carries over a hundred strings)."""
+"""A str as JSON text, as msgspec writes one (control characters as ``\\u00XX``, the rest as is)."""
+_write = msgspec.json.Encoder().encode
+Raw = msgspec.Raw
 
 
-def _double(value: float) -> str:
+def _text(text: str) -> Raw:
+    """JSON text already written, kept as it is (a lone surrogate too: ``utf8_line`` repairs it)."""
+    return Raw(text.encode("utf-8", "surrogatepass"))
+
+
+_NAN, _INFINITY, _MINUS_INFINITY = _text('"NaN"'), _text('"Infinity"'), _text('"-Infinity"')
+
+
+def _double(value: float) -> Raw:
     if math.isfinite(value):
-        return repr(float(value))
+        return _text(repr(float(value)))
     # Proto3 JSON spells non-finite doubles as strings.
-    return '"NaN"' if math.isnan(value) else ('"Infinity"' if value > 0 else '"-Infinity"')
+    return _NAN if math.isnan(value) else (_INFINITY if value > 0 else _MINUS_INFINITY)
 
 
-def encode_value(value: Any) -> str:
-    """One ``AnyValue`` as JSON text."""
-    if isinstance(value, bool):
-        return '{"boolValue":true}' if value else '{"boolValue":false}'
+def any_value(value: Any) -> Any:
+    """One ``AnyValue``, as an object msgspec writes."""
+    kind = type(value)
+    if kind is str:
+        return {"stringValue": value}
+    if kind is int:
+        return {"intValue": str(value)}
+    if kind is list or kind is tuple or kind is array:
+        return {"arrayValue": {"values": _array_values(value)}}
+    if kind is bool:
+        return {"boolValue": value}
     if isinstance(value, int):
-        return '{"intValue":"%d"}' % value
+        return {"intValue": "%d" % value}
     if isinstance(value, float):
-        return '{"doubleValue":%s}' % _double(value)
+        return {"doubleValue": _double(value)}
     if isinstance(value, str):
-        return '{"stringValue":%s}' % _string(value)
+        return {"stringValue": str.__str__(value)}
     if isinstance(value, (list, tuple, array)):
-        return '{"arrayValue":{"values":[%s]}}' % _encode_array_items(value)
+        return {"arrayValue": {"values": _array_values(value)}}
     if isinstance(value, bytes):
-        return '{"bytesValue":"%s"}' % base64.b64encode(value).decode()
-    return '{"stringValue":%s}' % _dumps(str(value))
+        return {"bytesValue": bytes(value)}
+    return {"stringValue": str(value)}
 
 
-def _encode_array_items(values: Sequence[Any]) -> str:
+def _array_values(values: Sequence[Any]) -> Any:
     if not values:
-        return ""
-    first = values[0]
-    # Homogeneous arrays are the common case (per-token arrays): format them in one pass.
-    # (map(str)/map(repr) + join run in C: ~5x faster than formatting element by element.)
-    if getattr(values, "typecode", "") == "q" or (type(first) is int and all(type(v) is int for v in values)):
-        return '{"intValue":"' + '"},{"intValue":"'.join(map(str, values)) + '"}'
-    if type(first) is str and all(type(v) is str for v in values):  # block hashes
-        return '{"stringValue":' + '},{"stringValue":'.join(map(_string, values)) + "}"
-    if type(first) is float and all(type(v) is float for v in values):
-        if all(map(math.isfinite, values)):
-            return '{"doubleValue":' + '},{"doubleValue":'.join(map(repr, values)) + "}"
-        return ",".join(['{"doubleValue":%s}' % _double(v) for v in values])
-    return ",".join([encode_value(v) for v in values])
+        return []
+    # Homogeneous arrays are the common case (per-token arrays, block hashes and ids): the element types
+    # are read in one C pass, and map(str)/map(repr) + join write them in another.
+    kinds = _INTS if type(values) is array and values.typecode == "q" else set(map(type, values))
+    if kinds == _INTS:
+        return _text('[{"intValue":"' + '"},{"intValue":"'.join(map(str, values)) + '"}]')
+    if kinds == _STRS:
+        return _text('[{"stringValue":' + '},{"stringValue":'.join(map(_string, values)) + "}]")
+    if kinds == _FLOATS and all(map(math.isfinite, values)):
+        return _text('[{"doubleValue":' + '},{"doubleValue":'.join(map(repr, values)) + "}]")
+    return [any_value(v) for v in values]
 
 
-_ENCODED: tuple[dict, dict] = ({}, {})
+_INTS, _STRS, _FLOATS = {int}, {str}, {float}
+
+_WRITTEN: tuple[dict, dict] = ({}, {})
 """String and integer attributes already written, ``(key, value)`` → their ``KeyValue`` text (one dict per
 type: ``1`` and ``"1"`` differ, ``True`` is no int here).  Most of a request span's attributes repeat on every
 span of a process (engine settings, model, capture mode); each dict is cleared whole when full, and a
-string longer than :data:`_ENCODED_LONGEST` (a client's text) is never kept."""
-_ENCODED_LIMIT = 4096
-_ENCODED_LONGEST = 512
+string longer than :data:`_WRITTEN_LONGEST` (a client's text) is never kept."""
+_WRITTEN_LIMIT = 4096
+_WRITTEN_LONGEST = 512
 
 
-def _attribute(key: str, value: Any) -> str:
-    """One ``KeyValue`` as JSON text.  Strings and integers, most of a span's attributes, are written
-    here without a call into ``encode_value``, and remembered: an exported span has dozens of attributes."""
+def _attribute(key: str, value: Any) -> Any:
+    """One ``KeyValue`` not written before."""
     kind = type(value)
-    remembered = kind is int or (kind is str and len(value) <= _ENCODED_LONGEST)
-    if remembered:
-        encoded = _ENCODED[kind is int]
-        text = encoded.get((key, value))
-        if text is not None:
-            return text
     if kind is str:
         text = '{"key":%s,"value":{"stringValue":%s}}' % (_string(key), _string(value))
     elif kind is int:
         text = '{"key":%s,"value":{"intValue":"%d"}}' % (_string(key), value)
     else:
-        return '{"key":%s,"value":%s}' % (_string(key), encode_value(value))
-    if remembered:
-        if len(encoded) >= _ENCODED_LIMIT:
-            encoded.clear()
-        encoded[key, value] = text
+        return {"key": key, "value": any_value(value)}
+    text = _text(text)
+    if kind is int or len(value) <= _WRITTEN_LONGEST:
+        written = _WRITTEN[kind is int]
+        if len(written) >= _WRITTEN_LIMIT:
+            written.clear()
+        written[key, value] = text
     return text
 
 
-def encode_attributes(attributes: Any) -> str:
-    if not attributes:
-        return "[]"
-    return "[%s]" % ",".join([_attribute(k, v) for k, v in attributes.items()])
+_NOTHING_PACKED: dict[str, str] = {}
 
 
-def _encode_packed_attributes(attributes: Any) -> str:
-    """Like ``encode_attributes``, with the arrays of ``PACKED_ARRAYS`` packed (when they fit their type)."""
+def attributes_list(attributes: Any, packed_arrays: dict[str, str] = _NOTHING_PACKED) -> list:
+    """Each ``KeyValue``; the arrays ``packed_arrays`` names packed (when they fit their type).  Strings and
+    integers, most of a span's attributes, are looked up here among those written before, without a call:
+    an exported span has dozens of attributes."""
     if not attributes:
-        return "[]"
+        return []
+    strings, integers = _WRITTEN
     parts = []
+    append = parts.append
     for key, value in attributes.items():
-        typecode = PACKED_ARRAYS.get(key)
-        packed = pack(value, typecode) if typecode is not None and isinstance(value, (list, tuple, array)) else None
-        if packed is None:
-            parts.append(_attribute(key, value))
+        kind = type(value)
+        if kind is str:
+            text = strings.get((key, value))
+        elif kind is int:
+            text = integers.get((key, value))
         else:
-            parts.append('{"key":"%s","value":{"bytesValue":"%s"}}' % (key, base64.b64encode(packed).decode()))
-    return "[%s]" % ",".join(parts)
+            typecode = packed_arrays.get(key)
+            if typecode is not None and isinstance(value, (list, tuple, array)):
+                packed = pack(value, typecode)
+                if packed is not None:
+                    append({"key": key, "value": {"bytesValue": packed}})
+                    continue
+            text = None
+        append(text if text is not None else _attribute(key, value))
+    return parts
 
 
-def _encode_span(span: ReadableSpan, packed: bool) -> str:
+def _span(span: ReadableSpan, packed: bool) -> dict:
     ctx = span.context
-    parts = [
-        '"traceId":"%032x"' % ctx.trace_id,
-        '"spanId":"%016x"' % ctx.span_id,
-    ]
+    written = {"traceId": "%032x" % ctx.trace_id, "spanId": "%016x" % ctx.span_id}
     if span.parent is not None and span.parent.span_id:
-        parts.append('"parentSpanId":"%016x"' % span.parent.span_id)
+        written["parentSpanId"] = "%016x" % span.parent.span_id
     if ctx.trace_state:
-        parts.append('"traceState":%s' % _dumps(ctx.trace_state.to_header()))
-    parts.append('"name":%s' % _dumps(span.name))
-    parts.append('"kind":%d' % (span.kind.value + 1))  # SDK INTERNAL=0 → OTLP SPAN_KIND_INTERNAL=1
-    parts.append('"startTimeUnixNano":"%d"' % span.start_time)
-    parts.append('"endTimeUnixNano":"%d"' % (span.end_time or span.start_time))
-    parts.append('"attributes":%s' % (_encode_packed_attributes if packed else encode_attributes)(span.attributes))
+        written["traceState"] = ctx.trace_state.to_header()
+    written["name"] = span.name
+    written["kind"] = span.kind.value + 1  # SDK INTERNAL=0 → OTLP SPAN_KIND_INTERNAL=1
+    written["startTimeUnixNano"] = "%d" % span.start_time
+    written["endTimeUnixNano"] = "%d" % (span.end_time or span.start_time)
+    written["attributes"] = attributes_list(span.attributes, PACKED_ARRAYS if packed else _NOTHING_PACKED)
     if span.events:
-        parts.append(
-            '"events":[%s]'
-            % ",".join(
-                [
-                    '{"timeUnixNano":"%d","name":%s,"attributes":%s}'
-                    % (e.timestamp, _dumps(e.name), encode_attributes(e.attributes))
-                    for e in span.events
-                ]
-            )
-        )
+        written["events"] = [{"timeUnixNano": "%d" % e.timestamp, "name": e.name,
+                              "attributes": attributes_list(e.attributes)} for e in span.events]
     if span.links:
-        parts.append(
-            '"links":[%s]'
-            % ",".join(
-                [
-                    '{"traceId":"%032x","spanId":"%016x","attributes":%s}'
-                    % (link.context.trace_id, link.context.span_id, encode_attributes(link.attributes))
-                    for link in span.links
-                ]
-            )
-        )
+        written["links"] = [{"traceId": "%032x" % link.context.trace_id, "spanId": "%016x" % link.context.span_id,
+                             "attributes": attributes_list(link.attributes)} for link in span.links]
     status = span.status
     if status is not None and status.status_code.value:
-        msg = ',"message":%s' % _dumps(status.description) if status.description else ""
-        parts.append('"status":{"code":%d%s}' % (status.status_code.value, msg))
+        written["status"] = ({"code": status.status_code.value, "message": status.description}
+                             if status.description else {"code": status.status_code.value})
     else:
-        parts.append('"status":{}')
-    return "{%s}" % ",".join(parts)
+        written["status"] = {}
+    return written
 
 
 def encode_request(spans: Iterable[ReadableSpan], packed: bool = False) -> str:
@@ -182,25 +187,35 @@ def encode_request(spans: Iterable[ReadableSpan], packed: bool = False) -> str:
     ``packed``: kvtrace's per-token arrays as packed ``bytesValue`` (the spool's form); otherwise every
     array is a standard ``arrayValue``, as any OTLP consumer reads it.
     """
-    resources: dict[int, tuple[Any, dict[int, tuple[Any, list[str]]]]] = {}
+    resources: dict[int, tuple[Any, dict[int, tuple[Any, list[dict]]]]] = {}
     for span in spans:
         _, scopes = resources.setdefault(id(span.resource), (span.resource, {}))
         scope = span.instrumentation_scope
-        scopes.setdefault(id(scope), (scope, []))[1].append(_encode_span(span, packed))
-    return '{"resourceSpans":[%s]}' % ",".join(
-        '{"resource":{"attributes":%s},"scopeSpans":[%s]}' % (
-            encode_attributes(resource.attributes),
-            ",".join(
-                '{"scope":{"name":%s,"version":%s},"spans":[%s]}' % (
-                    _dumps(scope.name if scope else ""),
-                    _dumps((scope.version or "") if scope else ""),
-                    ",".join(encoded),
-                )
-                for scope, encoded in scopes.values()
-            ),
-        )
+        scopes.setdefault(id(scope), (scope, []))[1].append(_span(span, packed))
+    request = {"resourceSpans": [
+        {"resource": {"attributes": attributes_list(resource.attributes)},
+         "scopeSpans": [{"scope": {"name": scope.name if scope else "",
+                                   "version": (scope.version or "") if scope else ""}, "spans": written}
+                        for scope, written in scopes.values()]}
         for resource, scopes in resources.values()
-    )
+    ]}
+    try:
+        line = _write(request)
+    except UnicodeEncodeError:
+        line = _write(_with_surrogates_kept(request))
+    return line.decode("utf-8", "surrogatepass")
+
+
+def _with_surrogates_kept(written: Any) -> Any:
+    """``written`` with every string as JSON text already written: msgspec refuses a string UTF-8 cannot
+    carry (a client's lone surrogate), which ``utf8_line`` repairs in the line's text."""
+    if type(written) is str:
+        return _text(_string(written))
+    if type(written) is dict:
+        return {key: _with_surrogates_kept(value) for key, value in written.items()}
+    if type(written) is list:
+        return [_with_surrogates_kept(value) for value in written]
+    return written
 
 
 def utf8_line(line: str) -> tuple[bytes, int]:
