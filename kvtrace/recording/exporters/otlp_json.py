@@ -81,8 +81,8 @@ def any_value(value: Any) -> Any:
 
 
 def _array_values(values: Sequence[Any]) -> Any:
-    if not values:
-        return []
+    if len(values) < 3:  # a cache event's block hashes and ids: the elements one by one cost less
+        return [any_value(v) for v in values]
     # Homogeneous arrays are the common case (per-token arrays, block hashes and ids): the element types
     # are read in one C pass, and map(str)/map(repr) + join write them in another.
     kinds = _INTS if type(values) is array and values.typecode == "q" else set(map(type, values))
@@ -149,6 +149,9 @@ def attributes_list(attributes: Any, packed_arrays: dict[str, str] = _NOTHING_PA
                 if packed is not None:
                     append({"key": key, "value": {"bytesValue": packed}})
                     continue
+            if kind is list or kind is tuple:
+                append({"key": key, "value": {"arrayValue": {"values": _array_values(value)}}})
+                continue
             text = None
         append(text if text is not None else _attribute(key, value))
     return parts
