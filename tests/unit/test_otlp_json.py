@@ -83,6 +83,24 @@ def test_a_line_utf8_can_carry_is_its_plain_encoding_and_one_it_cannot_is_repair
     assert "ints" in attributes
 
 
+def test_a_lone_surrogate_wherever_it_stands_is_repaired_and_the_rest_of_the_line_kept():
+    long_text = "lone \udfff " + "x" * 600
+    span = ReadableSpan(
+        name="name \ud800", context=SpanContext(1, 2, is_remote=False, trace_flags=TraceFlags(1)),
+        attributes={"long": long_text, "short list": ["\ud800", "ok"], "fine": AWKWARD[1]},
+        events=[Event("event \udc00", {"n": 1}, timestamp=5)], start_time=1, end_time=2)
+
+    data, repaired = utf8_line(encode_request([span], packed=True))
+
+    assert repaired == 4
+    decoded = json.loads(data)["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    attributes = {kv["key"]: kv["value"] for kv in decoded["attributes"]}
+    assert decoded["name"] == "name \ufffd" and decoded["events"][0]["name"] == "event \ufffd"
+    assert attributes["long"] == {"stringValue": long_text.replace("\udfff", "\ufffd")}
+    assert [v["stringValue"] for v in attributes["short list"]["arrayValue"]["values"]] == ["\ufffd", "ok"]
+    assert attributes["fine"] == {"stringValue": AWKWARD[1]}
+
+
 def awkward_spans():
     """Spans that reach every branch of the encoding: each attribute type, arrays of each, empty ones, events,
     links, a parent, trace state, both kinds of status, two resources and two scopes."""

@@ -27,7 +27,6 @@ from array import array
 from typing import Any, Iterable, Sequence
 
 import msgspec
-
 from opentelemetry.sdk.trace import ReadableSpan
 
 from kvtrace.recording.packed_arrays import PACKED_ARRAYS, pack
