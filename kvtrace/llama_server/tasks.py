@@ -96,7 +96,8 @@ def _ids_in_place(response: dict[str, Any], generated: Optional[int]) -> Optiona
     for position, entry in enumerate(entries):
         raw = entry.get("bytes") if isinstance(entry, dict) else None
         text = entry.get("token", "") if isinstance(entry, dict) else ""
-        if any(b >= 0x80 for b in raw) if isinstance(raw, list) else not str(text).isascii():
+        # a bad entry (bytes that are not numbers) counts as past ASCII: the chain stops there, not the record
+        if any(not isinstance(b, int) or b >= 0x80 for b in raw) if isinstance(raw, list) else not str(text).isascii():
             return position
     return len(entries)  # left out at the end: a character the answer ended in
 
