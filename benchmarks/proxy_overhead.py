@@ -1,17 +1,23 @@
 """What `kvtrace proxy` adds to a request and to each streamed token, against the direct path.
 
     python benchmarks/proxy_overhead.py [--requests 300] [--streams 40] [--tokens 64] [--model M.gguf]
-                                        [--baseline-python PYTHON]
+                                        [--llama-server-log] [--baseline-python PYTHON]
 
 Starts llama-server (the build `python -m kvtrace.llama_server.build` caches) on the
 tiny generated model and kvtrace's proxy in front of it, recording to a spool in a temporary
 directory (the default exporter and capture), in this process; the client runs in a process of its
-own and alternates direct and proxied calls in ABBA order, so drift on a shared machine hits both
-alike. Every request recomputes its prompt (``cache_prompt: false``), so every call does the same
-work. Side by side:
+own and alternates direct and proxied calls (the order rotated, and reversed every other cycle), so
+drift on a shared machine hits every arm alike. Every request recomputes its prompt
+(``cache_prompt: false``), so every call does the same work. The arms ``direct+top2`` ask the server
+for the top two themselves, with the very fields the proxy adds (``margin_request.plan_request``
+on the server's own ``/props``; with ``--llama-server-log`` also the marker field, at the server's
+default value: no proxy's marker, the same inert setting). Side by side:
 
 * **per request**: a non-streamed chat completion of one token (the server's own time is small,
-  so the proxy's share shows): latency p50 / p99, direct and proxied, and the difference;
+  so the proxy's share shows), a prompt of its own per round of the arms (so the proxy's integrity
+  calls are not answered from what it kept of a repeated prompt): latency p50 / p99, direct,
+  direct+top2 and proxied, and the differences: proxied − direct+top2 is what the proxy itself adds,
+  beyond the server's own cost of the top two;
 * **per streamed token**: streamed chat completions of --tokens tokens.
   - *time in the proxy*: from a chunk's arrival from the server to its last byte handed to the
     client's socket (cutting the added logprobs included), p50 / p99 — the delay the proxy adds
@@ -20,7 +26,14 @@ work. Side by side:
     asks the server for the top two itself): the proxy asks the server for them, so the server's
     own cost of computing them is in the proxied gaps; the third column tells it apart;
 * **proxy CPU**: this process's CPU time (every thread: relaying, recording, export) per proxied
-  request and per streamed token, the per-request share included.
+  request and per streamed token, the per-request share included. Per request twice: among the
+  arms, and over a phase of proxied requests alone (the direct arms paused, so the proxy's log holds
+  its own requests' lines only, as in front of a server only it calls).
+
+With ``--llama-server-log`` llama-server writes its log at ``-lv 4`` and the proxy reads it
+(``--llama-server-log``): each request's task matched by its marker, the kept state's integrity
+checked (the server's ``/apply-template`` and ``/tokenize``), the cache decisions on the span, all
+in the proxy's CPU per request.
 
 With ``--baseline-python`` (the interpreter of an environment where another kvtrace is installed,
 e.g. a venv with an older commit's tree installed in it: ``pip install --no-deps -e TREE``), a
@@ -52,8 +65,12 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from llama_server_process import running_llama_server  # noqa: E402  (the tests' launcher)
 
+from kvtrace.http_client import get_json
+from kvtrace.llama_server.tasks import MARKER_FIELD
 from kvtrace.proxy import http1, upstream
 from kvtrace.proxy.app import proxy_in_thread
+from kvtrace.proxy.margin_request import CHAT, plan_request
+from kvtrace.proxy.upstream_profile import profile_of_props
 from kvtrace.testmodels.llama_gguf import make_model
 
 CLIENT = r'''
@@ -62,14 +79,29 @@ import httpx
 
 server, proxies, requests, streams, tokens = (sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]),
                                               int(sys.argv[4]), int(sys.argv[5]))
-chat = {"messages": [{"role": "user", "content": "Describe the kitchen in detail"}], "temperature": 0,
-        "cache_prompt": False}
+top_two = json.loads(sys.argv[6])  # the fields the proxy adds to ask for the top two
+prompt = "Describe the kitchen in detail"
+chat = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "cache_prompt": False}
 short = {**chat, "max_tokens": 1}
 streamed = {**chat, "max_tokens": tokens, "stream": True}
-bases = {"direct": server, **proxies}
-arms = {"direct": (server, streamed), "direct+top2": (server, {**streamed, "logprobs": True, "top_logprobs": 2}),
+calls = {"direct": (server, short), "direct+top2": (server, {**short, **top_two}),
+         **{name: (base, short) for name, base in proxies.items()}}
+arms = {"direct": (server, streamed), "direct+top2": (server, {**streamed, **top_two}),
         **{name: (base, streamed) for name, base in proxies.items()}}
 resent = {}
+
+
+def in_turn(names, i):
+    """Round i's order: rotated by i, reversed every other cycle, so each arm takes each place and
+    follows each other arm alike."""
+    names = list(names)
+    order = names[i % len(names):] + names[:i % len(names)]
+    return order[::-1] if (i // len(names)) % 2 else order
+
+
+def own_prompt(body, i):
+    """The body with round i's prompt: each round's is new to the proxy, the same for every arm."""
+    return {**body, "messages": [{"role": "user", "content": f"{prompt}, room {i:06d}"}]}
 
 
 def send(client, base, body, stream):
@@ -91,15 +123,20 @@ def send(client, base, body, stream):
     raise SystemExit(base + " keeps closing connections")
 
 
-latency = {name: [] for name in bases}
+latency = {name: [] for name in calls}
 gaps = {name: [] for name in arms}
 with httpx.Client(timeout=300) as client:
-    for base in bases.values():
-        send(client, base, short, False)
+    for base, body in calls.values():
+        send(client, base, body, False)
     print("phase requests", flush=True); sys.stdin.readline()
     for i in range(requests):
-        for name in (list(bases) if i % 4 in (0, 3) else list(reversed(bases))):
-            latency[name].append(send(client, bases[name], short, False))
+        for name in in_turn(calls, i):
+            base, body = calls[name]
+            latency[name].append(send(client, base, own_prompt(body, i), False))
+    print("phase alone", flush=True); sys.stdin.readline()
+    for i in range(requests):
+        for name in in_turn(proxies, i):
+            send(client, proxies[name], own_prompt(short, requests + i), False)
     print("phase streams", flush=True); sys.stdin.readline()
     for i in range(streams):
         for name in (list(arms) if i % 2 == 0 else list(reversed(arms))):
@@ -115,6 +152,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--streams", type=int, default=40, help="streamed requests per arm")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed request")
     parser.add_argument("--model", type=Path, default=None, help="GGUF model (default: the tiny generated one)")
+    parser.add_argument("--llama-server-log", action="store_true",
+                        help="llama-server logs at -lv 4 and the proxy reads the log (task match, integrity calls)")
     parser.add_argument("--baseline-python", type=Path, default=None, metavar="PYTHON",
                         help="measure this tree's proxy against the kvtrace installed for PYTHON, paired")
     return parser.parse_args()
@@ -153,11 +192,13 @@ class ChunkClock:
 class ProxyProcess:
     """``kvtrace proxy`` run by ``python`` (this tree's or a baseline's) on a free port, and its CPU time."""
 
-    def __init__(self, python: Path, server: str, log_path: Path):
+    def __init__(self, python: Path, server: str, log_path: Path, server_log: Optional[Path]):
         self._log = open(log_path, "wb")
-        self.process = subprocess.Popen([str(python), "-m", "kvtrace.cli", "proxy", "--upstream", server, "--listen",
-                                         "127.0.0.1:0"], stdout=self._log, stderr=subprocess.STDOUT,
-                                        cwd=log_path.parent)  # not a source tree: `-m` would import from it
+        reading = ["--llama-server-log", str(server_log)] if server_log is not None else []
+        # Absolute: the proxy runs elsewhere, not in a source tree (`-m` would import from it).
+        self.process = subprocess.Popen([str(python.absolute()), "-m", "kvtrace.cli", "proxy", "--upstream", server,
+                                         "--listen", "127.0.0.1:0", *reading], stdout=self._log,
+                                        stderr=subprocess.STDOUT, cwd=log_path.parent)
         self.url = ""
         deadline = time.monotonic() + 120
         while not self.url:
@@ -178,18 +219,33 @@ class ProxyProcess:
         self._log.close()
 
 
+def top_two_fields(server: str, reads_log: bool) -> dict:
+    """What the proxy adds to a chat request for the top two, as it plans it for this server; with the
+    log read, its marker field too, at the server's default (inert while DRY is off, as the proxy's is)."""
+    profile = profile_of_props(get_json(server + "/props"))
+    if profile is None:
+        raise SystemExit(f"{server} does not answer /props as llama-server does")
+    asked = plan_request(CHAT, {}, profile).upstream_request or {}
+    if reads_log and profile.default_dry_penalty_last_n is not None:
+        asked[MARKER_FIELD] = profile.default_dry_penalty_last_n
+    return asked
+
+
 def run_client(server: str, proxies: dict[str, str], args: argparse.Namespace,
                cpu_now: Callable[[], dict[str, float]]) -> tuple[dict, dict[str, dict[str, float]]]:
-    """The client process through its two phases; each phase's CPU seconds per proxy (``cpu_now``)."""
+    """The client process through its phases; each phase's CPU seconds per proxy (``cpu_now``)."""
+    top_two = top_two_fields(server, args.llama_server_log)
     client = subprocess.Popen([sys.executable, "-c", CLIENT, server, json.dumps(proxies), str(args.requests),
-                               str(args.streams), str(args.tokens)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+                               str(args.streams), str(args.tokens), json.dumps(top_two)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
     cpu: dict[str, dict[str, float]] = {}
     started: dict[str, float] = {}
-    for phase in ("requests", "streams"):
+    previous = None
+    for phase in ("requests", "alone", "streams"):
         assert client.stdout.readline().strip() == f"phase {phase}"
-        if phase == "streams":
-            cpu["requests"] = {k: v - started[k] for k, v in cpu_now().items()}
+        if previous is not None:
+            cpu[previous] = {k: v - started[k] for k, v in cpu_now().items()}
+        previous = phase
         started = cpu_now()
         client.stdin.write("\n")
         client.stdin.flush()
@@ -208,16 +264,19 @@ def main() -> None:
         model = args.model
         if model is None:
             model = make_model(workdir / "tiny-F32.gguf", "F32", "tiny")
-        with running_llama_server(model, log_path=workdir / "server.log") as server:
+        server_log = workdir / "server.log"
+        reading = server_log if args.llama_server_log else None
+        verbose = ("-lv", "4") if args.llama_server_log else ()
+        with running_llama_server(model, *verbose, log_path=server_log) as server:
             if args.baseline_python is None:
                 clock = ChunkClock()
-                with proxy_in_thread(server) as proxy:
+                with proxy_in_thread(server, llama_server_log=reading) as proxy:
                     results, cpu = run_client(server, {"proxied": proxy}, args,
                                               lambda: {"proxied": time.process_time()})
                 report(args, results, cpu, clock.delays)
                 return
-            proxies = {"proxied": ProxyProcess(Path(sys.executable), server, workdir / "proxied.log"),
-                       "baseline": ProxyProcess(args.baseline_python, server, workdir / "baseline.log")}
+            proxies = {"proxied": ProxyProcess(Path(sys.executable), server, workdir / "proxied.log", reading),
+                       "baseline": ProxyProcess(args.baseline_python, server, workdir / "baseline.log", reading)}
             try:
                 results, cpu = run_client(server, {k: p.url for k, p in proxies.items()}, args,
                                           lambda: {k: p.cpu_s() for k, p in proxies.items()})
@@ -241,12 +300,17 @@ def report(args: argparse.Namespace, results: dict, cpu: dict, delays: Optional[
 
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     proxies = list(cpu["streams"])
-    print(f"per request (non-streamed chat, 1 token, {args.requests} per arm, ABBA):")
+    reading = "reading llama-server's log" if args.llama_server_log else "without llama-server's log"
+    print(f"per request (non-streamed chat, 1 token, {args.requests} per arm, rotated; the proxy {reading}):")
     for name in latency:
         print(row(name, latency[name], 1e-3, "ms"))
+    print(difference("direct+top2 - direct", latency["direct+top2"], latency["direct"], 1e-3, "ms"))
     for name in proxies:
         print(difference(f"{name} - direct", latency[name], latency["direct"], 1e-3, "ms"))
+        print(difference(f"{name} - direct+top2", latency[name], latency["direct+top2"], 1e-3, "ms"))
         print(f"  {f'{name} CPU per request':<26} {cpu['requests'][name] / args.requests * 1e3:8.2f} ms (every thread)")
+        print(f"  {f'{name} CPU per request':<26} {cpu['alone'][name] / args.requests * 1e3:8.2f} ms "
+              f"(every thread, its requests alone)")
     print(f"per streamed token ({args.streams} streams of {args.tokens} tokens per arm):")
     if delays is not None:
         print(row("time in the proxy", delays, 1e-6, "µs"))
