@@ -33,6 +33,8 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+import msgspec
+
 from kvtrace import semconv as sc
 
 CHAT = "chat"
@@ -50,6 +52,12 @@ ENDPOINTS = {
 
 TOP_ALTERNATIVES = 2
 _DECODER = json.JSONDecoder()
+_ONE_VALUE = msgspec.json.Decoder(msgspec.Raw).decode
+"""Checks that a text is exactly one JSON value, without building it (``ValueError`` if not)."""
+_CLOSING = {"{": "}", "[": "]", '"': '"'}
+"""The character that closes a value opened by the key: objects, arrays and strings delimit themselves."""
+_GUESSES = 6
+"""Closing characters looked at from the right before the JSON decoder measures the value instead."""
 
 
 @dataclass(frozen=True)
@@ -186,7 +194,8 @@ def with_marker(plan: MarginPlan, request: dict[str, Any], profile: UpstreamProf
 def cut(plan: MarginPlan, text: str) -> str:
     """One answer document (a JSON body or one event's data) with what the plan added taken out."""
     for name, replacement in plan.cuts:
-        text = _edit_member(text, name, replacement)
+        if f'"{name}"' in text:
+            text = _edit_member(text, name, replacement)
     return text
 
 
@@ -194,8 +203,8 @@ def _edit_member(text: str, name: str, replacement: Any) -> str:
     """Drop or replace every member ``"name": value`` of any object in the JSON ``text``.
 
     A ``"name"`` preceded by ``{`` or ``,`` and followed by ``:`` is a member name, never string
-    content: inside a JSON string every ``"`` is escaped, so ``,"`` cannot occur there. The
-    value's extent comes from the JSON decoder itself.
+    content: inside a JSON string every ``"`` is escaped, so ``,"`` cannot occur there. Where the
+    value ends comes from :func:`_value_end`.
     """
     marker = f'"{name}"'
     pieces = []
@@ -214,7 +223,7 @@ def _edit_member(text: str, name: str, replacement: Any) -> str:
         value_start = colon + 1
         while value_start < len(text) and text[value_start] in " \t\r\n":
             value_start += 1
-        _, value_end = _DECODER.raw_decode(text, value_start)
+        value_end = _value_end(text, value_start)
         if replacement is _REMOVE:
             if text[before] == ",":
                 pieces.append(text[position:before])
@@ -234,3 +243,34 @@ def _edit_member(text: str, name: str, replacement: Any) -> str:
         return text
     pieces.append(text[position:])
     return "".join(pieces)
+
+
+def _value_end(text: str, start: int) -> int:
+    """Where the member value that begins at ``start`` ends (``ValueError`` if it is not JSON).
+
+    An object, array or string ends at a closing character that a ``,`` or ``}`` follows (the
+    member's object goes on or ends there). The added members are mostly last in their objects,
+    so the guesses go from the right, and a guess counts only where the text up to it is exactly
+    one JSON value: a value that delimits itself and is whole ends there and nowhere else. Decoding
+    the value to find its end costs ten times that check; it is left for the values no guess
+    fits (numbers, literals, malformed text, a member far from the end). One difference: JSON that
+    Python's decoder alone refuses (an integer of over 4,300 digits) is cut, where it was not.
+    """
+    closing = _CLOSING.get(text[start:start + 1])
+    if closing is not None:
+        end = len(text)
+        guess = end
+        for _ in range(_GUESSES):
+            guess = text.rfind(closing, start + 1, guess)
+            if guess == -1:
+                break
+            after = guess + 1
+            while after < end and text[after] in " \t\r\n":
+                after += 1
+            if after < end and text[after] in ",}":
+                try:
+                    _ONE_VALUE(text[start:guess + 1])
+                    return guess + 1
+                except ValueError:
+                    pass
+    return _DECODER.raw_decode(text, start)[1]
