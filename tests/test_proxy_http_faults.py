@@ -24,6 +24,7 @@ from scripted_upstream import Answer, ScriptedUpstream, head, json_answer, opena
 pytest.importorskip("h11")  # the scripted upstream reads requests with it
 pytest.importorskip("httptools")
 from kvtrace.proxy.app import ProxyApp, proxy_in_thread  # noqa: E402  (needs httptools)
+from kvtrace.proxy.http1 import ClientGone, Server, _Client, _serve_connection  # noqa: E402
 
 COMPLETION = {"prompt": "Once upon a time", "max_tokens": 2}
 ANSWER = {"id": "c", "object": "text_completion", "model": "m",
@@ -199,6 +200,85 @@ def test_an_idle_connection_is_closed_after_the_idle_time_out(memory_recorder):
         with socket.create_connection(("127.0.0.1", port_of(proxy)), timeout=10) as idle:
             assert read_to_end(idle) == b""  # closed without a word, as a kept-alive connection may be
     assert counters(memory_recorder)["proxy_client_timeouts"] == 0
+
+
+def test_a_client_that_stops_reading_its_answer_is_cut_off_at_the_idle_time_out():
+    """The client's socket is blocking, bounded by the kernel's send time-out: a client that sends a
+    request and never reads the answer holds its connection's thread no longer than the time-out."""
+    outcome: list[str] = []
+    ended = threading.Event()
+
+    def handler(request, responder):
+        responder.start(200, [(b"content-type", b"text/event-stream")])
+        try:
+            for _ in range(256):  # 256 MiB: far more than the sockets' buffers hold
+                responder.send(b"x" * (1 << 20))
+            outcome.append("written")
+        except ClientGone:
+            outcome.append("cut off")
+        finally:
+            ended.set()
+
+    server = Server(handler, "127.0.0.1", 0, Limits(idle_timeout_s=0.5)).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as silent:
+            silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            silent.sendall(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert ended.wait(30), "the proxy still waits on a client that does not read"
+    finally:
+        server.stop(grace_s=1)
+    assert outcome == ["cut off"]
+
+
+class CountedSocket:
+    """A socket whose calls are counted by name: what a connection costs in system calls."""
+
+    def __init__(self, sock: socket.socket):
+        self._socket = sock
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        attribute = getattr(self._socket, name)
+        if not callable(attribute):
+            return attribute
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attribute(*args, **kwargs)
+
+        return counted
+
+
+def test_a_kept_alive_request_costs_one_read_and_one_write_on_a_blocking_socket():
+    """No time-out is set again per request (each a system call, and a Python time-out polls before
+    every read and write), and an answer whose body went out ends without an empty write."""
+    proxy_side, client = socket.socketpair()
+    counted = CountedSocket(proxy_side)
+    modes = []
+
+    def handler(request, responder):
+        modes.append(proxy_side.gettimeout())
+        responder.start(200, [(b"content-length", b"2")])
+        responder.send(b"ok")  # as a passed-through answer goes: its pieces, then the end
+        responder.end()
+
+    connection = _Client(counted)
+    serving = threading.Thread(target=_serve_connection,
+                               args=(handler, connection, Limits(), lambda name: None, lambda: False))
+    serving.start()
+    with client:
+        client.settimeout(10)
+        for _ in range(6):
+            client.sendall(b"GET /x HTTP/1.1\r\nhost: x\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b"ok"):
+                answer += client.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200 ")
+    serving.join(10)
+    assert modes == [None] * 6  # blocking: no poll before each read and write
+    # Set once for the connection: blocking, the send and the receive time-outs; then per request one
+    # read and one write (+ 1 read: the one that found the close).
+    assert counted.calls == {"settimeout": 1, "setsockopt": 2, "recv": 6 + 1, "send": 6}
 
 
 def test_an_over_limit_body_gets_413_and_never_reaches_the_upstream(memory_recorder):

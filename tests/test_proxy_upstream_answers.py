@@ -186,3 +186,28 @@ def test_a_chunk_goes_on_in_the_pieces_each_read_brings_never_held_back_whole():
         assert first == b"hello"
         assert b"".join(pieces) == b"world!"
     server.join(BOUND_S)
+
+
+def test_a_kept_alive_connection_is_reused_after_one_look_with_its_time_out_left_as_it_is(monkeypatch):
+    """Reusing a connection costs one look at its socket (a poll registered once, not built anew) and
+    no time-out set again: a request on it is one write and the reads of its answer."""
+    import select
+
+    with ScriptedUpstream(lambda received: Answer([length_answer(b"hello")])) as server:
+        upstream = Upstream(server.url)
+        assert fetch(upstream)[2] == b"hello"
+        connection = upstream._idle[0]
+        calls: list[str] = []
+        real_socket, real_poll = connection.socket, select.poll
+
+        class Watched:
+            def __getattr__(self, name):
+                calls.append(name)
+                return getattr(real_socket, name)
+
+        monkeypatch.setattr(select, "poll", lambda: calls.append("poll()") or real_poll())
+        connection.socket = Watched()
+        for _ in range(3):
+            assert fetch(upstream)[2] == b"hello"
+        assert server.connections == 1
+        assert [name for name in calls if name not in ("gettimeout", "fileno")] == ["send", "recv"] * 3

@@ -8,6 +8,11 @@ chunk (``benchmarks/proxy_overhead.py``). A proxy in front of an inference serve
 connections and long streams, which threads serve well. A whole answer goes back in one write
 (head and body together); a streamed answer's head goes with its first chunk.
 
+A client's socket stays blocking, its time-outs set in the kernel (``SO_RCVTIMEO``,
+``SO_SNDTIMEO``) and changed only when they change: a socket with a Python time-out polls before
+every read and write, and every system call lets the GIL go, which, with a thread per connection,
+wakes another thread for nothing. A relayed request is one read and one write on the client's side.
+
 Every client is held to :class:`Limits` (head and body sizes, connections, time-outs; see
 docs/proxy-limits.md): a request over one is refused with its status (400, 408, 413, 431, 503)
 and counted, and its connection closed. The upstream side is :mod:`upstream`.
@@ -19,6 +24,7 @@ import errno
 import logging
 import select
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -47,6 +53,8 @@ LINGER_BYTES = 1 << 20
 BUSY_LINGER_S = 0.1
 """The same for a 503 written by the accepting thread, which must go back to accepting."""
 RETRY = [(b"retry-after", b"1")]
+_TIMEVAL = struct.Struct("@ll")
+"""``struct timeval`` (seconds, microseconds), as ``SO_RCVTIMEO`` and ``SO_SNDTIMEO`` take it."""
 
 
 class ClientGone(Exception):
@@ -81,8 +89,10 @@ class Responder:
     connection's close to an HTTP/1.0 one; none for an answer to HEAD, 204 and 304."""
 
     def __init__(self, sock: socket.socket, head_only: bool = False, keep_alive: bool = True,
-                 chunks_allowed: bool = True):
+                 chunks_allowed: bool = True, write_timeout_s: float = 60.0):
         self._socket = sock
+        self._write_timeout_s = write_timeout_s
+        """How long one write may take to go out (the socket's ``SO_SNDTIMEO`` bounds each send)."""
         self._head_only = head_only
         self._chunks_allowed = chunks_allowed
         self.keep_alive = keep_alive
@@ -145,7 +155,8 @@ class Responder:
             out += b"0\r\n\r\n"
         elif self._framing is _LENGTH and self._remaining:
             self._fail(f"{self._remaining} bytes short of its content-length")
-        self._write(out)
+        if out:  # an answer whose last bytes went already ends without another write
+            self._write(out)
         self.finished = True
 
     def _frame(self, data: bytes) -> bytes:
@@ -168,10 +179,21 @@ class Responder:
 
     def _write(self, out: bytes) -> None:
         self.committed = True
+        started = time.monotonic()
         try:
-            self._socket.sendall(out)
-        except OSError as exc:  # a time-out included: a client that stopped reading
+            sent = self._socket.send(out)  # the whole of it, unless the time-out or a signal ended the send
+            if sent < len(out):
+                self._write_rest(memoryview(out)[sent:], started + self._write_timeout_s)
+        except OSError as exc:  # a time-out included (EAGAIN): a client that stopped reading
             raise ClientGone(str(exc) or type(exc).__name__) from None
+
+    def _write_rest(self, rest: memoryview, deadline: float) -> None:
+        # A send that stopped short waited ``SO_SNDTIMEO`` already, or was interrupted: what is left
+        # goes out within the same bound, so that a client reading a trickle is cut off too.
+        while rest:
+            if time.monotonic() >= deadline:
+                raise ClientGone(f"the answer did not go out within {self._write_timeout_s:g} s")
+            rest = rest[self._socket.send(rest):]
 
 
 _LENGTH, _CHUNKED, _CLOSE = "length", "chunked", "close"
@@ -320,6 +342,8 @@ def _shut(sock: socket.socket) -> None:
 def _serve_connection(handler: Handler, client: _Client, limits: Limits, count: Counter,
                       stopping: Callable[[], bool]) -> None:
     sock = client.socket
+    sock.settimeout(None)  # blocking, bounded by the kernel's time-outs: a client that stops reading is cut off
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(limits.idle_timeout_s))
     reader = _Reader(sock, limits)
     while not stopping():
         try:
@@ -332,8 +356,8 @@ def _serve_connection(handler: Handler, client: _Client, limits: Limits, count: 
             return  # the client closed the connection, or left it idle too long
         request, keep_alive, http11 = parsed
         client.busy = True
-        sock.settimeout(limits.idle_timeout_s)  # a client that stops reading its answer is cut off
-        responder = Responder(sock, head_only=request.method == "HEAD", keep_alive=keep_alive, chunks_allowed=http11)
+        responder = Responder(sock, head_only=request.method == "HEAD", keep_alive=keep_alive, chunks_allowed=http11,
+                              write_timeout_s=limits.idle_timeout_s)
         try:
             handler(request, responder)
         finally:
@@ -450,6 +474,8 @@ class _Reader:
     def __init__(self, sock: socket.socket, limits: Limits):
         self._socket, self._limits = sock, limits
         self._requests = _Requests(limits)
+        self._receive_timeout_s: Optional[float] = None
+        """The socket's ``SO_RCVTIMEO`` as last set (``None``: not set by the reader yet)."""
 
     def next_request(self) -> Optional[tuple[Request, bool, bool]]:
         """The next whole request, with whether the client keeps the connection and speaks HTTP/1.1;
@@ -465,15 +491,18 @@ class _Reader:
                 raise requests.refused
             if requests.wants_continue and not continued:
                 continued = True
-                self._socket.settimeout(limits.request_timeout_s)
                 self._socket.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
             try:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                # Waiting for a request's first byte, the time-out is the idle one, as it was for the
+                # request before: the kernel's time-out is changed only within a request read in pieces.
+                wait_s = deadline - time.monotonic() if started else limits.idle_timeout_s
+                if wait_s <= 0:
                     raise TimeoutError
-                self._socket.settimeout(remaining)
+                if wait_s != self._receive_timeout_s:
+                    self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(wait_s))
+                    self._receive_timeout_s = wait_s
                 data = self._socket.recv(READ_SIZE)
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError):  # BlockingIOError: SO_RCVTIMEO passed (EAGAIN)
                 if not started:
                     return None  # idle: closed without a word, as a kept-alive connection may be
                 raise _Refused(408, PROXY_CLIENT_TIMEOUTS, f"kvtrace proxy: the request did not arrive within "
@@ -485,6 +514,12 @@ class _Reader:
                 deadline = time.monotonic() + limits.request_timeout_s
             requests.feed(data)
         return requests.ready.popleft()
+
+
+def _timeval(seconds: float) -> bytes:
+    """``seconds`` as a kernel time-out; never zero, which would mean none."""
+    whole = int(min(seconds, 1 << 31))
+    return _TIMEVAL.pack(whole, max(int((seconds - whole) * 1e6), 0 if whole else 1))
 
 
 def _head_too_large(limits: Limits) -> _Refused:

@@ -179,17 +179,23 @@ class _Connection:
         self.idle_since = 0.0
         self.after_chunked = False
         """Its last answer was chunked."""
+        self._poller = select.poll()
+        """Registered once: the look before each reuse is one system call."""
+        self._poller.register(sock, select.POLLIN)
 
     def alive(self) -> bool:
         """Idle and still open: nothing to read (neither the upstream's close nor stray bytes)."""
         try:
             if isinstance(self.socket, ssl.SSLSocket) and self.socket.pending():
                 return False
-            poller = select.poll()
-            poller.register(self.socket, select.POLLIN)
-            return not poller.poll(0)
+            return not self._poller.poll(0)
         except (OSError, ValueError):
             return False
+
+    def set_timeout(self, timeout: Optional[float]) -> None:
+        """Each socket operation's bound; changing it is a system call, so it is made only on a change."""
+        if self.socket.gettimeout() != timeout:
+            self.socket.settimeout(timeout)
 
     def send(self, message: bytes) -> None:
         """All of ``message``; ``_NothingSent`` when the first write failed (nothing left)."""
@@ -308,7 +314,7 @@ class Upstream:
             reused = connection is not None
             if connection is None:
                 connection = self._connect()
-            connection.socket.settimeout(timeout)
+            connection.set_timeout(timeout)
             try:
                 connection.send(message)
             except _NothingSent as exc:
