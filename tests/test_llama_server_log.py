@@ -289,7 +289,8 @@ def test_a_task_pushed_out_of_the_unclaimed_or_logged_again_is_no_longer_any_req
     requests = {marker: SimpleNamespace(marker=marker, answer=None, task=None, match=None, sent_at=(0, 0))
                 for marker in (1048600, 1048603, 1048604)}
     with provenance._lock:
-        provenance._waiting.extend(requests.values())
+        for request in requests.values():
+            provenance._wait(request)
     for request in requests.values():
         provenance.find(request, Fingerprint(None, None, None, None))
     assert {marker: (r.match, r.task and r.task.slot) for marker, r in requests.items()} == {

@@ -3,6 +3,9 @@ already tokenized for the proxy is not asked again, and nothing it could not ans
 
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+
 from kvtrace.llama_server.tasks import server_tokenizer
 
 
@@ -56,29 +59,88 @@ def test_an_unanswered_call_is_not_remembered_and_the_oldest_prompts_make_room()
     assert len(server.calls) == calls + 1
 
 
-def test_a_record_waiting_for_the_request_its_state_came_from_is_woken_when_that_one_is_remembered(tmp_path):
-    import threading
-    import time
-    from types import SimpleNamespace
-
-    from kvtrace.llama_server.log import LogFollower, TaskDecision
+def _provenance(tmp_path, wait_s: float = 120.0):
+    from kvtrace.llama_server.log import LogFollower
     from kvtrace.llama_server.tasks import TaskProvenance
 
     provenance = TaskProvenance(LogFollower(tmp_path / "server.log"))
-    provenance.REMEMBER_WAIT_S = 120.0  # woken, not timed out
-    record = SimpleNamespace(config={}, output_token_ids=[], origin=lambda: None)
-    source, other = (SimpleNamespace(task=TaskDecision(task, 0), marker=None, prompt_chain=None) for task in (7, 8))
+    provenance.REMEMBER_WAIT_S = wait_s
+    return provenance
+
+
+def _matched(task: int, previous: int | None = None, marker: int | None = None):
+    from types import SimpleNamespace
+
+    from kvtrace.llama_server.log import TaskDecision
+
+    return SimpleNamespace(task=TaskDecision(task, 0, previous_task=previous), marker=marker, prompt_chain=None,
+                           answer=None)
+
+
+_RECORD = SimpleNamespace(config={}, output_token_ids=[], origin=lambda: None)
+
+
+def test_a_record_waiting_for_the_request_its_state_came_from_runs_when_that_one_is_remembered(tmp_path):
+    provenance = _provenance(tmp_path)
+    source, other, waiting = _matched(7), _matched(8), _matched(11, previous=7)
     provenance._unremembered.update({7, 8})  # both matched to their tasks, their records still being made
-    waiting = threading.Thread(target=provenance._wait_for, args=(7,))
-    waiting.start()
-    while 7 not in provenance._waiters:
-        time.sleep(0.01)
-    provenance.remember(other, record)
-    waiting.join(0.2)
-    assert waiting.is_alive()  # another task's request settles nothing for it
-    provenance.remember(source, record)
-    waiting.join(30)
-    assert not waiting.is_alive()
+    ran = []
+    provenance.when_settled(waiting, lambda: ran.append(threading.current_thread()))
+    assert ran == []  # parked: it holds no thread while it waits
+    provenance.remember(other, _RECORD)
+    assert ran == []  # another task's request settles nothing for it
+    provenance.remember(source, _RECORD)
+    assert ran == [threading.current_thread()]  # made by the thread that remembered its state's request
+    provenance.when_settled(_matched(12, previous=7), lambda: ran.append("at once"))
+    assert ran[-1] == "at once"
+
+
+def test_a_slots_chain_of_waiting_records_runs_in_order_as_a_loop_on_the_thread_that_settles_the_first(tmp_path):
+    # Each record's state came from the one before it on the slot; remembering one settles the next. Made
+    # one inside another, a chain this long would run out of stack.
+    provenance = _provenance(tmp_path)
+    chain = [_matched(0)] + [_matched(task, previous=task - 1) for task in range(1, 3000)]
+    provenance._unremembered.update(range(3000))
+    made = []
+    for traced in chain[1:]:
+        def end(traced=traced):
+            made.append(traced.task.task)
+            provenance.remember(traced, _RECORD)
+        provenance.when_settled(traced, end)
+    assert made == []
+    provenance.remember(chain[0], _RECORD)
+    assert made == list(range(1, 3000))
+    assert not provenance._parked
+
+
+def test_a_record_whose_states_request_is_never_remembered_is_made_after_the_wait_on_a_thread_of_its_own(tmp_path):
+    provenance = _provenance(tmp_path, wait_s=0.05)
+    provenance._unremembered.add(7)  # matched, and never remembered nor let go
+    made = threading.Event()
+    threads = []
+    provenance.when_settled(_matched(11, previous=7), lambda: (threads.append(threading.current_thread()), made.set()))
+    assert made.wait(30)
+    assert threads[0] is not threading.current_thread()
+    assert not provenance._parked
+
+
+def test_a_record_whose_state_is_an_unclaimed_marked_task_waits_only_while_a_request_carries_that_marker(tmp_path):
+    from kvtrace.llama_server.log import TaskDecision
+    from kvtrace.llama_server.tasks import MARKER_BASE
+
+    provenance = _provenance(tmp_path)
+    marker = MARKER_BASE + 5
+    sender = _matched(0, marker=marker)
+    sender.task = None
+    with provenance._lock:
+        provenance._unclaimed[7] = TaskDecision(7, 0, marker=marker)
+        provenance._unclaimed_by_marker[marker] = [provenance._unclaimed[7]]
+        provenance._wait(sender)  # the request that may yet claim task 7
+    ran = []
+    provenance.when_settled(_matched(11, previous=7), lambda: ran.append(11))
+    assert ran == []
+    provenance.abandon(sender)  # its record made without claiming task 7: another proxy's, then
+    assert ran == [11]
 
 
 def test_a_state_whose_answer_left_a_generated_id_out_goes_on_only_as_far_as_its_ids_stand_in_place(tmp_path):

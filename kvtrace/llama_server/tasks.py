@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
+import logging
 import random
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import msgspec
 import numpy as np
 
 from kvtrace import semconv as sc
@@ -40,6 +41,8 @@ from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
 
 if TYPE_CHECKING:
     from kvtrace.proxy.app import Traced
+
+log = logging.getLogger("kvtrace.proxy")
 
 MARKER_BASE = 1 << 20
 """Markers are ``MARKER_BASE + n``: far from any ``dry_penalty_last_n`` a client would set."""
@@ -153,6 +156,15 @@ def shared_chain_length(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else length
 
 
+class _Parked:
+    """The rest of a record, waiting for the request of the state its task kept (``source``)."""
+
+    __slots__ = ("source", "then", "deadline", "taken")
+
+    def __init__(self, source: int, then: Callable[[], None], deadline: float):
+        self.source, self.then, self.deadline, self.taken = source, then, deadline, False
+
+
 class TaskProvenance:
     """Ties each traced request to its task in llama-server's log and records what the log says of it."""
 
@@ -173,7 +185,11 @@ class TaskProvenance:
         # proxy's (or worker's) tasks stay unclaimed here until pushed out; a scan of them all cost a millisecond.
         self._unclaimed_by_marker: dict[int, list[TaskDecision]] = {}
         self._unclaimed_unmarked: OrderedDict[int, TaskDecision] = OrderedDict()
-        self._waiting: list[Traced] = []
+        # Requests sent whose task is not found yet (by id()), and the same counted by marker: every question
+        # about them is a lookup, not a scan of them all (a thousand at once held a millisecond a request).
+        self._waiting: dict[int, Traced] = {}
+        self._waiting_markers: dict[int, int] = {}
+        self._waiting_unmarked: dict[int, Traced] = {}
         self._origins: OrderedDict[int, StateOrigin] = OrderedDict()
         self._chains: Optional[PromptChains] = None
         # From a random start: two proxies in front of one server seldom send the same markers at once. The
@@ -182,9 +198,13 @@ class TaskProvenance:
         self._markers = itertools.count(random.randrange(MARKER_SPAN // lanes) * lanes + index, lanes)
         self._unremembered: set[int] = set()  # tasks matched whose request's state is not remembered yet
         self._lock = threading.Lock()  # requests are served by threads of their own
-        # Records waiting for a task's request to be remembered or let go, per task: only they are woken then
-        # (one condition for all woke every waiting record at every request, and cost more than the matching).
-        self._waiters: dict[int, tuple[threading.Condition, list[int]]] = {}
+        # Records parked until the request of the state their task kept is remembered or let go, by that task,
+        # and in the order their deadlines come (one wait for all: a parked record holds no thread).
+        self._parked: dict[int, list[_Parked]] = {}
+        self._deadlines: deque[_Parked] = deque()
+        self._deadline_due = threading.Condition(self._lock)
+        self._deadline_thread: Optional[threading.Thread] = None
+        self._running = threading.local()  # the jobs a thread runs one after another (:meth:`_run`)
         self._reading = threading.Lock()  # the log is parsed by one thread at a time; taken before _lock
         self._read_from = -1.0  # when the last read of the log began (time.monotonic())
         self._tasks_seen = False
@@ -201,20 +221,16 @@ class TaskProvenance:
         own. Nothing is parsed here, on the client's path: that waits for the answer (:meth:`find`)."""
         traced.sent_at = self.follower.end()
         with self._lock:
-            self._waiting.append(traced)
+            self._wait(traced)
 
     def abandon(self, traced: Traced) -> None:
         """A request done with (or refused before a task started): it waits for nothing any more."""
         with self._lock:
-            self._drop(traced)
+            ready = self._drop(traced)
             if traced.task is not None:
                 self._unremembered.discard(traced.task.task)
-                self._wake(traced.task.task)
-            if traced.marker is not None:  # a record waiting on an unclaimed task of its marker looks again
-                for task in list(self._waiters):
-                    unclaimed = self._unclaimed.get(task)
-                    if unclaimed is not None and unclaimed.marker == traced.marker:
-                        self._wake(task)
+                ready += self._settled_parked(traced.task.task)
+        self._run(ready)
 
     def server_settings(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(cache settings, numerics) the server's log stated, as copies. The log states them at start-up,
@@ -256,10 +272,30 @@ class TaskProvenance:
                 traced.task = task
                 self._claim(task.task)
                 self._unremembered.add(task.task)
-            self._drop(traced)
+            ready = self._drop(traced)
+        self._run(ready)
+
+    def when_settled(self, traced: Traced, then: Callable[[], None]) -> None:
+        """``then()`` once the state ``traced``'s task kept can be read (:meth:`describe`): its request
+        remembered or let go, or :data:`REMEMBER_WAIT_S` passed. It runs here when it can at once; else on
+        the thread that settles that request (a slot's records one after another, in a loop, where each
+        used to wake the next one's thread), or on the deadlines' thread."""
+        source = _source_task(traced.task)
+        with self._lock:
+            if source is not None and not self._settled(source):
+                parked = _Parked(source, then, time.monotonic() + self.REMEMBER_WAIT_S)
+                self._parked.setdefault(source, []).append(parked)
+                self._deadlines.append(parked)
+                if self._deadline_thread is None:
+                    self._deadline_thread = threading.Thread(target=self._expire, name="kvtrace-proxy-deadlines",
+                                                             daemon=True)
+                    self._deadline_thread.start()
+                return
+        self._run([then])
 
     def describe(self, traced: Traced, record: RequestRecord, answer_cached: Optional[int]) -> None:
-        """The match, the task's slot and id, its cache decisions and the integrity verdict, on the record."""
+        """The match, the task's slot and id, its cache decisions and the integrity verdict, on the record
+        (called once the state's request is settled: :meth:`when_settled`)."""
         record.config[sc.SERVER_TASK_MATCH] = traced.match or sc.TASK_MATCH_NONE
         decision = traced.task
         if decision is None:
@@ -267,8 +303,7 @@ class TaskProvenance:
         record.config[sc.SERVER_SLOT_ID] = decision.slot
         record.config[sc.SERVER_TASK_ID] = decision.task
         restore = decision.restore
-        source_task = restore.source_task if restore is not None else decision.previous_task
-        self._wait_for(source_task)
+        source_task = _source_task(decision)
         with self._lock:
             origin = self._origins.get(source_task) if source_task is not None else None
         if restore is not None:
@@ -307,39 +342,75 @@ class TaskProvenance:
             if chain is not None and chains is not None:
                 chains.keep(traced.task.task, chain)
             self._unremembered.discard(traced.task.task)
-            self._wake(traced.task.task)
+            ready = self._settled_parked(traced.task.task)
+        self._run(ready)
 
-    def _wait_for(self, task: Optional[int]) -> None:
-        """A state's request may still be being read (its answer went out before it was recorded, and
-        the server's HTTP threads may all be busy with generations when the proxy tokenizes). Woken as soon
-        as a request is remembered or let go: records wait on each other in chains (a slot's tasks, one after
-        another), and waking by a growing pause put each link's lateness onto the next."""
-        def settled() -> bool:
-            if task in self._unremembered:
-                return False
-            unclaimed = self._unclaimed.get(task) if task is not None else None
-            # Unclaimed and marked: waited for only while a request of this proxy with that marker waits for its
-            # task (a marker none of them carries is another proxy's, in front of the same server).
-            return (unclaimed is None or not _is_marker(unclaimed.marker)
-                    or not any(w.marker == unclaimed.marker for w in self._waiting))
+    # --- records waiting for the request of their state ------------------------------------------
 
-        if task is None:
+    def _settled(self, task: int) -> bool:
+        """Whether ``task``'s request is remembered or let go (called with ``_lock`` held). Unclaimed and
+        marked: waited for only while a request of this proxy with that marker waits for its task (a marker
+        none of them carries is another proxy's, in front of the same server)."""
+        if task in self._unremembered:
+            return False
+        unclaimed = self._unclaimed.get(task)
+        return unclaimed is None or not _is_marker(unclaimed.marker) or unclaimed.marker not in self._waiting_markers
+
+    def _settled_parked(self, task: int) -> list[Callable[[], None]]:
+        """The records parked on ``task`` if it is settled now, taken (called with ``_lock`` held)."""
+        if task not in self._parked or not self._settled(task):
+            return []
+        parked = self._parked.pop(task)
+        for entry in parked:
+            entry.taken = True
+        return [entry.then for entry in parked]
+
+    def _expire(self) -> None:
+        """The deadlines' thread: runs each parked record whose wait ran out; ends when none is parked."""
+        while True:
+            with self._lock:
+                while True:
+                    while self._deadlines and self._deadlines[0].taken:
+                        self._deadlines.popleft()
+                    if not self._deadlines:
+                        self._deadline_thread = None
+                        return
+                    wait = self._deadlines[0].deadline - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._deadline_due.wait(wait)
+                due = []
+                now = time.monotonic()
+                while self._deadlines and (self._deadlines[0].taken or self._deadlines[0].deadline <= now):
+                    entry = self._deadlines.popleft()
+                    if not entry.taken:
+                        entry.taken = True
+                        same = self._parked[entry.source]
+                        same.remove(entry)
+                        if not same:
+                            del self._parked[entry.source]
+                        due.append(entry.then)
+            self._run(due)
+
+    def _run(self, jobs: list[Callable[[], None]]) -> None:
+        """Runs ``jobs``, and the parked records they settle, one after another on this thread: a record run
+        here that settles the next one of its slot queues it here, instead of calling it from within itself."""
+        if not jobs:
             return
-        with self._lock:
-            condition, count = self._waiters.setdefault(task, (threading.Condition(self._lock), [0]))
-            count[0] += 1
-            try:
-                condition.wait_for(settled, timeout=self.REMEMBER_WAIT_S)
-            finally:
-                count[0] -= 1
-                if not count[0]:
-                    del self._waiters[task]
-
-    def _wake(self, task: int) -> None:
-        """The records waiting for ``task``'s request look again (called with ``_lock`` held)."""
-        waiting = self._waiters.get(task)
-        if waiting is not None:
-            waiting[0].notify_all()
+        queue = getattr(self._running, "queue", None)
+        if queue is not None:
+            queue.extend(jobs)
+            return
+        queue = self._running.queue = deque(jobs)
+        try:
+            while queue:
+                job = queue.popleft()
+                try:
+                    job()
+                except Exception:  # a job counts its own failures; this guards the jobs queued after it
+                    log.warning("kvtrace proxy: a parked record failed", exc_info=True)
+        finally:
+            self._running.queue = None
 
     # --- matching -------------------------------------------------------------------------------
 
@@ -351,6 +422,9 @@ class TaskProvenance:
             self._read_from = time.monotonic()
             started = self.follower.poll()
             self._tasks_seen = self._tasks_seen or bool(started)
+            if not started:
+                return
+            ready: list[Callable[[], None]] = []
             with self._lock:
                 for decision in started:
                     self._claim(decision.task)  # a task id seen again: the server restarted
@@ -360,7 +434,10 @@ class TaskProvenance:
                     else:
                         self._unclaimed_unmarked[decision.task] = decision
                     while len(self._unclaimed) > self.MAX_UNCLAIMED:
-                        self._claim(next(iter(self._unclaimed)))
+                        pushed_out = next(iter(self._unclaimed))
+                        self._claim(pushed_out)
+                        ready += self._settled_parked(pushed_out)
+        self._run(ready)
 
     def _claim(self, task: int) -> None:
         """``task`` is no longer unclaimed (called with ``_lock`` held)."""
@@ -375,8 +452,31 @@ class TaskProvenance:
         if not same:
             del self._unclaimed_by_marker[decision.marker]
 
-    def _drop(self, traced: Traced) -> None:
-        self._waiting = [waiting for waiting in self._waiting if waiting is not traced]
+    def _wait(self, traced: Traced) -> None:
+        """``traced`` waits for its task (called with ``_lock`` held)."""
+        self._waiting[id(traced)] = traced
+        if traced.marker is None:
+            self._waiting_unmarked[id(traced)] = traced
+        else:
+            self._waiting_markers[traced.marker] = self._waiting_markers.get(traced.marker, 0) + 1
+
+    def _drop(self, traced: Traced) -> list[Callable[[], None]]:
+        """``traced`` waits no more (called with ``_lock`` held); the parked records that settles."""
+        if self._waiting.pop(id(traced), None) is None:
+            return []
+        marker = traced.marker
+        if marker is None:
+            del self._waiting_unmarked[id(traced)]
+            return []
+        left = self._waiting_markers.pop(marker) - 1
+        if left:
+            self._waiting_markers[marker] = left
+            return []
+        # No request of this proxy carries the marker now: its unclaimed tasks are another proxy's.
+        ready: list[Callable[[], None]] = []
+        for decision in self._unclaimed_by_marker.get(marker, ()):
+            ready += self._settled_parked(decision.task)
+        return ready
 
     def _match(self, traced: Traced, answer: Fingerprint) -> tuple[tuple[str, Optional[TaskDecision]], bool]:
         """((how, task), final): final once the log decided; else the outcome if it stays as it is."""
@@ -394,7 +494,7 @@ class TaskProvenance:
             return (sc.TASK_MATCH_AMBIGUOUS, None), False
         task = fitting[0]
         # Another waiting request could own it unless its own answer (once read) does not fit the task.
-        rivals = [w for w in self._waiting if w is not traced and w.marker is None and started_after(task, w.sent_at)
+        rivals = [w for w in self._waiting_unmarked.values() if w is not traced and started_after(task, w.sent_at)
                   and (w.answer is None or w.answer.fits(task))]
         if rivals:
             return (sc.TASK_MATCH_AMBIGUOUS, None), False
@@ -455,12 +555,20 @@ def _layer(decision: TaskDecision) -> str:
     return sc.LAYER_PROMPT_CACHE if decision.restore is not None else sc.LAYER_KV_REUSE
 
 
+def _source_task(decision: Optional[TaskDecision]) -> Optional[int]:
+    """The task whose state ``decision``'s task kept: the restored prompt's, else the slot's previous one."""
+    if decision is None:
+        return None
+    return decision.restore.source_task if decision.restore is not None else decision.previous_task
+
+
 def _is_marker(value: Optional[int]) -> bool:
     return value is not None and MARKER_BASE <= value < MARKER_BASE + MARKER_SPAN
 
 
 # --- the prompt's tokens, as the server makes them ---------------------------------------------------
 
+_encode = msgspec.json.encode  # in C, a fifth of json.dumps' time; a lone surrogate raises, as json's UTF-8 did
 CHAT_TEMPLATE_FIELDS = ("messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_format")
 TOKENIZED_TOKENS = 2_000_000
 """Token ids of the prompts the server tokenized, kept for the next request with the same prompt (a shadow
@@ -508,7 +616,7 @@ def server_tokenizer(post: Callable[[str, dict[str, Any]], Optional[dict[str, An
     def tokenize(request: dict[str, Any], endpoint: str) -> Optional[list[int]]:
         if endpoint == "chat":
             fields = {k: request[k] for k in CHAT_TEMPLATE_FIELDS if k in request}
-            key = b"chat" + hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=16).digest()
+            key = b"chat" + hashlib.blake2b(_encode(fields, order="sorted"), digest_size=16).digest()
         else:
             text = request.get("prompt")
             if isinstance(text, list) and all(isinstance(t, int) for t in text):
@@ -537,7 +645,7 @@ def server_tokenizer(post: Callable[[str, dict[str, Any]], Optional[dict[str, An
 def json_post(upstream) -> Callable[[str, dict[str, Any]], Optional[dict[str, Any]]]:
     """``post`` for :func:`server_tokenizer` over the proxy's upstream connections."""
     def post(path: str, body: dict[str, Any]) -> Optional[dict[str, Any]]:
-        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
+        data = _encode(body)
         for _ in range(2):  # these calls change nothing, so one the server closed on is sent again
             try:
                 answer = upstream.request("POST", path, [(b"content-type", b"application/json")], data, timeout=30.0)

@@ -76,11 +76,12 @@ FORWARD_DROPPED = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"accept-
 """Not forwarded upstream: the proxy frames the request itself and asks for identity encoding."""
 RESPONSE_DROPPED = HOP_BY_HOP | {b"content-length", b"content-encoding"}
 """Not copied into the client's answer: the proxy frames it itself (the upstream was asked for identity)."""
-RECORDS_IN_FLIGHT = 1024
+RECORDS_IN_FLIGHT = 64
 """Records made on threads of their own at once; beyond it one is made on its client's connection thread, which
-holds that client's next request. A record mostly waits (for llama-server's log, its tokenizer, the record of the
-state its task kept): at concurrency 32 on 4 slots up to 128 were in flight, and a bound of 64 held clients for
-seconds (p99 3.1 s; with 1,024, 0.66 s: docs/findings.md)."""
+holds that client's next request. A record waiting for the record of the state its task kept is parked and holds
+no thread (:meth:`TaskProvenance.when_settled`); what holds one is reading the log and the integrity check's calls.
+With 1,024 a saturated proxy ran a thousand threads, and opened and closed upstream connections past the 64 it
+keeps idle: 1.95-2.28 ms of CPU a request against 1.61-1.83 with 64 (docs/findings.md)."""
 
 
 def _last_event_end(buffer: bytes) -> int:
@@ -295,11 +296,11 @@ class ProxyApp:
     # --- tracing: never fails the request ---------------------------------------------------
 
     def _read_log(self, traced: Traced, record: RequestRecord, recorder: Recorder, answer_fingerprint: Fingerprint,
-                  cached_tokens: Optional[int]) -> None:
-        """The request's task from llama-server's log, its cache decisions and their integrity, on the record."""
+                  cached_tokens: Optional[int], then: Callable[[], None]) -> None:
+        """The request's task from llama-server's log, its cache decisions and their integrity, on the record;
+        then ``then()``, the record's end. That waits for the record of the state the task kept: parked
+        (:meth:`TaskProvenance.when_settled`), it holds no thread, and :meth:`close` still waits for it."""
         provenance = self.provenance
-        if provenance is None:
-            return
         try:
             provenance.find(traced, answer_fingerprint)
             tokens = provenance.prepare_chain(traced, recorder.settings.hash_key, traced.plan.endpoint)
@@ -307,11 +308,25 @@ class ProxyApp:
                 # The prompt's ids beside the text hash (which stays the prompt hash), under ids capture
                 # only: what `kvtrace replay --server` sends again.
                 record.config[sc.PROMPT_TOKEN_IDS] = recorder.capture.prompt_token_ids(tokens)
-            provenance.describe(traced, record, cached_tokens)
-            provenance.remember(traced, record)
         except Exception:
             self.count("instrumentation_errors")
             log.warning("kvtrace proxy: reading llama-server's log for a request failed", exc_info=True)
+        release = self.background.hold()
+
+        def described() -> None:
+            try:
+                provenance.describe(traced, record, cached_tokens)
+                provenance.remember(traced, record)
+            except Exception:
+                self.count("instrumentation_errors")
+                log.warning("kvtrace proxy: reading llama-server's log for a request failed", exc_info=True)
+            try:
+                then()
+            finally:
+                provenance.abandon(traced)  # matched or not, it no longer waits for a task
+                release()
+
+        provenance.when_settled(traced, described)
 
     def _begin(self, request: Request, endpoint: str) -> Optional[Traced]:
         try:
@@ -344,46 +359,53 @@ class ProxyApp:
     def _finish(self, traced: Traced, status: int, read_answer: Callable[[], answers.UpstreamAnswer],
                 cancelled: bool = False, broken: Optional[str] = None) -> None:
         """The request's record, made off the client's connection (:mod:`background`)."""
-        def record() -> None:
-            try:
-                self._record(traced, status, read_answer, cancelled, broken)
-            finally:
-                if self.provenance is not None:
-                    self.provenance.abandon(traced)  # matched or not, it no longer waits for a task
-
-        self.background.run(record)
+        self.background.run(lambda: self._record(traced, status, read_answer, cancelled, broken))
 
     def _record(self, traced: Traced, status: int, read_answer: Callable[[], answers.UpstreamAnswer],
                 cancelled: bool, broken: Optional[str]) -> None:
+        """Makes the record; with llama-server's log, its end may come later, on another thread
+        (:meth:`_read_log`). The request is let go by the provenance (``abandon``) on every path."""
+        handed_on = False
         try:
-            recorder = self._recorder()
-        except Exception:
-            self._count_failure("finding the recorder")
-            return
-        if recorder is None:
-            return
-        try:
-            # The decoded answer is let go here, before the log is waited on: dozens of records wait at once.
-            record, answer_fingerprint, cached_tokens = self._filled(traced, recorder, status, read_answer(),
-                                                                     cancelled, broken)
-        except Exception as exc:
-            # Still a span: the request happened; what kvtrace could not read is said on it.
-            log.debug("kvtrace proxy: an answer could not be read", exc_info=True)
-            self._finish_error(traced, status, f"kvtrace could not read the answer ({type(exc).__name__})",
-                               str(exc)[:200])
-            return
-        self._read_log(traced, record, recorder, answer_fingerprint, cached_tokens)
-        if record.reused_tokens > 0:
-            # What the server reported reusing, as the engine patches record a reuse.
-            record.events.append(CacheEvent(sc.EVENT_CACHE_REUSE, record.cache_layer, outcome=sc.OUTCOME_HIT,
-                                            tokens=record.reused_tokens, source=record.state_origin))
-        recorder.finish(record)  # never raises
-        if self.shadows is not None:
             try:
-                self.shadows.offer(traced.request, traced.target, traced.profile, record)
+                recorder = self._recorder()
             except Exception:
-                self.count("instrumentation_errors")
-                log.warning("kvtrace proxy: a shadow twin could not be sent", exc_info=True)
+                self._count_failure("finding the recorder")
+                return
+            if recorder is None:
+                return
+            try:
+                # The decoded answer is let go here, before the log is waited on: dozens of records wait at once.
+                record, answer_fingerprint, cached_tokens = self._filled(traced, recorder, status, read_answer(),
+                                                                         cancelled, broken)
+            except Exception as exc:
+                # Still a span: the request happened; what kvtrace could not read is said on it.
+                log.debug("kvtrace proxy: an answer could not be read", exc_info=True)
+                self._finish_error(traced, status, f"kvtrace could not read the answer ({type(exc).__name__})",
+                                   str(exc)[:200])
+                return
+
+            def recorded() -> None:
+                if record.reused_tokens > 0:
+                    # What the server reported reusing, as the engine patches record a reuse.
+                    record.events.append(CacheEvent(sc.EVENT_CACHE_REUSE, record.cache_layer, outcome=sc.OUTCOME_HIT,
+                                                    tokens=record.reused_tokens, source=record.state_origin))
+                recorder.finish(record)  # never raises
+                if self.shadows is not None:
+                    try:
+                        self.shadows.offer(traced.request, traced.target, traced.profile, record)
+                    except Exception:
+                        self.count("instrumentation_errors")
+                        log.warning("kvtrace proxy: a shadow twin could not be sent", exc_info=True)
+
+            if self.provenance is None:
+                recorded()
+                return
+            handed_on = True
+            self._read_log(traced, record, recorder, answer_fingerprint, cached_tokens, recorded)
+        finally:
+            if self.provenance is not None and not handed_on:
+                self.provenance.abandon(traced)  # matched or not, it no longer waits for a task
 
     def _filled(self, traced: Traced, recorder: Recorder, status: int, answer: answers.UpstreamAnswer,
                 cancelled: bool, broken: Optional[str]) -> tuple[RequestRecord, Fingerprint, Optional[int]]:

@@ -65,6 +65,13 @@ class Background:
             return False
         return True
 
+    def hold(self) -> Callable[[], None]:
+        """A job whose end runs later, on another thread (a record parked until the one its state came from
+        is made): :meth:`close` waits for it until the function returned is called, once."""
+        with self._lock:
+            self._running += 1
+        return self._done
+
     def _serve(self, job: Callable[[], None]) -> None:
         while True:
             try:

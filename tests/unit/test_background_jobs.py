@@ -65,3 +65,15 @@ def test_a_thread_that_finished_its_job_takes_the_next_and_the_limit_still_holds
     assert finished.acquire(timeout=10)
     jobs.close(timeout_s=10)
     assert len(threads) == 2 and threads[0] == threads[1]
+
+
+def test_a_stop_waits_for_a_held_job_whose_end_runs_on_another_thread():
+    jobs = background.Background(limit=4, name="test-jobs")
+    release = jobs.hold()
+    ended = threading.Event()
+    closer = threading.Thread(target=lambda: (jobs.close(timeout_s=30), ended.set()))
+    closer.start()
+    assert not ended.wait(0.2), "close() returned while a held job had not ended"
+    release()
+    assert ended.wait(30)
+    closer.join(30)
