@@ -140,9 +140,17 @@ def parse_exchange(request: dict[str, Any], response: dict[str, Any], hasher: Te
         finish_reason=str(choice.get("finish_reason") or ""),
         sampling={k: request[k] for k in SAMPLING_FIELDS if k in request},
     )
-    use_engine_ids = bool(positions) and all(
-        chosen[_ENGINE_ID] is not None and all(t[_ENGINE_ID] is not None for t in alternatives)
-        for chosen, alternatives in positions)
+    use_engine_ids = bool(positions)
+    for chosen, alternatives in positions:  # loops, not generators: a stream has three tokens a position
+        if chosen[_ENGINE_ID] is None:
+            use_engine_ids = False
+            break
+        for token in alternatives:
+            if token[_ENGINE_ID] is None:
+                use_engine_ids = False
+                break
+        if not use_engine_ids:
+            break
     exchange.token_id_source = sc.TOKEN_ID_SOURCE_ENGINE if use_engine_ids else sc.TOKEN_ID_SOURCE_TEXT_HASH
     _fill_rows(exchange, positions, _ENGINE_ID if use_engine_ids else None, hasher)
     if use_engine_ids:
@@ -232,9 +240,10 @@ def _positions(logprobs: Any) -> list[tuple[_Token, list[_Token]]]:
             if not isinstance(alternatives, list):
                 raise ExchangeError(f"logprobs.content[{i}].top_logprobs must be a list, "
                                     f"got {type(alternatives).__name__}")
-            if not all(isinstance(a, dict) for a in alternatives):
-                raise ExchangeError(f"logprobs.content[{i}].top_logprobs must be a list of objects "
-                                    "({\"token\": ..., \"logprob\": ...})")
+            for alternative in alternatives:
+                if not isinstance(alternative, dict):
+                    raise ExchangeError(f"logprobs.content[{i}].top_logprobs must be a list of objects "
+                                        "({\"token\": ..., \"logprob\": ...})")
             out.append((_token(entry, i), [_token(a, i) for a in alternatives]))
         return out
     tokens, token_logprobs = logprobs.get("tokens"), logprobs.get("token_logprobs")

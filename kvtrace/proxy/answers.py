@@ -73,9 +73,11 @@ def stream_events(raw: bytes) -> Iterable[dict[str, Any]]:
 
 
 def streamed_answer(endpoint: str, raw: bytes) -> UpstreamAnswer:
-    documents = list(stream_events(raw))
     if endpoint == NATIVE:
-        return _native(documents)
+        return _native(list(stream_events(raw)))
+    # One event decoded at a time: what the record keeps of it outlives it, the rest dies young (a
+    # stream's events held at once all outlived the collector's youngest generation, to be traversed).
+    documents = stream_events(raw)
     merged: dict[str, Any] = {"object": "chat.completion" if endpoint == CHAT else "text_completion"}
     content: list[dict[str, Any]] = []
     legacy: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}

@@ -86,7 +86,9 @@ keeps idle: 1.95-2.28 ms of CPU a request against 1.61-1.83 with 64 (docs/findin
 
 def _last_event_end(buffer: bytes) -> int:
     """Where the last complete server-sent event in ``buffer`` ends (0: none yet); LF or CRLF lines."""
-    lf, crlf = buffer.rfind(b"\n\n"), buffer.rfind(b"\r\n\r\n")
+    lf = buffer.rfind(b"\n\n")
+    # Only a CRLF end past the LF one counts, so it is sought no further back (not across a whole answer).
+    crlf = buffer.rfind(b"\r\n\r\n", max(lf - 1, 0))
     return max(lf + 2 if lf != -1 else 0, crlf + 4 if crlf != -1 else 0)
 
 
