@@ -102,6 +102,27 @@ def test_a_post_whose_connection_dies_after_it_was_sent_reaches_the_upstream_onc
     assert attributes["http.response.status_code"] == 502 and span.status.status_code.name == "ERROR"
 
 
+def test_a_traced_request_reaches_the_upstream_as_the_client_wrote_it_with_the_added_members_in_front(
+        memory_recorder):
+    """Only what the proxy adds is encoded: the client's spacing, escapes and member order reach the
+    upstream byte for byte (a request decoded and encoded again would lose them)."""
+    written = b'  {"prompt" : "caf\\u00e9 {\\"x\\"}",\n "max_tokens":2 }'
+
+    def answer(received):
+        return openai_profile(received) or json_answer({**ANSWER, "choices": [{**ANSWER["choices"][0],
+                                                                           "logprobs": None}]})
+
+    with ScriptedUpstream(answer) as upstream, proxy_in_thread(upstream.url, memory_recorder) as proxy:
+        for body in (written, b"{}"):
+            sent = httpx.post(proxy + "/v1/completions", content=body,
+                              headers={"content-type": "application/json"}, timeout=30)
+            assert sent.status_code == 200
+    first, empty = (received.body for received in upstream.requests_to("/v1/completions"))
+    assert first == b'  {"logprobs": 2,' + written[3:]
+    assert json.loads(first) == {**json.loads(written), "logprobs": 2}
+    assert empty == b'{"logprobs": 2}'
+
+
 def test_a_kept_alive_connection_the_upstream_closed_meanwhile_is_not_used(memory_recorder):
     answers: list[Answer] = []
 
@@ -273,7 +294,7 @@ def test_a_kept_alive_request_costs_one_read_and_one_write_on_a_blocking_socket(
             answer = b""
             while not answer.endswith(b"ok"):
                 answer += client.recv(65536)
-            assert answer.startswith(b"HTTP/1.1 200 ")
+            assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
     serving.join(10)
     assert modes == [None] * 6  # blocking: no poll before each read and write
     # Set once for the connection: blocking, the send and the receive time-outs; then per request one

@@ -161,7 +161,7 @@ class ProxyApp:
     def _forward(self, request: Request, responder: Responder, traced: Optional[Traced]) -> None:
         upstream_body = request.body
         if traced is not None and traced.plan.injected:
-            upstream_body = json.dumps(traced.plan.upstream_request, ensure_ascii=False).encode("utf-8")
+            upstream_body = _upstream_body(request.body, traced.request, traced.plan.upstream_request)
         if traced is not None and self.provenance is not None:
             self.provenance.sent(traced)
         headers = _forwarded_headers(request.headers)
@@ -523,6 +523,24 @@ def _forwarded_headers(headers: Headers) -> Headers:
     # The proxy asks for identity encoding: it reads (and may cut) what the upstream sends.
     return [(name, value) for name, value in headers if name.lower() not in FORWARD_DROPPED] + [
         (b"accept-encoding", b"identity")]
+
+
+def _upstream_body(body: bytes, request: dict[str, Any], upstream: dict[str, Any]) -> bytes:
+    """The request the upstream gets: the client's bytes with the members the plan added written in
+    after the opening brace, so that only those are encoded (and every other byte is the client's);
+    the whole request encoded again only where the plan changed or dropped a member the client sent."""
+    added = {}
+    for name, value in upstream.items():
+        if name not in request:
+            added[name] = value
+        elif request[name] is not value:
+            return json.dumps(upstream, ensure_ascii=False).encode("utf-8")
+    if len(upstream) - len(added) != len(request):  # a member the client sent was dropped
+        return json.dumps(upstream, ensure_ascii=False).encode("utf-8")
+    opening = body.index(b"{") + 1  # what precedes it is white space: the body was decoded as an object
+    members = json.dumps(added, ensure_ascii=False)[1:-1].encode("utf-8")
+    empty = body[opening:].lstrip()[:1] == b"}"
+    return body[:opening] + members + (b"" if empty or not added else b",") + body[opening:]
 
 
 def _with_trace_context(headers: Headers, record: RequestRecord) -> Headers:
