@@ -124,16 +124,22 @@ class Responder:
             return True
 
     def start(self, status: int, headers: Headers) -> None:
-        framing_headers = [(name.lower(), value) for name, value in headers
-                           if name.lower() in (b"content-length", b"transfer-encoding", b"connection")]
-        out = [(name, value) for name, value in headers if name.lower() not in (b"transfer-encoding", b"connection")]
-        declared = [value for name, value in framing_headers if name == b"content-length"]
+        out: Headers = []
+        declared = None
+        for name, value in headers:
+            lower = name.lower()
+            if lower == b"content-length":
+                if declared is None:
+                    declared = value
+            elif lower in (b"transfer-encoding", b"connection"):
+                continue  # the framing is the proxy's own
+            out.append((name, value))
         if self._head_only or status in (204, 304) or status < 200:
             self._framing, self._remaining = _LENGTH, 0
             if status in (204, 304) or status < 200:
                 out = [(name, value) for name, value in out if name.lower() != b"content-length"]
-        elif declared:
-            self._framing, self._remaining = _LENGTH, int(declared[0])
+        elif declared is not None:
+            self._framing, self._remaining = _LENGTH, int(declared)
         elif self._chunks_allowed:
             self._framing = _CHUNKED
             out.append((b"transfer-encoding", b"chunked"))
@@ -199,11 +205,12 @@ class Responder:
 _LENGTH, _CHUNKED, _CLOSE = "length", "chunked", "close"
 
 
+_REASONS = {status.value: status.phrase.encode("ascii") for status in HTTPStatus}
+"""Each status's reason phrase (looked up here: building an ``HTTPStatus`` costs more than the rest of the head)."""
+
+
 def _response_head(status: int, headers: Headers) -> bytes:
-    try:
-        reason = HTTPStatus(status).phrase.encode("ascii")
-    except ValueError:
-        reason = b""
+    reason = _REASONS.get(status, b"")
     return b"HTTP/1.1 %d %s\r\n" % (status, reason) + b"".join(
         name + b": " + value + b"\r\n" for name, value in headers) + b"\r\n"
 
@@ -410,8 +417,19 @@ class _Requests:
     def on_headers_complete(self) -> None:
         self.head_done = True
         limits = self.limits
-        method = self.parser.get_method()
-        if len(method) + len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > limits.max_header_bytes:
+        size = len(self.parser.get_method()) + len(self.url)
+        host = self.wants_continue = False
+        declared = None
+        for name, value in self.headers:  # one pass: a request's head is read once
+            size += len(name) + len(value) + 4
+            if name == b"host":
+                host = True
+            elif name == b"content-length":
+                if declared is None:
+                    declared = value
+            elif name == b"expect" and value.lower() == b"100-continue":
+                self.wants_continue = True
+        if size > limits.max_header_bytes:
             raise _head_too_large(limits)
         problem = target_problem(self.url.decode("latin-1"))
         if problem:
@@ -419,13 +437,10 @@ class _Requests:
         version = self.parser.get_http_version()
         if version not in ("1.0", "1.1"):
             raise _Refused(400, PROXY_BAD_REQUESTS, f"kvtrace proxy: bad request: HTTP/{version} is not served")
-        if version == "1.1" and not any(name == b"host" for name, _ in self.headers):
+        if version == "1.1" and not host:
             raise _Refused(400, PROXY_BAD_REQUESTS, "kvtrace proxy: bad request: an HTTP/1.1 request needs a Host")
-        declared = [value for name, value in self.headers if name == b"content-length"]
-        if declared and int(declared[0]) > limits.max_body_bytes:
+        if declared is not None and int(declared) > limits.max_body_bytes:
             raise _body_too_large(limits)
-        self.wants_continue = any(name == b"expect" and value.lower() == b"100-continue"
-                                  for name, value in self.headers)
 
     def on_body(self, body: bytes) -> None:
         self.body += body
@@ -539,7 +554,10 @@ def target_problem(target: str) -> Optional[str]:
         return "only a path (origin form, starting with /) is served as the request target"
     if "#" in target:
         return "a request target has no fragment (#)"
-    for segment in target.split("?", 1)[0].split("/"):
+    path = target.split("?", 1)[0]
+    if "." not in path and "%" not in path:
+        return None  # no segment can spell a dot, plainly or percent-encoded
+    for segment in path.split("/"):
         if unquote(segment) in (".", ".."):
             return "the request path has a dot-segment (. or ..)"
     return None

@@ -122,15 +122,23 @@ class _Answer:
                 raise _Malformed("the upstream switched protocols (101), which the proxy does not relay")
             self.headers = []  # an interim answer: the real one follows
             return
-        if sum(len(name) + len(value) + 4 for name, value in self.headers) > MAX_HEAD_BYTES:
+        size = 0
+        framing: list[bytes] = []
+        length = False
+        for name, value in self.headers:  # one pass: an answer's head is read once
+            size += len(name) + len(value) + 4
+            if name == b"transfer-encoding":
+                framing.append(value)
+            elif name == b"content-length":
+                length = True
+        if size > MAX_HEAD_BYTES:
             raise _Malformed(f"the answer's head is over {MAX_HEAD_BYTES} bytes")
-        framing = [value for name, value in self.headers if name == b"transfer-encoding"]
         if framing and (len(framing) > 1 or framing[0].lower() != b"chunked"):
             raise _Malformed("a transfer-encoding other than chunked")
         self.status = status
         self.head_done = True
         self.waiting_bytes = 0
-        self.until_close = not framing and not any(name == b"content-length" for name, _ in self.headers)
+        self.until_close = not framing and not length
         self.reusable = (self.parser.should_keep_alive() and self.parser.get_http_version() == "1.1"
                          and not self.until_close and not self.head_only)
         if self.head_only:
