@@ -156,7 +156,8 @@ def test_a_close_without_a_byte_of_answer_is_unreachable():
 def test_a_header_that_http_cannot_carry_is_refused_before_a_byte_leaves():
     with ScriptedUpstream(lambda received: Answer([length_answer(b"ok")])) as server:
         upstream = Upstream(server.url)
-        for headers in ([(b"x-a", b"1\r\nx-injected: 2")], [(b"x a", b"1")], [(b"", b"1")]):
+        for headers in ([(b"x-a", b"1\r\nx-injected: 2")], [(b"x-a", b"1\nx-injected: 2")], [(b"x-a", b"1\r")],
+                        [(b"x-a", b"1\x00")], [(b"x a", b"1")], [(b"", b"1")]):
             with pytest.raises(UpstreamUnreachable, match="cannot be written"):
                 upstream.request("GET", "/x", headers, b"")
         assert server.received == []

@@ -76,6 +76,7 @@ FORWARD_DROPPED = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"accept-
 """Not forwarded upstream: the proxy frames the request itself and asks for identity encoding."""
 RESPONSE_DROPPED = HOP_BY_HOP | {b"content-length", b"content-encoding"}
 """Not copied into the client's answer: the proxy frames it itself (the upstream was asked for identity)."""
+_RESPONSE_DROPPED_BUT_LENGTH = RESPONSE_DROPPED - {b"content-length"}
 RECORDS_IN_FLIGHT = 64
 """Records made on threads of their own at once; beyond it one is made on its client's connection thread, which
 holds that client's next request. A record waiting for the record of the state its task kept is parked and holds
@@ -561,7 +562,7 @@ def _with_trace_context(headers: Headers, record: RequestRecord) -> Headers:
 
 
 def _response_headers(response: UpstreamResponse, keep_length: bool = False) -> Headers:
-    dropped = RESPONSE_DROPPED - {b"content-length"} if keep_length else RESPONSE_DROPPED
+    dropped = _RESPONSE_DROPPED_BUT_LENGTH if keep_length else RESPONSE_DROPPED
     return [(name, value) for name, value in response.headers if name not in dropped]
 
 
