@@ -120,7 +120,8 @@ def parse_exchange(request: dict[str, Any], response: dict[str, Any], hasher: Te
         raise ExchangeError("response has no choices[0]")
     choice = choices[0]
     chat = "messages" in request or response.get("object") == "chat.completion"
-    positions = _positions(choice.get("logprobs"))
+    rows = _plain_engine_rows(choice.get("logprobs"))
+    positions = _positions(choice.get("logprobs")) if rows is None else []
     usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
     prompt_ids = response.get("prompt_token_ids") or choice.get("prompt_token_ids")
     if isinstance(prompt_ids, list) and prompt_ids and all(isinstance(t, int) for t in prompt_ids):
@@ -140,6 +141,11 @@ def parse_exchange(request: dict[str, Any], response: dict[str, Any], hasher: Te
         finish_reason=str(choice.get("finish_reason") or ""),
         sampling={k: request[k] for k in SAMPLING_FIELDS if k in request},
     )
+    if rows is not None:
+        exchange.token_id_source = sc.TOKEN_ID_SOURCE_ENGINE
+        exchange.token_ids, exchange.logprobs, exchange.top1_ids, exchange.runner_up_ids, exchange.margins = rows
+        _fill_unreported(exchange, choice.get("token_ids"))
+        return exchange
     use_engine_ids = bool(positions)
     for chosen, alternatives in positions:  # loops, not generators: a stream has three tokens a position
         if chosen[_ENGINE_ID] is None:
@@ -156,6 +162,50 @@ def parse_exchange(request: dict[str, Any], response: dict[str, Any], hasher: Te
     if use_engine_ids:
         _fill_unreported(exchange, choice.get("token_ids"))
     return exchange
+
+
+_INFINITY = float("inf")
+
+
+def _plain_engine_rows(logprobs: Any) -> Optional[tuple[list[int], list[float], list[int], list[int], list[float]]]:
+    """The per-token arrays (ids, logprobs, top-1, runner-up, margins) read in one pass where every chat entry is
+    the plain case: an engine id and a finite float logprob, two alternatives alike; ``None`` otherwise, and
+    :func:`_positions` and :func:`_fill_rows` read the entries (and say what is wrong with them). The same
+    arrays as theirs, without a tuple a token on the way."""
+    if type(logprobs) is not dict:
+        return None
+    entries = logprobs.get("content")
+    if type(entries) is not list or not entries:
+        return None
+    token_ids, values, top1_ids, runner_up_ids, margins = [], [], [], [], []
+    for entry in entries:
+        if type(entry) is not dict:
+            return None
+        alternatives = entry.get("top_logprobs")
+        if type(alternatives) is not list or len(alternatives) != 2:
+            return None
+        first, second = alternatives
+        if type(first) is not dict or type(second) is not dict:
+            return None
+        token_id, logprob = entry.get("id"), entry.get("logprob")
+        first_id, first_logprob = first.get("id"), first.get("logprob")
+        second_id, second_logprob = second.get("id"), second.get("logprob")
+        if type(token_id) is not int or type(first_id) is not int or type(second_id) is not int \
+                or type(logprob) is not float or type(first_logprob) is not float \
+                or type(second_logprob) is not float:
+            return None
+        if not (0 <= token_id <= MAX_TOKEN_ID and 0 <= first_id <= MAX_TOKEN_ID and 0 <= second_id <= MAX_TOKEN_ID
+                and -_INFINITY < logprob < _INFINITY and -_INFINITY < first_logprob < _INFINITY
+                and -_INFINITY < second_logprob < _INFINITY):
+            return None
+        if second_logprob > first_logprob:  # as a stable sort by descending logprob ranks them
+            first_id, first_logprob, second_id, second_logprob = second_id, second_logprob, first_id, first_logprob
+        token_ids.append(token_id)
+        values.append(logprob)
+        top1_ids.append(first_id)
+        runner_up_ids.append(second_id)
+        margins.append(first_logprob - second_logprob)
+    return token_ids, values, top1_ids, runner_up_ids, margins
 
 
 def _fill_rows(exchange: Exchange, positions: list[tuple[_Token, list[_Token]]], engine_id: Optional[int],
