@@ -95,6 +95,27 @@ def test_a_record_waiting_for_the_request_its_state_came_from_runs_when_that_one
     assert ran[-1] == "at once"
 
 
+def test_a_parked_record_run_early_is_let_go_then_not_held_until_its_deadline(tmp_path):
+    import gc
+    import weakref
+
+    provenance = _provenance(tmp_path)
+    provenance._unremembered.update({6, 7})
+
+    class End:
+        def __call__(self):
+            pass
+
+    end = End()
+    gone = weakref.ref(end)
+    provenance.when_settled(_matched(10, previous=6), lambda: None)  # first in line, and never settled here
+    provenance.when_settled(_matched(11, previous=7), end)
+    del end
+    provenance.remember(_matched(7), _RECORD)
+    gc.collect()
+    assert gone() is None  # the record (its end holds it) is not kept for the 120 s of its deadline
+
+
 def test_a_slots_chain_of_waiting_records_runs_in_order_as_a_loop_on_the_thread_that_settles_the_first(tmp_path):
     # Each record's state came from the one before it on the slot; remembering one settles the next. Made
     # one inside another, a chain this long would run out of stack.

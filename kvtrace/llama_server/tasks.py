@@ -159,10 +159,16 @@ def shared_chain_length(a: np.ndarray, b: np.ndarray) -> int:
 class _Parked:
     """The rest of a record, waiting for the request of the state its task kept (``source``)."""
 
-    __slots__ = ("source", "then", "deadline", "taken")
+    __slots__ = ("source", "then", "deadline")
 
     def __init__(self, source: int, then: Callable[[], None], deadline: float):
-        self.source, self.then, self.deadline, self.taken = source, then, deadline, False
+        self.source, self.deadline = source, deadline
+        self.then: Optional[Callable[[], None]] = then
+        """``None`` once taken to run: the record is let go then, not when its deadline passes."""
+
+    def take(self) -> Callable[[], None]:
+        then, self.then = self.then, None
+        return then
 
 
 class TaskProvenance:
@@ -360,17 +366,14 @@ class TaskProvenance:
         """The records parked on ``task`` if it is settled now, taken (called with ``_lock`` held)."""
         if task not in self._parked or not self._settled(task):
             return []
-        parked = self._parked.pop(task)
-        for entry in parked:
-            entry.taken = True
-        return [entry.then for entry in parked]
+        return [entry.take() for entry in self._parked.pop(task)]
 
     def _expire(self) -> None:
         """The deadlines' thread: runs each parked record whose wait ran out; ends when none is parked."""
         while True:
             with self._lock:
                 while True:
-                    while self._deadlines and self._deadlines[0].taken:
+                    while self._deadlines and self._deadlines[0].then is None:
                         self._deadlines.popleft()
                     if not self._deadlines:
                         self._deadline_thread = None
@@ -381,15 +384,14 @@ class TaskProvenance:
                     self._deadline_due.wait(wait)
                 due = []
                 now = time.monotonic()
-                while self._deadlines and (self._deadlines[0].taken or self._deadlines[0].deadline <= now):
+                while self._deadlines and (self._deadlines[0].then is None or self._deadlines[0].deadline <= now):
                     entry = self._deadlines.popleft()
-                    if not entry.taken:
-                        entry.taken = True
+                    if entry.then is not None:
                         same = self._parked[entry.source]
                         same.remove(entry)
                         if not same:
                             del self._parked[entry.source]
-                        due.append(entry.then)
+                        due.append(entry.take())
             self._run(due)
 
     def _run(self, jobs: list[Callable[[], None]]) -> None:
