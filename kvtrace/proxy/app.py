@@ -55,7 +55,7 @@ from kvtrace.llama_server.tasks import (MARKER_FIELD, Fingerprint, TaskProvenanc
                                         server_tokenizer)
 from kvtrace.proxy import answers
 from kvtrace.proxy.background import Background
-from kvtrace.proxy.heap import PeriodicTrim, limit_arenas
+from kvtrace.proxy.heap import PeriodicTrim, collect_less_often, limit_arenas
 from kvtrace.proxy.http1 import ClientGone, Headers, Request, Responder, Server
 from kvtrace.proxy.limits import Limits, ShadowBudget
 from kvtrace.proxy.margin_request import (ENDPOINTS, NATIVE, MarginPlan, UpstreamProfile, cut,
@@ -625,6 +625,7 @@ def serve(upstream: str, host: str, port: int, llama_server_log: Optional[Path] 
             app.close()
             raise
     server = Server(app.handle, host, port, limits, app.count, reuse_port=lane[1] > 1)
+    collect_less_often()
     stop = threading.Event()
     for number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(number, lambda signum, frame: stop.set())

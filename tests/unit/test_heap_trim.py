@@ -92,3 +92,18 @@ def test_threads_share_the_arenas_the_limit_allows():
         heaps[mode] = out.stdout.split()
     assert heaps["limit"] == ["True", "1"]
     assert int(heaps["default"][1]) > 1  # without the limit glibc gives the threads arenas of their own
+
+
+# A fresh process: the young generation's threshold, and whether start-up's objects left the collections.
+_COLLECT_LESS_OFTEN = """
+import gc
+from kvtrace.proxy import heap
+heap.collect_less_often()
+print(gc.get_threshold()[0], gc.get_freeze_count() > 0)
+"""
+
+
+def test_the_proxy_collects_young_objects_on_its_own_scale_with_start_up_frozen():
+    out = subprocess.run([sys.executable, "-c", _COLLECT_LESS_OFTEN], capture_output=True, text=True, timeout=60,
+                         check=True).stdout.split()
+    assert out == [str(heap.YOUNG_COLLECTION_EVERY), "True"]
