@@ -290,13 +290,15 @@ def report(args: argparse.Namespace, results: dict, cpu: dict, delays: Optional[
     latency, gaps = results["latency"], results["gaps"]
 
     def row(label: str, values: list[float], unit: float, suffix: str) -> str:
-        return (f"  {label:<26} p50 {percentile(values, 0.5) / unit:8.1f} {suffix}   "
-                f"p99 {percentile(values, 0.99) / unit:8.1f} {suffix}   n={len(values)}")
+        digits = 2 if suffix == "ms" else 1  # a target of 0.5 ms needs its hundredths
+        return (f"  {label:<26} p50 {percentile(values, 0.5) / unit:8.{digits}f} {suffix}   "
+                f"p99 {percentile(values, 0.99) / unit:8.{digits}f} {suffix}   n={len(values)}")
 
     def difference(label: str, a: list[float], b: list[float], unit: float, suffix: str) -> str:
-        return (f"  {label:<26} p50 {(percentile(a, .5) - percentile(b, .5)) / unit:8.1f} {suffix}   "
-                f"p99 {(percentile(a, .99) - percentile(b, .99)) / unit:8.1f} {suffix}   "
-                f"mean {(statistics.fmean(a) - statistics.fmean(b)) / unit:8.1f} {suffix}")
+        digits = 2 if suffix == "ms" else 1
+        return (f"  {label:<26} p50 {(percentile(a, .5) - percentile(b, .5)) / unit:8.{digits}f} {suffix}   "
+                f"p99 {(percentile(a, .99) - percentile(b, .99)) / unit:8.{digits}f} {suffix}   "
+                f"mean {(statistics.fmean(a) - statistics.fmean(b)) / unit:8.{digits}f} {suffix}")
 
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     proxies = list(cpu["streams"])
