@@ -197,7 +197,7 @@ def test_a_kept_alive_connection_is_reused_after_one_look_with_its_time_out_left
     with ScriptedUpstream(lambda received: Answer([length_answer(b"hello")])) as server:
         upstream = Upstream(server.url)
         assert fetch(upstream)[2] == b"hello"
-        connection = upstream._idle[0]
+        connection = upstream._idle[BOUND_S][0]
         calls: list[str] = []
         real_socket, real_poll = connection.socket, select.poll
 
@@ -212,3 +212,103 @@ def test_a_kept_alive_connection_is_reused_after_one_look_with_its_time_out_left
             assert fetch(upstream)[2] == b"hello"
         assert server.connections == 1
         assert [name for name in calls if name not in ("gettimeout", "fileno")] == ["send", "recv"] * 3
+
+
+class _WatchedSocket:
+    """A connection's socket whose calls are listed by name."""
+
+    def __init__(self, real: socket.socket, calls: list[str]):
+        self._real, self._calls = real, calls
+
+    def __getattr__(self, name):
+        self._calls.append(name)
+        return getattr(self._real, name)
+
+
+def test_a_json_call_is_one_write_and_one_read_of_the_request_request_would_write():
+    """The integrity check's calls: the same request as `request` sends (its head built once per target),
+    one write and one read on a kept connection, and the whole answer back."""
+    with ScriptedUpstream(lambda received: Answer([length_answer(b'{"tokens": [1, 2]}')])) as server:
+        upstream = Upstream(server.url + "/base")
+        assert upstream.post_json("/tokenize", b'{"content": "hi"}', timeout=BOUND_S) == (200, b'{"tokens": [1, 2]}')
+        connection = upstream._idle[BOUND_S][0]
+        calls: list[str] = []
+        connection.socket = _WatchedSocket(connection.socket, calls)
+        for body in (b'{"content": "a"}', b'{"content": "hello there"}'):
+            assert upstream.post_json("/tokenize", body, timeout=BOUND_S)[0] == 200
+        assert [name for name in calls if name != "fileno"] == ["send", "recv"] * 2
+        assert server.connections == 1
+        for received, body in zip(server.received, (b'{"content": "hi"}', b'{"content": "a"}',
+                                                    b'{"content": "hello there"}')):
+            assert (received.method, received.target, received.body) == ("POST", "/base/tokenize", body)
+            assert received.headers["content-type"] == "application/json"
+            assert received.headers["content-length"] == str(len(body))
+            assert received.headers["host"] == server.url.removeprefix("http://")
+
+
+def test_requests_with_and_without_a_time_out_each_reuse_a_connection_set_for_theirs():
+    """The relay's requests (no time-out) and the integrity calls' (30 s) alternate: each reuses an idle
+    connection whose kernel time-out is already its own, on a blocking socket (no poll before each read
+    and write, no time-out set again)."""
+    with ScriptedUpstream(lambda received: Answer([length_answer(b"ok")])) as server:
+        upstream = Upstream(server.url)
+        assert upstream.request("GET", "/x", [], b"").read() == b"ok"
+        assert upstream.post_json("/y", b"{}", timeout=BOUND_S) == (200, b"ok")
+        calls: list[str] = []
+        for connection in (upstream._idle[None][0], upstream._idle[BOUND_S][0]):
+            assert connection.socket.gettimeout() is None  # blocking: the time-out is the kernel's
+            connection.socket = _WatchedSocket(connection.socket, calls)
+        for _ in range(3):
+            assert upstream.request("GET", "/x", [], b"").read() == b"ok"
+            assert upstream.post_json("/y", b"{}", timeout=BOUND_S) == (200, b"ok")
+        assert server.connections == 2
+        assert "setsockopt" not in calls and "settimeout" not in calls
+        bounded = upstream._idle[BOUND_S][0].socket
+        assert bounded.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16) == \
+            bounded.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, 16) != bytes(16)
+
+
+def test_an_upstream_that_stops_sending_fails_the_request_at_its_time_out():
+    """The kernel's time-out bounds each read: an answer that stops midway, or never begins, ends the
+    request instead of holding its thread."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    release = threading.Event()
+
+    def serve():
+        held = []
+        for first in (b"", head(200, (("content-length", "10"),)) + b"{}"):
+            conn, _ = listener.accept()
+            held.append(conn)
+            conn.recv(65536)
+            if first:
+                conn.sendall(first)
+        release.wait(BOUND_S)
+        for conn in held:
+            conn.close()
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        upstream = Upstream(f"http://127.0.0.1:{listener.getsockname()[1]}")
+        with pytest.raises(UpstreamUnreachable):
+            upstream.request("GET", "/x", [], b"", timeout=0.2)
+        with pytest.raises(UpstreamBrokeOff):
+            upstream.post_json("/x", b"{}", timeout=0.2)
+    finally:
+        release.set()
+        server.join(BOUND_S)
+        listener.close()
+
+
+def test_past_the_idle_bound_the_connection_idle_longest_is_closed_whatever_its_time_out(monkeypatch):
+    import kvtrace.proxy.upstream as upstream_module
+
+    monkeypatch.setattr(upstream_module, "MAX_IDLE_CONNECTIONS", 1)
+    with ScriptedUpstream(lambda received: Answer([length_answer(b"ok")])) as server:
+        upstream = Upstream(server.url)
+        assert upstream.request("GET", "/x", [], b"").read() == b"ok"  # idle first: closed for the next one
+        assert upstream.post_json("/y", b"{}", timeout=BOUND_S) == (200, b"ok")
+        assert upstream.post_json("/y", b"{}", timeout=BOUND_S) == (200, b"ok")
+        assert server.connections == 2  # the second call reused the connection of the first
+        assert upstream.request("GET", "/x", [], b"").read() == b"ok"
+        assert server.connections == 3

@@ -650,15 +650,11 @@ def json_post(upstream) -> Callable[[str, dict[str, Any]], Optional[dict[str, An
         data = _encode(body)
         for _ in range(2):  # these calls change nothing, so one the server closed on is sent again
             try:
-                answer = upstream.request("POST", path, [(b"content-type", b"application/json")], data, timeout=30.0)
-                try:
-                    raw = answer.read()
-                finally:
-                    answer.close()
+                status, raw = upstream.post_json(path, data, timeout=30.0)
             except (UpstreamUnreachable, UpstreamBrokeOff):
                 continue
             try:
-                return loads(raw) if answer.status == 200 else None
+                return loads(raw) if status == 200 else None
             except ValueError:
                 return None
         return None

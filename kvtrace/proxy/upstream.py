@@ -11,6 +11,11 @@ the head (llama-server does after every stream). A request sent in that moment c
 the wire and cannot be answered, so once a connection is found closed after a chunked answer, the
 upstream's connections are no longer kept after chunked answers.
 
+A connection's time-out is the kernel's (``SO_RCVTIMEO``, ``SO_SNDTIMEO``) on a blocking socket, set when
+it changes: a socket with a Python time-out polls before every write and read, and every system call
+lets the GIL go, a handoff to another thread when one waits. The idle connections are kept apart by
+their time-out, so a request finds one set as it needs (the relay's none, the integrity calls' 30 s).
+
 The upstream's answer is read as it arrives: its head within ``MAX_HEAD_BYTES`` (also the bound on
 what may come between two pieces of body: a chunk's size line, the trailers), its body in the
 pieces each read brings, never a whole chunk held back. What llhttp leaves to its caller is done
@@ -32,14 +37,14 @@ from urllib.parse import urlsplit
 import httptools
 
 from kvtrace.errors import ConfigError
-from kvtrace.proxy.http1 import READ_SIZE, Headers
+from kvtrace.proxy.http1 import _TIMEVAL, READ_SIZE, Headers, _timeval
 
 CONNECT_TIMEOUT_S = 30.0
 MAX_HEAD_BYTES = 64 << 10
 """An answer's head, or what is read between two pieces of its body (a chunk's size line, the
 trailers): past this the answer is refused (502, or broken off once it began)."""
 MAX_IDLE_CONNECTIONS = 64
-"""Kept-alive connections held for reuse; more are closed when their answer ends."""
+"""Kept-alive connections held for reuse, whatever their time-out; past it the one idle longest is closed."""
 MAX_IDLE_S = 2.0
 """A connection idle longer is not reused: servers close idle ones after a few seconds (llama-server's
 HTTP library after 5), and a close that crosses the request on the wire would cost the client a 502."""
@@ -96,6 +101,8 @@ class _Answer:
         self.complete = False
         self.reusable = False
         """Its connection may carry another request (HTTP/1.1 keep-alive, framed by length or chunks)."""
+        self.chunked = False
+        """The body comes in chunks."""
         self.until_close = False
         """The body has neither a length nor chunks: it ends with the connection."""
         self.more = False
@@ -137,6 +144,7 @@ class _Answer:
         self.status = status
         self.head_done = True
         self.waiting_bytes = 0
+        self.chunked = bool(framing)
         self.until_close = not framing and not length
         self.reusable = (self.parser.should_keep_alive() and self.parser.get_http_version() == "1.1"
                          and not self.until_close and not self.head_only)
@@ -181,8 +189,13 @@ class _Answer:
 
 
 class _Connection:
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, timeout: Optional[float]):
+        sock.settimeout(None)  # blocking: the time-out is the kernel's
+        if timeout is not None:
+            _set_kernel_timeout(sock, timeout)
         self.socket = sock
+        self.timeout = timeout
+        """Each socket operation's bound (``None``: none)."""
         self.idle_since = 0.0
         self.after_chunked = False
         """Its last answer was chunked."""
@@ -200,9 +213,12 @@ class _Connection:
             return False
 
     def set_timeout(self, timeout: Optional[float]) -> None:
-        """Each socket operation's bound; changing it is a system call, so it is made only on a change."""
-        if self.socket.gettimeout() != timeout:
-            self.socket.settimeout(timeout)
+        """Each socket operation's bound, in the kernel: set only on a change (two system calls). A read
+        or write past it fails with ``BlockingIOError`` (an ``OSError``), as one past a Python time-out
+        failed with ``TimeoutError``."""
+        if self.timeout != timeout:
+            _set_kernel_timeout(self.socket, timeout)
+            self.timeout = timeout
 
     def send(self, message: bytes) -> None:
         """All of ``message``; ``_NothingSent`` when the first write failed (nothing left)."""
@@ -231,6 +247,12 @@ class _Connection:
             pass
 
 
+def _set_kernel_timeout(sock: socket.socket, timeout: Optional[float]) -> None:
+    value = _TIMEVAL.pack(0, 0) if timeout is None else _timeval(timeout)  # zero: none
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+
+
 class UpstreamResponse:
     """An answer whose body is read as it arrives; its connection goes back to the pool at the end."""
 
@@ -242,7 +264,6 @@ class UpstreamResponse:
         self.headers: Headers = answer.headers
         """Names in lower case, values without the spaces around them."""
         self._done = False
-        self._chunked = "chunked" in self.header(b"transfer-encoding").lower()
 
     def header(self, name: bytes) -> str:
         for key, value in self.headers:
@@ -271,7 +292,7 @@ class UpstreamResponse:
         if broken is not None:
             raise UpstreamBrokeOff(broken)
         self._done = True
-        self._upstream._release(self._connection, answer, self._chunked)
+        self._upstream._release(self._connection, answer)
 
     def read(self) -> bytes:
         return b"".join(self.chunks())
@@ -297,7 +318,11 @@ class Upstream:
         self.prefix = parts.path.rstrip("/")
         default_port = self.port == (443 if self.tls else 80)
         self.host_header = (self.host if default_port else f"{self.host}:{self.port}").encode("idna")
-        self._idle: list[_Connection] = []
+        self._idle: dict[Optional[float], list[_Connection]] = {}
+        """Idle connections by their time-out, each list oldest first."""
+        self._idle_count = 0
+        self._json_heads: dict[str, bytes] = {}
+        """:meth:`post_json`'s heads by target (a few fixed paths), up to the length's value: built once."""
         self._lock = threading.Lock()
         self.closes_after_chunked = False
         """A connection was found closed after a chunked answer: such connections are not kept."""
@@ -316,13 +341,40 @@ class Upstream:
                                     *headers]) + body
         except (ValueError, UnicodeEncodeError) as exc:
             raise UpstreamUnreachable(f"the request cannot be written to the upstream ({exc})") from None
+        connection, answer = self._exchange(message, method == "HEAD", timeout)
+        return UpstreamResponse(self, connection, answer)
+
+    def post_json(self, target: str, body: bytes, timeout: float) -> tuple[int, bytes]:
+        """A small JSON POST (the integrity check's calls) and its whole answer: (status, body). The same
+        request as :meth:`request` sends, its head built once per target; ``UpstreamUnreachable`` or
+        ``UpstreamBrokeOff`` as there."""
+        head = self._json_heads.get(target)
+        if head is None:
+            try:
+                head = request_head("POST", f"{self.prefix}{target}".encode("latin-1"),
+                                    [(b"host", self.host_header), (b"content-type", b"application/json")])
+            except (ValueError, UnicodeEncodeError) as exc:
+                raise UpstreamUnreachable(f"the request cannot be written to the upstream ({exc})") from None
+            head = self._json_heads[target] = head[:-2] + b"content-length: "
+        connection, answer = self._exchange(b"%b%d\r\n\r\n%b" % (head, len(body), body), False, timeout)
+        try:
+            while not answer.complete:
+                connection.receive(answer)
+        except (OSError, _Malformed) as exc:
+            connection.close()
+            raise UpstreamBrokeOff(str(exc) or type(exc).__name__) from None
+        self._release(connection, answer)
+        return answer.status, b"".join(answer.body)
+
+    def _exchange(self, message: bytes, head_only: bool, timeout: Optional[float]) -> tuple[_Connection, _Answer]:
+        """``message`` sent once, and its answer read up to the end of its head."""
         while True:
-            connection = self._take()
+            connection = self._take(timeout)
             reused = connection is not None
             if connection is None:
-                connection = self._connect()
-            connection.set_timeout(timeout)
+                connection = self._connect(timeout)
             try:
+                connection.set_timeout(timeout)
                 connection.send(message)
             except _NothingSent as exc:
                 connection.close()
@@ -332,23 +384,27 @@ class Upstream:
             except OSError as exc:
                 connection.close()
                 raise UpstreamUnreachable(f"the connection failed while the request was sent ({exc})") from None
-            answer = _Answer(head_only=method == "HEAD")
+            answer = _Answer(head_only=head_only)
             try:
                 while not answer.head_done:
                     connection.receive(answer)
-                return UpstreamResponse(self, connection, answer)
+                return connection, answer
             except (OSError, _Malformed) as exc:
                 connection.close()  # the request may have reached the upstream: it is not sent again
                 if reused and connection.after_chunked:
                     self.closes_after_chunked = True
                 raise UpstreamUnreachable(str(exc) or type(exc).__name__) from None
 
-    def _take(self) -> Optional[_Connection]:
+    def _take(self, timeout: Optional[float]) -> Optional[_Connection]:
+        """The idle connection last left with ``timeout``, if any: one with another time-out is not taken, or
+        requests that alternate (the relay's, the integrity calls') would set it again at each."""
         while True:
             with self._lock:
-                if not self._idle:
+                same = self._idle.get(timeout)
+                if not same:
                     return None
-                connection = self._idle.pop()
+                connection = same.pop()
+                self._idle_count -= 1
             if time.monotonic() - connection.idle_since < MAX_IDLE_S:
                 if connection.alive():
                     return connection
@@ -356,30 +412,37 @@ class Upstream:
                     self.closes_after_chunked = True
             connection.close()  # closed by the upstream while it waited, or soon to be
 
-    def _connect(self) -> _Connection:
+    def _connect(self, timeout: Optional[float]) -> _Connection:
         try:
             sock = socket.create_connection((self.host, self.port), timeout=CONNECT_TIMEOUT_S)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls:
                 sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self.host)
+            return _Connection(sock, timeout)
         except OSError as exc:
             raise UpstreamUnreachable(f"cannot connect to {self.host}:{self.port} ({exc})") from None
-        return _Connection(sock)
 
-    def _release(self, connection: _Connection, answer: _Answer, chunked: bool) -> None:
-        connection.after_chunked = chunked
-        if chunked and self.closes_after_chunked:
+    def _release(self, connection: _Connection, answer: _Answer) -> None:
+        connection.after_chunked = answer.chunked
+        if answer.chunked and self.closes_after_chunked:
             connection.close()
             return
-        if answer.reusable and not answer.more:
-            with self._lock:
-                if len(self._idle) < MAX_IDLE_CONNECTIONS:
-                    connection.idle_since = time.monotonic()
-                    self._idle.append(connection)
-                    return
-        connection.close()  # the upstream asked to close, framed the answer by its end, or sent more
+        if not answer.reusable or answer.more:
+            connection.close()  # the upstream asked to close, framed the answer by its end, or sent more
+            return
+        with self._lock:
+            connection.idle_since = time.monotonic()
+            self._idle.setdefault(connection.timeout, []).append(connection)
+            if self._idle_count < MAX_IDLE_CONNECTIONS:
+                self._idle_count += 1
+                return
+            oldest = min((idle for idle in self._idle.values() if idle), key=lambda idle: idle[0].idle_since)
+            connection = oldest.pop(0)
+        connection.close()
 
     def close(self) -> None:
         with self._lock:
-            while self._idle:
-                self._idle.pop().close()
+            for idle in self._idle.values():
+                while idle:
+                    idle.pop().close()
+            self._idle_count = 0
