@@ -4,6 +4,7 @@ from a real server; here the cases a short test run rarely shows."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 from kvtrace import semconv as sc
@@ -103,6 +104,27 @@ def test_the_follower_keeps_its_file_open_and_reads_a_truncated_or_replaced_log_
     replacement.replace(path)  # a new file under the name (rotated): longer than what was read, read whole
     assert [d.task for d in follower.poll()] == [9, 10]
     assert follower.poll() == []
+
+
+def test_the_follower_looks_at_the_files_name_only_when_the_open_file_has_nothing_new(tmp_path, monkeypatch):
+    """A poll that finds lines is one read (no stat of the name): the name is looked at when nothing new came,
+    where it may name a rotated or truncated file."""
+    import kvtrace.llama_server.log as log_module
+
+    path = tmp_path / "server.log"
+    path.write_text(START)
+    follower = LogFollower(path)
+    follower.poll()
+    looks: list[str] = []
+    real_stat = os.stat
+    monkeypatch.setattr(log_module.os, "stat", lambda *a, **k: looks.append("stat") or real_stat(*a, **k))
+    for number in (7, 8):
+        with open(path, "a") as log:
+            log.write(task(number, 18, 21))
+        assert [d.task for d in follower.poll()] == [number]
+    assert looks == []
+    assert follower.poll() == []
+    assert looks == ["stat"]
 
 
 def test_a_task_is_placed_where_its_line_ends_so_a_request_sent_before_it_may_own_it(tmp_path, monkeypatch):

@@ -468,24 +468,37 @@ class LogFollower:
     objects, made meanwhile, then held (RSS grew 19 KB a request with 1 MiB pieces, 6.5 with 64 KiB)."""
 
     def poll(self) -> list[TaskDecision]:
-        """Parse the lines written since the last call; returns the tasks that started in them."""
+        """Parse the lines written since the last call; returns the tasks that started in them. The name is
+        looked at (a system call) only when the open file has nothing new: then it may name another file by
+        now, or this one may have been truncated (a server restarted onto it)."""
         started: list[TaskDecision] = []
         try:
-            stat = os.stat(self.path)
-            if self._file is None or self._inode != stat.st_ino or stat.st_size < self._offset:
-                self.close()
-                self._file = open(self.path, "rb", buffering=0)  # closed when let go, as a file object is
-                stat = os.fstat(self._file.fileno())  # the file opened, whatever the path names by now
-                if self._inode != stat.st_ino or stat.st_size < self._offset:
-                    self._inode, self._offset, self._partial = stat.st_ino, 0, b""  # a new or truncated file
-            # Up to where the file ended when looked at (a piece may run past it): the rest at the next poll.
-            while self._offset < stat.st_size and (data := os.pread(self._file.fileno(), self.READ_BYTES,
-                                                                    self._offset)):
-                self._offset += len(data)
-                self._parse(data, started)
+            if self._file is None or not self._read(started):
+                stat = os.stat(self.path)
+                if self._file is None or self._inode != stat.st_ino or stat.st_size < self._offset:
+                    self.close()
+                    self._file = open(self.path, "rb", buffering=0)  # closed when let go, as a file object is
+                    stat = os.fstat(self._file.fileno())  # the file opened, whatever the path names by now
+                    if self._inode != stat.st_ino or stat.st_size < self._offset:
+                        self._inode, self._offset, self._partial = stat.st_ino, 0, b""  # a new or truncated file
+                    self._read(started)
         except OSError:
             self.close()
         return started
+
+    def _read(self, started: list[TaskDecision]) -> bool:
+        """Parse what the open file holds past the offset, a piece at a time up to a short read (its end when
+        read; the rest at the next poll); whether there was anything."""
+        data = os.pread(self._file.fileno(), self.READ_BYTES, self._offset)
+        if not data:
+            return False
+        while data:
+            self._offset += len(data)
+            self._parse(data, started)
+            if len(data) < self.READ_BYTES:
+                break
+            data = os.pread(self._file.fileno(), self.READ_BYTES, self._offset)
+        return True
 
     def close(self) -> None:
         if self._file is not None:
