@@ -5,6 +5,7 @@ from a real server; here the cases a short test run rarely shows."""
 from __future__ import annotations
 
 import os
+import threading
 from types import SimpleNamespace
 
 from kvtrace import semconv as sc
@@ -318,3 +319,57 @@ def test_a_task_pushed_out_of_the_unclaimed_or_logged_again_is_no_longer_any_req
     assert {marker: (r.match, r.task and r.task.slot) for marker, r in requests.items()} == {
         1048600: (sc.TASK_MATCH_NONE, None), 1048603: (sc.TASK_MATCH_NONE, None),
         1048604: (sc.TASK_MATCH_MARKER, 1)}
+
+
+class _CountedLock:
+    """A lock that counts how often it was taken."""
+
+    def __init__(self):
+        self._lock, self.taken = threading.Lock(), 0
+
+    def acquire(self, *args):
+        self.taken += 1
+        return self._lock.acquire(*args)
+
+    def release(self):
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def test_a_requests_way_through_the_provenance_takes_its_lock_five_times(tmp_path):
+    # Dozens of connection and record threads share the lock: each time it is taken while another holds it
+    # costs a thread switch. What one thread reads in one step (a dict's entry, an attribute) needs no lock.
+    from kvtrace.recording.records import Correlation, RequestRecord
+
+    path = tmp_path / "server.log"
+    path.write_text(START)
+    provenance = TaskProvenance(LogFollower(path))
+    provenance._lock = counted = _CountedLock()
+    provenance._deadline_due = threading.Condition(counted)
+    requests = []
+    for number in (7, 8):
+        before = counted.taken
+        request = SimpleNamespace(marker=provenance.next_marker(), answer=None, task=None, match=None,
+                                  prompt_chain=None, sent_at=(0, 0))
+        record = RequestRecord(Correlation("run"), "llama-server", 0, "0" * 16, "0" * 32, reused_tokens=10)
+        provenance.sent(request)
+        with open(path, "a") as log:
+            log.write(launch(number, 0, request.marker) + timings(number, 0, 18, 10, 1)
+                      + f"0.03.000.007 I slot      release: id  0 | task {number} | stop processing: n_tokens = 19\n")
+        provenance.find(request, Fingerprint(18, 8, 1, None))
+
+        def described(request=request, record=record):
+            provenance.describe(request, record, 10)
+            provenance.remember(request, record)
+
+        provenance.when_settled(request, described)
+        provenance.abandon(request)
+        requests.append((request, record, counted.taken - before))
+    (first, _, _), (second, record, taken) = requests
+    assert (first.task.task, second.task.task, second.task.previous_task) == (7, 8, 7)
+    assert record.config[sc.SERVER_TASK_MATCH] == sc.TASK_MATCH_MARKER and record.state_origin is not None
+    assert taken == 5  # the request sent, the log's tasks added, the match, its record settled and remembered

@@ -219,8 +219,7 @@ class TaskProvenance:
     # --- the request's way through ---------------------------------------------------------
 
     def next_marker(self) -> int:
-        with self._lock:
-            return MARKER_BASE + next(self._markers) % MARKER_SPAN
+        return MARKER_BASE + next(self._markers) % MARKER_SPAN  # one call into itertools.count: atomic
 
     def sent(self, traced: Traced) -> None:
         """Just before the request goes upstream: the tasks logged up to where the log ends now cannot be its
@@ -231,6 +230,9 @@ class TaskProvenance:
 
     def abandon(self, traced: Traced) -> None:
         """A request done with (or refused before a task started): it waits for nothing any more."""
+        task = traced.task.task if traced.task is not None else None
+        if id(traced) not in self._waiting and (task is None or task not in self._unremembered):
+            return  # matched (or not) and remembered already: nothing to let go, and no lock taken for it
         with self._lock:
             ready = self._drop(traced)
             if traced.task is not None:
@@ -255,11 +257,10 @@ class TaskProvenance:
     def find(self, traced: Traced, answer: Fingerprint) -> None:
         """Ties the request to its task (``traced.task``, ``traced.match``), waiting a little for the log
         to show it and for other waiting requests that could own it to read their answers."""
-        outcome: tuple[str, Optional[TaskDecision]] = (sc.TASK_MATCH_NONE, None)
-        with self._lock:
-            traced.answer = answer
+        traced.answer = answer  # read by the other waiting requests' matches (one store: no lock needed)
         seen = None
-        for pause in (0.0, *self.WAIT_S):
+        pauses = (0.0, *self.WAIT_S)
+        for attempt, pause in enumerate(pauses, 1):
             if pause:
                 time.sleep(pause)
             # A read of the log that began after this request's answer was in has every line written before
@@ -267,19 +268,22 @@ class TaskProvenance:
             self._poll(since=time.monotonic())
             with self._lock:
                 outcome, final = self._match(traced, answer)
-            # A marker is certain at once; counts only once a second read of the log still says so
-            # (the task the answer came from may be a line or two behind in the file).
-            if final and (traced.marker is not None or outcome == seen):
-                break
+                # A marker is certain at once; counts only once a second read of the log still says so
+                # (the task the answer came from may be a line or two behind in the file).
+                if attempt == len(pauses) or final and (traced.marker is not None or outcome == seen):
+                    ready = self._settle_match(traced, outcome)
+                    break
             seen = outcome if final else None
-        with self._lock:
-            traced.match, task = outcome
-            if task is not None:
-                traced.task = task
-                self._claim(task.task)
-                self._unremembered.add(task.task)
-            ready = self._drop(traced)
         self._run(ready)
+
+    def _settle_match(self, traced: Traced, outcome: tuple[str, Optional[TaskDecision]]) -> list[Callable[[], None]]:
+        """The match found for ``traced`` (called with ``_lock`` held); the parked records it settles."""
+        traced.match, task = outcome
+        if task is not None:
+            traced.task = task
+            self._claim(task.task)
+            self._unremembered.add(task.task)
+        return self._drop(traced)
 
     def when_settled(self, traced: Traced, then: Callable[[], None]) -> None:
         """``then()`` once the state ``traced``'s task kept can be read (:meth:`describe`): its request
@@ -287,17 +291,21 @@ class TaskProvenance:
         the thread that settles that request (a slot's records one after another, in a loop, where each
         used to wake the next one's thread), or on the deadlines' thread."""
         source = _source_task(traced.task)
+        started: Optional[threading.Thread] = None
+        now: Optional[Callable[[], None]] = then
         with self._lock:
             if source is not None and not self._settled(source):
                 parked = _Parked(source, then, time.monotonic() + self.REMEMBER_WAIT_S)
                 self._parked.setdefault(source, []).append(parked)
                 self._deadlines.append(parked)
                 if self._deadline_thread is None:
-                    self._deadline_thread = threading.Thread(target=self._expire, name="kvtrace-proxy-deadlines",
-                                                             daemon=True)
-                    self._deadline_thread.start()
-                return
-        self._run([then])
+                    started = self._deadline_thread = threading.Thread(target=self._expire,
+                                                                       name="kvtrace-proxy-deadlines", daemon=True)
+                now = None
+        if started is not None:
+            started.start()  # outside the lock: a start waits for the new thread, which every request would wait for
+        if now is not None:
+            self._run([now])
 
     def describe(self, traced: Traced, record: RequestRecord, answer_cached: Optional[int]) -> None:
         """The match, the task's slot and id, its cache decisions and the integrity verdict, on the record
@@ -310,8 +318,7 @@ class TaskProvenance:
         record.config[sc.SERVER_TASK_ID] = decision.task
         restore = decision.restore
         source_task = _source_task(decision)
-        with self._lock:
-            origin = self._origins.get(source_task) if source_task is not None else None
+        origin = self._origins.get(source_task) if source_task is not None else None  # one call: no lock needed
         if restore is not None:
             record.events.append(CacheEvent(
                 sc.EVENT_CACHE_RESTORE, sc.LAYER_PROMPT_CACHE, outcome=sc.OUTCOME_HIT, tokens=restore.length,
@@ -330,9 +337,7 @@ class TaskProvenance:
         """The request's state (prompt, then generated ids) under its task, for the requests that reuse it."""
         if traced.task is None:
             return
-        chain = traced.prompt_chain
-        with self._lock:
-            chains = self._chains
+        chain, chains = traced.prompt_chain, self._chains
         if chain is not None and chains is not None:
             # The slot's state goes on with the generated ids it evaluated (all but the last), or as far as
             # the answer gives them in place; with ids the server did not report, the chain covers the prompt only.
@@ -515,10 +520,12 @@ class TaskProvenance:
             tokens = None  # an answer the proxy cannot read: the state stays unverifiable, the match stands
         if tokens is None or (traced.task.prompt_tokens is not None and len(tokens) != traced.task.prompt_tokens):
             return None  # not the server's tokens: nothing to compare with
-        with self._lock:
-            if self._chains is None:
-                self._chains = PromptChains(key)
-            chains = self._chains
+        chains = self._chains
+        if chains is None:
+            with self._lock:
+                if self._chains is None:
+                    self._chains = PromptChains(key)
+                chains = self._chains
         traced.prompt_chain = chains.chain(tokens)
         return tokens
 
@@ -534,8 +541,8 @@ class TaskProvenance:
         if kept is not None and answer_cached is not None and kept != answer_cached:
             violations.append(CacheEvent(sc.EVENT_CACHE_INTEGRITY_VIOLATION, _layer(decision), tokens=answer_cached,
                                          prefix_tokens=kept, reason=sc.INTEGRITY_CACHED_COUNT_DIFFERS, source=origin))
-        with self._lock:
-            state = self._chains.get(source_task) if self._chains is not None else None
+        chains = self._chains  # read without the lock: each lookup is one call into a dict
+        state = chains.get(source_task) if chains is not None else None
         mine = traced.prompt_chain
         verdict = sc.INTEGRITY_UNVERIFIABLE
         if state is not None and mine is not None:
