@@ -350,7 +350,7 @@ def _serve_connection(handler: Handler, client: _Client, limits: Limits, count: 
                       stopping: Callable[[], bool]) -> None:
     sock = client.socket
     sock.settimeout(None)  # blocking, bounded by the kernel's time-outs: a client that stops reading is cut off
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(limits.idle_timeout_s))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, kernel_timeout(limits.idle_timeout_s))
     reader = _Reader(sock, limits)
     while not stopping():
         try:
@@ -514,7 +514,7 @@ class _Reader:
                 if wait_s <= 0:
                     raise TimeoutError
                 if wait_s != self._receive_timeout_s:
-                    self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(wait_s))
+                    self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, kernel_timeout(wait_s))
                     self._receive_timeout_s = wait_s
                 data = self._socket.recv(READ_SIZE)
             except (TimeoutError, BlockingIOError):  # BlockingIOError: SO_RCVTIMEO passed (EAGAIN)
@@ -531,8 +531,10 @@ class _Reader:
         return requests.ready.popleft()
 
 
-def _timeval(seconds: float) -> bytes:
-    """``seconds`` as a kernel time-out; never zero, which would mean none."""
+def kernel_timeout(seconds: Optional[float]) -> bytes:
+    """``seconds`` as ``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` take it; ``None``: none (zero), else never zero."""
+    if seconds is None:
+        return _TIMEVAL.pack(0, 0)
     whole = int(min(seconds, 1 << 31))
     return _TIMEVAL.pack(whole, max(int((seconds - whole) * 1e6), 0 if whole else 1))
 

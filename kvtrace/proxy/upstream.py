@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from kvtrace.errors import ConfigError
-from kvtrace.proxy.http1 import _TIMEVAL, READ_SIZE, Headers, _timeval
+from kvtrace.proxy.http1 import READ_SIZE, Headers, kernel_timeout
 
 CONNECT_TIMEOUT_S = 30.0
 MAX_HEAD_BYTES = 64 << 10
@@ -248,7 +248,7 @@ class _Connection:
 
 
 def _set_kernel_timeout(sock: socket.socket, timeout: Optional[float]) -> None:
-    value = _TIMEVAL.pack(0, 0) if timeout is None else _timeval(timeout)  # zero: none
+    value = kernel_timeout(timeout)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
