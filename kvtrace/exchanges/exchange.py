@@ -146,22 +146,26 @@ def parse_exchange(request: dict[str, Any], response: dict[str, Any], hasher: Te
         exchange.token_ids, exchange.logprobs, exchange.top1_ids, exchange.runner_up_ids, exchange.margins = rows
         _fill_unreported(exchange, choice.get("token_ids"))
         return exchange
-    use_engine_ids = bool(positions)
-    for chosen, alternatives in positions:  # loops, not generators: a stream has three tokens a position
-        if chosen[_ENGINE_ID] is None:
-            use_engine_ids = False
-            break
-        for token in alternatives:
-            if token[_ENGINE_ID] is None:
-                use_engine_ids = False
-                break
-        if not use_engine_ids:
-            break
+    use_engine_ids = _engine_ids_throughout(positions)
     exchange.token_id_source = sc.TOKEN_ID_SOURCE_ENGINE if use_engine_ids else sc.TOKEN_ID_SOURCE_TEXT_HASH
     _fill_rows(exchange, positions, _ENGINE_ID if use_engine_ids else None, hasher)
     if use_engine_ids:
         _fill_unreported(exchange, choice.get("token_ids"))
     return exchange
+
+
+def _engine_ids_throughout(positions: list[tuple[_Token, list[_Token]]]) -> bool:
+    """Whether every position's token and alternatives carry the engine's id (loops, not generators: a
+    stream has three tokens a position)."""
+    if not positions:
+        return False
+    for chosen, alternatives in positions:
+        if chosen[_ENGINE_ID] is None:
+            return False
+        for token in alternatives:
+            if token[_ENGINE_ID] is None:
+                return False
+    return True
 
 
 _INFINITY = float("inf")
