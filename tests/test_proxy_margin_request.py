@@ -156,6 +156,10 @@ HOSTILE = [
     '{"logprobs":{"token":"é ✓ 🙂","bytes":[195,169]},"x":"ü}"}',
     '{"logprobs":{"token":"\\u00e9\\ud83d\\ude42"},"x":"\\u007d"}',
     '{"choices":[{"logprobs":{"t":"日本語"}}],"model":"モデル"}',
+    # where the value would end its object, first: a "}" after a closing character that is not its end
+    '{"choices":[{"logprobs":{"t":"a}}b","u":{"v":1}}}],"x":{"y":1}}',
+    '{"choices":[{"logprobs":[["]}"],[1]]}],"x":[2]}',
+    '{"choices":[{"logprobs":{"t":"\\"}"}}],"x":1}',
     # not JSON, or JSON that only Python's decoder takes
     '{"logprobs":{"content":[1,2}}',
     '{"logprobs":{"content":[1,2],}}',
@@ -185,6 +189,7 @@ def cut_by_decoding(plan, text):
     """The reference: the same cut with no guesses (the decoder measures every value)."""
     with pytest.MonkeyPatch.context() as patched:
         patched.setattr(margin_request, "_GUESSES", 0)
+        patched.setattr(margin_request, "_GUESSES_LAST", 0)
         return outcome(plan, text)
 
 

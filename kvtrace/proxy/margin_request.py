@@ -56,6 +56,8 @@ _ONE_VALUE = msgspec.json.Decoder(msgspec.Raw).decode
 """Checks that a text is exactly one JSON value, without building it (``ValueError`` if not)."""
 _CLOSING = {"{": "}", "[": "]", '"': '"'}
 """The character that closes a value opened by the key: objects, arrays and strings delimit themselves."""
+_GUESSES_LAST = 2
+"""Closing characters that a ``}`` follows looked at first, from the value's start."""
 _GUESSES = 6
 """Closing characters looked at from the right before the JSON decoder measures the value instead."""
 
@@ -258,6 +260,18 @@ def _value_end(text: str, start: int) -> int:
     """
     closing = _CLOSING.get(text[start:start + 1])
     if closing is not None:
+        # First where the value would end its object: an added member is last in llama-server's and vLLM's
+        # answers, and a whole answer goes on after it (counts, timings), where guesses from the right miss.
+        last_in_object = closing + "}"
+        guess = text.find(last_in_object, start + 1)
+        for _ in range(_GUESSES_LAST):
+            if guess == -1:
+                break
+            try:
+                _ONE_VALUE(text[start:guess + 1])
+                return guess + 1
+            except ValueError:
+                guess = text.find(last_in_object, guess + 1)
         end = len(text)
         guess = end
         for _ in range(_GUESSES):
