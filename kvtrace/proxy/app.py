@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+import msgspec
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
@@ -539,7 +540,7 @@ def _upstream_body(body: bytes, request: dict[str, Any], upstream: dict[str, Any
     if len(upstream) - len(added) != len(request):  # a member the client sent was dropped
         return json.dumps(upstream, ensure_ascii=False).encode("utf-8")
     opening = body.index(b"{") + 1  # what precedes it is white space: the body was decoded as an object
-    members = json.dumps(added, ensure_ascii=False)[1:-1].encode("utf-8")
+    members = msgspec.json.encode(added)[1:-1]  # in C: json.dumps took 3.5 µs of a request's 5
     empty = body[opening:].lstrip()[:1] == b"}"
     return body[:opening] + members + (b"" if empty or not added else b",") + body[opening:]
 
