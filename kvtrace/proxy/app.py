@@ -348,11 +348,15 @@ class ProxyApp:
                 marked = with_marker(plan, body, profile, MARKER_FIELD, candidate)
                 if marked is not plan:
                     plan, marker = marked, candidate
-            token = otel_context.attach(propagate.extract(_header_carrier(request.headers)))
-            try:
-                record = recorder.start_request(profile.engine, model=str(body.get("model") or ""))
-            finally:
-                otel_context.detach(token)
+            model = str(body.get("model") or "")
+            if _carries_context(request.headers):
+                token = otel_context.attach(propagate.extract(_header_carrier(request.headers)))
+                try:
+                    record = recorder.start_request(profile.engine, model=model)
+                finally:
+                    otel_context.detach(token)
+            else:  # what the propagators would extract is the empty context this thread is in
+                record = recorder.start_request(profile.engine, model=model)
             return Traced(record, body, plan, profile, target=request.target, marker=marker)
         except ValueError:
             return None  # not JSON: forwarded as it is, the upstream answers it
@@ -511,6 +515,20 @@ class ProxyApp:
 
 
 # --- HTTP plumbing ---------------------------------------------------------------------------
+
+
+_propagated: tuple[Any, frozenset[bytes]] = (None, frozenset())
+"""The global propagator and the header names it reads (lower case), looked up again when it is replaced."""
+
+
+def _carries_context(headers: Headers) -> bool:
+    """Whether the request has a header the global propagator reads (``traceparent``, ``baggage``, ...)."""
+    global _propagated
+    propagator = propagate.get_global_textmap()
+    if propagator is not _propagated[0]:
+        _propagated = (propagator, frozenset(name.lower().encode("latin-1") for name in propagator.fields))
+    names = _propagated[1]
+    return any(name in names for name, _ in headers)  # header names come in lower case (http1)
 
 
 def _header_carrier(headers: Headers) -> dict[str, str]:
