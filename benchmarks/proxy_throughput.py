@@ -12,7 +12,8 @@ drift on a shared machine hits them alike), each for ``--seconds``:
 * **streams**: streamed chat completions of ``--tokens`` events each, through ``--workers 1`` and
   ``--workers 2``; the fake writes a stream ``--events-per-write`` events at a time (0: the whole
   answer in one write, as fast as the socket takes it). Streamed tokens a second, and the proxy's
-  CPU (every process and thread, from /proc) per streamed token;
+  CPU (every process and thread, from /proc) per streamed token, with the CPU the client and the
+  fake took meanwhile (they share the machine's cores with the workers);
 * **requests**: non-streamed one-token chat completions through three one-worker proxies:
   ``relay`` (recording disabled: HTTP and the cut alone), ``traced`` (the record and its span), and
   ``traced+log`` (``--llama-server-log``: the fake writes each request's task to a llama-server-shaped
@@ -362,12 +363,12 @@ def measure(args: argparse.Namespace) -> None:
                 for mode, named in arms.items():
                     order = list(named) if round_number % 2 == 0 else list(reversed(named))
                     for name in order:
-                        results[name].append(_turn(client, proxies[name], mode))
+                        results[name].append(_turn(client, proxies[name], mode, fake))
             if args.profile:
-                results["profiled"].append(_turn(client, proxies["profiled"], "streams"))
+                results["profiled"].append(_turn(client, proxies["profiled"], "streams", fake))
             calls_before = calls = json.loads(_ask(fake, "calls"))
             if "traced+log" in proxies:
-                _turn(client, proxies["traced+log"], "requests")
+                _turn(client, proxies["traced+log"], "requests", fake)
                 calls = json.loads(_ask(fake, "calls"))
         finally:
             for proxy in proxies.values():
@@ -377,14 +378,22 @@ def measure(args: argparse.Namespace) -> None:
         report(args, results, {path: calls.get(path, 0) - calls_before.get(path, 0) for path in calls})
 
 
-def _turn(client: subprocess.Popen, proxy: Proxy, mode: str) -> dict:
+def _turn(client: subprocess.Popen, proxy: Proxy, mode: str, fake: subprocess.Popen) -> dict:
     cpu = proxy.cpu_s()
+    apparatus = _process_cpu_s(client.pid) + _process_cpu_s(fake.pid)
     known = " known" if proxy.name.startswith("traced-log-known") else ""
     result = json.loads(_ask(client, f"{proxy.url} {mode}{known}"))
+    result["apparatus_cpu_s"] = _process_cpu_s(client.pid) + _process_cpu_s(fake.pid) - apparatus
     result["cpu_s"] = _settled_cpu(proxy) - cpu
     if result["bad"]:
         raise SystemExit(f"{proxy.name}: {result['bad']} answers were not the server's (logprobs left, or an error)")
     return result
+
+
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds of one process (every thread): the client's or the fake's, which share the cores."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _settled_cpu(proxy: Proxy) -> float:
@@ -419,7 +428,8 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict
             rates[name] = [r["tokens"] / r["wall_s"] for r in runs]
             print(f"  {name:<22} {_span(rates[name]):>16} tokens/s   CPU "
                   f"{_span([r['cpu_s'] / r['tokens'] * 1e6 for r in runs], 1):>12} µs/token   "
-                  f"{_span([r['cpu_s'] / r['wall_s'] for r in runs], 2):>10} CPU s/s")
+                  f"{_span([r['cpu_s'] / r['wall_s'] for r in runs], 2):>10} CPU s/s   client and fake "
+                  f"{_span([r['apparatus_cpu_s'] / r['wall_s'] for r in runs], 2)} CPU s/s")
     for suffix in ("", " (baseline)"):
         scaling = [two / one for one, two in zip(rates.get(f"workers 1{suffix}", []),
                                                  rates.get(f"workers 2{suffix}", []))]
