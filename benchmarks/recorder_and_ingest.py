@@ -17,10 +17,11 @@ shared: wall time is printed next to it, never instead of it):
   request rows with their per-token arrays, into a table with ``kvtrace_requests``' columns and engine,
   counted the same way — what chDB itself stores on this machine, with no client in between.
 
-Rounds alternate; best and median of each figure are printed.
+Rounds alternate; best and median of each figure are printed. ``--recorder-only`` measures the
+recorder alone (no spool is ingested), ``--ingest-only`` ingest and its ceiling alone.
 
 Usage: python benchmarks/recorder_and_ingest.py [--requests 2000] [--tokens 100] [--rounds 3]
-                                               [--ingest-requests 10000] [--ingest-only]
+                                               [--ingest-requests 10000] [--ingest-only | --recorder-only]
 """
 
 from __future__ import annotations
@@ -176,17 +177,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ingest-requests", type=int, default=10000,
                         help="requests of --tokens tokens in the spool ingested (default: 1M token rows)")
-    parser.add_argument("--ingest-only", action="store_true",
-                        help="skip the recorder measurement: only ingest and its chDB ceiling")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--ingest-only", action="store_true",
+                      help="skip the recorder measurement: only ingest and its chDB ceiling")
+    only.add_argument("--recorder-only", action="store_true",
+                      help="skip ingest and its chDB ceiling: only the recorder measurement")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
     os.environ.setdefault("KVTRACE_CAPTURE", "hashed")
     os.environ.setdefault("XDG_DATA_HOME", str(work / "data"))
     try:
         per_token, engine_per_token, exporter_per_token, per_request = [], [], [], []
+        spans: dict[tuple[str, int], list[float]] = {}  # (thread, tokens) → its CPU per request, µs
         for i in range(0 if args.ingest_only else args.rounds):
             measured = record_paired(args.requests, args.tokens, work / f"spool-{i}", seed=i)
             small, big = measured[1], measured[args.tokens]
+            for n, (engine, exporter) in measured.items():
+                spans.setdefault(("engine", n), []).append(engine * 1e6)
+                spans.setdefault(("exporter", n), []).append(exporter * 1e6)
             engine_per_token.append((big[0] - small[0]) / (args.tokens - 1) * 1e6)
             exporter_per_token.append((big[1] - small[1]) / (args.tokens - 1) * 1e6)
             per_token.append(engine_per_token[-1] + exporter_per_token[-1])
@@ -199,6 +207,10 @@ def main() -> None:
             print(f"    engine thread                     us : {_best_median(engine_per_token)}")
             print(f"    exporter thread                   us : {_best_median(exporter_per_token)}")
             print(f"  per request (300-token prompt)    us : {_best_median(per_request)}")
+            for (thread, n), values in sorted(spans.items()):
+                print(f"  {thread} thread, a {n}-token request   us : {_best_median(values)}")
+        if args.recorder_only:
+            return
 
         spool = work / "spool-ingest"
         write_spool(args.ingest_requests, args.tokens, spool, seed=999)
