@@ -119,18 +119,34 @@ class CapturePolicy:
         self.mode = mode
         self._key = hashlib.blake2b(key, digest_size=32).digest()  # normalise any key length to 32 bytes
         self._place_stream = hashlib.shake_256(self._key + _PLACE_DOMAIN)
+        self._keyed: dict[tuple[int, bytes], Any] = {}
+
+    def _keyed_state(self, size: int, domain: bytes) -> Any:
+        """A BLAKE2b state with the key already absorbed, copied for each hash: keying a new one costs a
+        compression and the constructor's arguments, half of hashing a 16-token block."""
+        state = self._keyed.get((size, domain))
+        if state is None:
+            state = self._keyed[size, domain] = hashlib.blake2b(key=self._key, digest_size=size, person=domain)
+        return state
 
     def _digest(self, payload: bytes, parent: bytes = b"", size: int = _HASH_BYTES, domain: bytes = b"") -> bytes:
-        return hashlib.blake2b(parent + payload, key=self._key, digest_size=size, person=domain).digest()
+        hashed = self._keyed_state(size, domain).copy()
+        hashed.update(parent)
+        hashed.update(payload)
+        return hashed.digest()
 
     def hash_tokens(self, tokens: Sequence[int]) -> str:
         """Keyed 128-bit hash of a whole token sequence (prompt hash, cache-key hash)."""
-        return self._digest(_pack(tokens), size=_PROMPT_HASH_BYTES).hex()
+        return self.hash_packed(pack_tokens(tokens))
+
+    def hash_packed(self, packed: bytes) -> str:
+        """:meth:`hash_tokens` of tokens already packed by :func:`pack_tokens`."""
+        return self._digest(packed, size=_PROMPT_HASH_BYTES).hex()
 
     def output_hash(self, prompt_hash: Optional[str], tokens: Sequence[int]) -> str:
         """Keyed hash of a request's generated ids under its prompt hash: the same output hashes alike
         only under the same prompt (a one-token output hashed alone would be a substitution cipher)."""
-        return self._digest(_pack(tokens), (prompt_hash or "").encode() + b"\0", domain=_OUTPUT_DOMAIN).hex()
+        return self._digest(pack_tokens(tokens), (prompt_hash or "").encode() + b"\0", domain=_OUTPUT_DOMAIN).hex()
 
     def client_text(self, context: Optional[str], text: str) -> Optional[str]:
         """Text the client or the upstream wrote, as this policy lets it leave the process: as it is
@@ -176,12 +192,20 @@ class CapturePolicy:
         hashes mean equal prefixes (like vLLM's block hashes).  A trailing
         partial block is not hashed.
         """
-        packed = _pack(tokens)  # once: each block is a slice of the same bytes
+        return self.block_hashes_packed(pack_tokens(tokens), block_size)
+
+    def block_hashes_packed(self, packed: bytes, block_size: int) -> list[str]:
+        """:meth:`block_hashes` of tokens already packed by :func:`pack_tokens`."""
+        view = memoryview(packed)  # each block a view of the same bytes, not a copy
         width = block_size * _TOKEN_BYTES
+        keyed = self._keyed_state(_HASH_BYTES, b"").copy
         out: list[str] = []
         parent = b""
         for start in range(0, len(packed) - width + 1, width):
-            parent = self._digest(packed[start : start + width], parent)
+            hashed = keyed()
+            hashed.update(parent)
+            hashed.update(view[start : start + width])
+            parent = hashed.digest()
             out.append(parent.hex())
         return out
 
@@ -222,7 +246,7 @@ class CapturePolicy:
     def hash_at_positions(self, context: str, arrays: Sequence[Sequence[int]]) -> list[array]:
         """Each array's i-th id hashed under the key of (``context``, i), as ``array('q')``; see the
         comment above."""
-        length = max((len(a) for a in arrays), default=0)
+        length = max(map(len, arrays), default=0)
         if length == 0:
             return [array(INT64) for _ in arrays]
         stream = self._place_stream.copy()
@@ -271,6 +295,7 @@ COMPILED = _load_compiled()
 """The compiled twin of :func:`encrypt_numpy`, ``None`` where it was not built."""
 
 
-def _pack(tokens: Sequence[int]) -> bytes:
-    """Token ids as little-endian int64 (numpy integers pack as they are: struct takes __index__)."""
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64, what every hash of token ids reads (numpy integers pack as they
+    are: struct takes __index__)."""
     return struct.pack(f"<{len(tokens)}q", *tokens)

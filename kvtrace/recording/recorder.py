@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import json
 import logging
 import os
 import random
@@ -39,10 +38,11 @@ from kvtrace import __version__
 from kvtrace import semconv as sc
 from kvtrace.config import Settings, default_spool_dir, recording_disabled
 from kvtrace.errors import KvtraceError
-from kvtrace.recording.capture import CapturePolicy
+from kvtrace.recording.capture import CapturePolicy, pack_tokens
 from kvtrace.recording.exporters import build_exporter
 from kvtrace.recording.pipeline import Deferred, SpanPipeline
 from kvtrace.recording.records import CacheEvent, Correlation, RequestRecord, StateOrigin
+from kvtrace.recording.settings_texts import SettingsTexts, settings_text  # noqa: F401 - imported from here by patches
 from kvtrace.recording.stats import StatsFile
 
 log = logging.getLogger("kvtrace")
@@ -56,6 +56,7 @@ class Recorder:
     def __init__(self, settings: Settings, exporter=None, service_name: Optional[str] = None):
         self.settings = settings
         self.capture = CapturePolicy(settings.capture_mode, settings.hash_key)
+        self._settings_texts = SettingsTexts()  # settings dicts that repeat on every span, written once
         self.default_run_id = settings.run_id or f"run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         attrs: dict[str, Any] = {"telemetry.sdk.name": "kvtrace"}
         if service_name and not os.environ.get("OTEL_SERVICE_NAME"):
@@ -165,20 +166,22 @@ class Recorder:
         if r.model:
             a[sc.GEN_AI_REQUEST_MODEL] = r.model
         prompt = r.prompt_token_ids
+        packed = pack_tokens(prompt) if prompt is not None else b""  # once, for the prompt hash and its blocks
         # The prompt hash (from the prompt's ids, or a text hash an importer set) places every
         # generated token and every piece of the client's text: they compare equal only under it.
-        prompt_hash = capture.hash_tokens(prompt) if prompt is not None else r.config.get(sc.PROMPT_HASH)
+        prompt_hash = capture.hash_packed(packed) if prompt is not None else r.config.get(sc.PROMPT_HASH)
         for key, value in r.config.items():
             if value is None:
                 continue
             if key == sc.SAMPLING_SETTINGS and isinstance(value, dict):
                 value = capture.sampling_settings(prompt_hash, value)
-            a[key] = settings_text(value) if isinstance(value, dict) else value
+            a[key] = self._settings_texts.text(value) if isinstance(value, dict) else value
         if prompt is not None:
             a[sc.PROMPT_HASH] = prompt_hash
             # An engine that hashes its own blocks (vLLM) reports its block size in the config.
             a.setdefault(sc.PROMPT_BLOCK_SIZE, self.settings.block_size)
-            a[sc.PROMPT_BLOCK_HASHES] = r.vendor_block_hashes or capture.block_hashes(prompt, self.settings.block_size)
+            a[sc.PROMPT_BLOCK_HASHES] = (r.vendor_block_hashes
+                                         or capture.block_hashes_packed(packed, self.settings.block_size))
             ids = capture.prompt_token_ids(prompt)
             if ids is not None:
                 a[sc.PROMPT_TOKEN_IDS] = ids
@@ -255,12 +258,6 @@ class Recorder:
                 log.exception("kvtrace: could not finish held records at shutdown")
         self._before_shutdown.clear()
         self.provider.shutdown()
-
-
-def settings_text(settings: dict) -> str:
-    """A settings object (``config`` values that are dicts) as the span attribute's JSON text; a patch
-    whose settings rarely change may hand the text over itself."""
-    return json.dumps(settings, sort_keys=True)
 
 
 def _origin_attributes(o: StateOrigin) -> dict[str, Any]:

@@ -96,11 +96,12 @@ def _array_values(values: Sequence[Any]) -> Any:
 
 _INTS, _STRS, _FLOATS = {int}, {str}, {float}
 
-_WRITTEN: tuple[dict, dict] = ({}, {})
-"""String and integer attributes already written, ``(key, value)`` → their ``KeyValue`` text (one dict per
-type: ``1`` and ``"1"`` differ, ``True`` is no int here).  Most of a request span's attributes repeat on every
-span of a process (engine settings, model, capture mode); each dict is cleared whole when full, and a
-string longer than :data:`_WRITTEN_LONGEST` (a client's text) is never kept."""
+_WRITTEN: dict[type, dict] = {str: {}, int: {}, float: {}}
+"""String, integer and float attributes already written, ``(key, value)`` → their ``KeyValue`` text (one dict
+per type: ``1``, ``1.0`` and ``"1"`` differ, ``True`` is no int here).  Most of a request span's attributes
+repeat on every span of a process (engine settings, model, capture mode, temperature); each dict is cleared
+whole when full, a string longer than :data:`_WRITTEN_LONGEST` (a client's text) is never kept, nor a zero
+or NaN float (``0.0 == -0.0`` yet they are written differently; a NaN equals nothing)."""
 _WRITTEN_LIMIT = 4096
 _WRITTEN_LONGEST = 512
 
@@ -110,13 +111,19 @@ def _attribute(key: str, value: Any) -> Any:
     kind = type(value)
     if kind is str:
         text = '{"key":%s,"value":{"stringValue":%s}}' % (_string(key), _string(value))
+        kept = len(value) <= _WRITTEN_LONGEST
     elif kind is int:
         text = '{"key":%s,"value":{"intValue":"%d"}}' % (_string(key), value)
+        kept = True
+    elif kind is float and value and value == value:
+        number = repr(value) if math.isfinite(value) else ('"Infinity"' if value > 0 else '"-Infinity"')
+        text = '{"key":%s,"value":{"doubleValue":%s}}' % (_string(key), number)
+        kept = True
     else:
         return {"key": key, "value": any_value(value)}
     text = _text(text)
-    if kind is int or len(value) <= _WRITTEN_LONGEST:
-        written = _WRITTEN[kind is int]
+    if kept:
+        written = _WRITTEN[kind]
         if len(written) >= _WRITTEN_LIMIT:
             written.clear()
         written[key, value] = text
@@ -132,7 +139,7 @@ def attributes_list(attributes: Any, packed_arrays: dict[str, str] = _NOTHING_PA
     an exported span has dozens of attributes."""
     if not attributes:
         return []
-    strings, integers = _WRITTEN
+    strings, integers, floats = _WRITTEN[str], _WRITTEN[int], _WRITTEN[float]
     parts = []
     append = parts.append
     for key, value in attributes.items():
@@ -141,6 +148,8 @@ def attributes_list(attributes: Any, packed_arrays: dict[str, str] = _NOTHING_PA
             text = strings.get((key, value))
         elif kind is int:
             text = integers.get((key, value))
+        elif kind is float:
+            text = floats.get((key, value))
         else:
             typecode = packed_arrays.get(key)
             if typecode is not None and isinstance(value, (list, tuple, array)):
