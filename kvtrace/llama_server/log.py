@@ -59,14 +59,7 @@ class _Screened:
 _SLOT = r"id\s+(?P<slot>\d+) \| task (?P<task>-?\d+) \| "
 _SELECTED = _Screened("selected slot by ", _SLOT + r"selected slot by (?P<how>LCP similarity|LRU|id)"
                                                r"(?:, f_sim_best = (?P<sim>[\d.]+))?")
-_PROCESSING = _Screened("processing task", _SLOT + r"processing task")
-_NEW_PROMPT = _Screened("new prompt, ", _SLOT + r"new prompt, .*task\.n_tokens = (?P<n>\d+)")
-_RELEASED = _Screened("stop processing: n_tokens = ", _SLOT + r"stop processing: n_tokens = (?P<n>\d+)")
-_SAMPLER_PARAMS = _Screened("sampler params:", _SLOT + r"sampler params:")
 _DRY_LAST_N = _Screened("dry_penalty_last_n = ", r"^\s+.*\bdry_penalty_last_n = (?P<n>-?\d+)")
-_CACHED = _Screened("cached n_tokens = ", _SLOT + r"cached n_tokens = (?P<n>\d+)")
-_PROMPT_EVAL = _Screened("prompt eval time = ", _SLOT + r"prompt eval time = .*/\s*(?P<n>\d+) tokens")
-_EVAL = _Screened("eval time = ", _SLOT + r"\s*eval time = .*/\s*(?P<n>\d+) tokens")
 _CONTEXT = _Screened("llama_context: ", r"llama_context: (?P<name>n_ctx|n_batch|n_ubatch)\s+= (?P<value>\d+)")
 _FLASH_SET = _Screened("llama_context: flash_attn", r"llama_context: flash_attn\s+= (?P<value>enabled|disabled)")
 _FLASH_RESOLVED = _Screened("Flash Attention ", r"Flash Attention (?P<value>enabled|disabled)")
@@ -98,6 +91,21 @@ _ANY_LITERAL = re.compile("|".join(re.escape(literal) for literal in _Screened.l
 (a line cost 3.9 µs instead of 5.4, testing each pattern's literal in turn)."""
 
 SELECTED_BY = {"LCP similarity": "lcp_similarity", "LRU": "lru", "id": "id"}
+
+_TASK_LINE = "| task "
+"""In every line of a task's own messages (the slot's prefix): those are sought only in lines holding it."""
+_TASK_MESSAGE = re.compile(r"id\s+(\d+) \| task (-?\d+) \| (?:"
+                           r"(processing task)"  # the task starts on the slot
+                           r"|new prompt, .*task\.n_tokens = (\d+)"  # its prompt's tokens
+                           r"|cached n_tokens = (\d+)"  # the tokens of the slot's state it kept
+                           r"|prompt eval time = .*/\s*(\d+) tokens"  # the prompt tokens it computed
+                           r"|\s*eval time = .*/\s*(\d+) tokens"  # the tokens it generated
+                           r"|(sampler params:)"  # its sampling parameters follow (the marker among them)
+                           r"|stop processing: n_tokens = (\d+))")  # the slot's state it leaves
+"""The messages every task logs as it runs, in one search: (slot, task, then the one message's group). Each
+proxy reading a log parses every task's lines, other proxies' and workers' too; one search costs about a third
+of the screening, a rule's literal tests and its own search."""
+_STARTED, _PROMPT_SIZE, _KEPT, _EVALUATED, _GENERATED, _PARAMETERS, _RELEASE = range(3, 10)
 
 
 @dataclass
@@ -199,6 +207,15 @@ class LogParser:
     def feed(self, line: str) -> Optional[TaskDecision]:
         if "\x1b" in line:
             line = _ANSI.sub("", line)
+        # A log line is one message: a task's own is told by its slot prefix and read at once.
+        if _TASK_LINE in line and (m := _TASK_MESSAGE.search(line)) is not None:
+            return self._task_message(m)
+        if self._params_slot is not None and _DRY_LAST_N.literal in line \
+                and (m := _DRY_LAST_N.pattern.search(line)) is not None:
+            # A line of the parameters block (one log entry, so no other line comes between).
+            self._marker_of_slot[self._params_slot] = int(m["n"])
+            self._params_slot = None
+            return None
         if _ANY_LITERAL.search(line) is None:
             return None
         pending = self._pending
@@ -238,27 +255,6 @@ class LogParser:
             self._idle_slot = int(m["slot"])
         elif (m := _FOUND.search(line)) is not None:
             pending.restore = self._restored(m["keep"], m["sim"])
-        elif (m := _PROCESSING.search(line)) is not None:
-            return self._started(int(m["slot"]), int(m["task"]))
-        elif (m := _NEW_PROMPT.search(line)) is not None:
-            if (decision := self.decisions.get(int(m["task"]))) is not None:
-                decision.prompt_tokens = int(m["n"])
-        elif (m := _CACHED.search(line)) is not None:
-            # The first line says what was kept; later ones report progress through the prompt's batches.
-            if (decision := self.decisions.get(int(m["task"]))) is not None and decision.cached_tokens is None:
-                decision.cached_tokens = int(m["n"])
-        elif (m := _PROMPT_EVAL.search(line)) is not None:
-            if (decision := self.decisions.get(int(m["task"]))) is not None:
-                decision.evaluated_tokens = int(m["n"])
-        elif (m := _EVAL.search(line)) is not None:
-            if (decision := self.decisions.get(int(m["task"]))) is not None:
-                decision.generated_tokens = int(m["n"])
-        elif (m := _SAMPLER_PARAMS.search(line)) is not None:
-            self._params_slot = int(m["slot"])
-        elif self._params_slot is not None and (m := _DRY_LAST_N.search(line)) is not None:
-            # A line of the parameters block (one log entry, so no other line comes between).
-            self._marker_of_slot[self._params_slot] = int(m["n"])
-            self._params_slot = None
         elif (m := _CONTEXT.search(line)) is not None:
             self.numerics[m["name"]] = int(m["value"])
         elif (m := _FLASH_SET.search(line) or _FLASH_RESOLVED.search(line)) is not None:
@@ -275,10 +271,29 @@ class LogParser:
             self.settings["cache_ram_mib"] = int(m["mib"]) if m["mib"] else -1
         elif _CACHE_OFF.search(line):
             self.settings["cache_ram_mib"] = 0
-        elif (m := _RELEASED.search(line)) is not None:
-            slot = int(m["slot"])
-            self._last_task_of_slot[slot] = int(m["task"])
-            self._state_length_of_slot[slot] = int(m["n"])
+        return None
+
+    def _task_message(self, m: re.Match) -> Optional[TaskDecision]:
+        """One of the messages a task logs as it runs (:data:`_TASK_MESSAGE`'s groups)."""
+        kind, slot, task = m.lastindex, int(m[1]), int(m[2])
+        if kind == _STARTED:
+            return self._started(slot, task)
+        if kind == _PARAMETERS:
+            self._params_slot = slot
+        elif kind == _RELEASE:
+            self._last_task_of_slot[slot] = task
+            self._state_length_of_slot[slot] = int(m[kind])
+        elif (decision := self.decisions.get(task)) is not None:
+            if kind == _PROMPT_SIZE:
+                decision.prompt_tokens = int(m[kind])
+            elif kind == _KEPT:
+                # The first line says what was kept; later ones report progress through the prompt's batches.
+                if decision.cached_tokens is None:
+                    decision.cached_tokens = int(m[kind])
+            elif kind == _EVALUATED:
+                decision.evaluated_tokens = int(m[kind])
+            else:
+                decision.generated_tokens = int(m[kind])
         return None
 
     def _saving(self, length: int) -> None:
