@@ -241,18 +241,20 @@ class TaskProvenance:
         self._run(ready)
 
     def server_settings(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(cache settings, numerics) the server's log stated, as copies. The log states them at start-up,
-        so it is read here only until a task has started (the first request's record may be the first to read
-        it); copies of them are made once then."""
-        if self._settings is not None:
-            return dict(self._settings[0]), dict(self._settings[1])
+        """(cache settings, numerics) the server's log stated, to be read, never changed. The log states them
+        at start-up, so it is read here only until a task has started (the first request's record may be the
+        first to read it); from then on every call returns the same pair, copied once, so that a caller may
+        keep what it derives from them for as long as the pair is the same object."""
+        settled = self._settings
+        if settled is not None:
+            return settled
         self._poll()
         with self._reading:
             parser = self.follower.parser
             settings = dict(parser.settings), dict(parser.numerics)
             if self._tasks_seen:
                 self._settings = settings
-            return dict(settings[0]), dict(settings[1])
+            return settings
 
     def find(self, traced: Traced, answer: Fingerprint) -> None:
         """Ties the request to its task (``traced.task``, ``traced.match``), waiting a little for the log

@@ -61,6 +61,7 @@ from kvtrace.proxy.http1 import ClientGone, Headers, Request, Responder, Server
 from kvtrace.proxy.limits import Limits, ShadowBudget
 from kvtrace.proxy.margin_request import (ENDPOINTS, NATIVE, MarginPlan, UpstreamProfile, cut,
                                           plan_request, with_marker)
+from kvtrace.proxy.record_settings import request_cache_settings, server_settings
 from kvtrace.proxy.shadow import Shadows, refuse_without_bypass
 from kvtrace.proxy.shadow_ledger import ShadowLedger
 from kvtrace.proxy.upstream import Upstream, UpstreamBrokeOff, UpstreamResponse, UpstreamUnreachable
@@ -458,33 +459,23 @@ class ProxyApp:
 
     def _configure(self, traced: Traced, status: int) -> None:
         record, profile, request = traced.record, traced.profile, traced.request
-        record.config[sc.PROXY_UPSTREAM] = without_password(self.upstream_url)  # every span carries it
-        record.config[sc.HTTP_RESPONSE_STATUS_CODE] = status
-        record.config[sc.MARGIN_SOURCE] = traced.plan.source
+        config = record.config
+        config[sc.PROXY_UPSTREAM] = without_password(self.upstream_url)  # every span carries it
+        config[sc.HTTP_RESPONSE_STATUS_CODE] = status
+        config[sc.MARGIN_SOURCE] = traced.plan.source
         # The server's steps are out of sight here; a traced engine behind the proxy records its own.
         record.batch_composition = sc.BATCH_UNKNOWN
         if profile.version:
-            record.config[sc.ENGINE_VERSION] = profile.version
+            config[sc.ENGINE_VERSION] = profile.version
         if profile.weight_format:
-            record.config[sc.MODEL_WEIGHT_FORMAT] = profile.weight_format
-        cache = dict(profile.settings)
-        if self.provenance is not None:
-            settings, numerics = self.provenance.server_settings()
-            cache.update(settings)
-            cache_mib = settings.get("cache_ram_mib")
-            if isinstance(cache_mib, int) and cache_mib > 0:
-                cache.update(prompt_cache="llama-server", capacity_bytes=cache_mib << 20)
-            if numerics:
-                record.config[sc.NUMERICS_SETTINGS] = numerics
-            if "type_k" in numerics:
-                kv = (numerics["type_k"], numerics.get("type_v", numerics["type_k"]))
-                record.config[sc.KV_CACHE_TYPE] = kv[0] if kv[0] == kv[1] else f"{kv[0]}/{kv[1]}"
-        if "cache_prompt" in request:
-            cache["cache_prompt"] = request["cache_prompt"]
-        for name in ("cache_salt", "id_slot"):
-            if name in request:
-                cache[name] = request[name] if name == "id_slot" else True  # a salt is a secret
-        record.config[sc.CACHE_SETTINGS] = cache or None
+            config[sc.MODEL_WEIGHT_FORMAT] = profile.weight_format
+        # The same for every record of this server: derived once, kept as the spans' text.
+        server = server_settings(profile, self.provenance.server_settings() if self.provenance is not None else None)
+        if server.numerics_text is not None:
+            config[sc.NUMERICS_SETTINGS] = server.numerics_text
+        if server.kv_cache_type is not None:
+            config[sc.KV_CACHE_TYPE] = server.kv_cache_type
+        config[sc.CACHE_SETTINGS] = request_cache_settings(server, request)
 
     def _count_failure(self, what: str) -> None:
         self.count("instrumentation_errors")
