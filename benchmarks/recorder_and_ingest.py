@@ -18,9 +18,11 @@ shared: wall time is printed next to it, never instead of it):
   counted the same way — what chDB itself stores on this machine, with no client in between.
 
 Rounds alternate; best and median of each figure are printed. ``--recorder-only`` measures the
-recorder alone (no spool is ingested), ``--ingest-only`` ingest and its ceiling alone.
+recorder alone (no spool is ingested), ``--ingest-only`` ingest and its ceiling alone; with
+``--settings`` each record carries what llama.cpp's patches put in one (settings dicts, sampling numbers,
+engine and model), without it only correlation, prompt and tokens.
 
-Usage: python benchmarks/recorder_and_ingest.py [--requests 2000] [--tokens 100] [--rounds 3]
+Usage: python benchmarks/recorder_and_ingest.py [--requests 2000] [--tokens 100] [--rounds 3] [--settings]
                                                [--ingest-requests 10000] [--ingest-only | --recorder-only]
 """
 
@@ -37,6 +39,7 @@ from collections import Counter
 from pathlib import Path
 
 from kvtrace import correlate
+from kvtrace import semconv as sc
 from kvtrace.collectors.ingest import ingest_paths
 from kvtrace.collectors.schema import init_schema
 from kvtrace.config import Settings
@@ -49,7 +52,33 @@ def _thread_cpu(thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def _record_block(recorder: Recorder, requests: int, tokens: int, rng: random.Random, first: int) -> float:
+NUMERICS = {"n_ctx": 4096, "n_batch": 512, "n_ubatch": 512, "n_threads": 8, "n_threads_batch": 8,
+            "flash_attn": "auto", "type_k": "f16", "type_v": "f16", "logits_all": False, "offload_kqv": True,
+            "n_gpu_layers": 0, "weight_repack": False, "cpu_amx": False,
+            "system_info": "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | OPENMP = 1 |"}
+SAMPLING = {"temp": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "typical_p": 1.0, "repeat_penalty": 1.0,
+            "frequency_penalty": 0.0, "presence_penalty": 0.0, "tfs_z": 1.0, "mirostat_mode": 0,
+            "mirostat_tau": 5.0, "mirostat_eta": 0.1, "seed": 1234, "penalty_last_n": 64, "grammar": False,
+            "logits_processor": False}
+
+
+def _llama_cpp_settings(config: dict) -> None:
+    """The settings patches/llama_cpp puts in every record: the model's (one numerics dict for all its
+    requests), and each request's own dicts of the same values."""
+    config.update({sc.ENGINE_VERSION: "0.3.16", sc.MODEL_FINGERPRINT: "0f3c9e1a2b4d5c6e7f8091a2b3c4d5e6",
+                   sc.MODEL_WEIGHT_FORMAT: "F32", sc.KV_CACHE_TYPE: "f16", sc.NUMERICS_SETTINGS: NUMERICS})
+    config[sc.CACHE_SETTINGS] = {"kv_reuse": True, "prompt_cache": None}
+    config[sc.GEN_AI_REQUEST_MAX_TOKENS] = 64
+    sampling = dict(SAMPLING)
+    config[sc.SAMPLING_SETTINGS] = sampling
+    config[sc.GEN_AI_REQUEST_TEMPERATURE] = float(sampling["temp"])
+    config[sc.GEN_AI_REQUEST_TOP_P] = float(sampling["top_p"])
+    config[sc.GEN_AI_REQUEST_TOP_K] = int(sampling["top_k"])
+    config[sc.GEN_AI_REQUEST_SEED] = sampling["seed"]
+
+
+def _record_block(recorder: Recorder, requests: int, tokens: int, rng: random.Random, first: int,
+                  settings: bool = False) -> float:
     """Record ``requests`` requests of ``tokens`` tokens; the engine thread's CPU seconds in kvtrace."""
     prompt = [rng.randrange(32000) for _ in range(300)]
     engine_cpu = 0.0
@@ -62,6 +91,8 @@ def _record_block(recorder: Recorder, requests: int, tokens: int, rng: random.Ra
             rec = recorder.start_request("bench", model="m")
             rec.prompt_token_ids = prompt
             rec.prompt_tokens = len(prompt)
+            if settings:
+                _llama_cpp_settings(rec.config)
             add = rec.add_token
             for chosen, runner, margin, logprob in draws:
                 add(chosen, chosen, runner, margin, logprob)
@@ -72,7 +103,8 @@ def _record_block(recorder: Recorder, requests: int, tokens: int, rng: random.Ra
     return engine_cpu
 
 
-def record_paired(requests: int, tokens: int, spool: Path, seed: int, block: int = 250) -> dict[int, tuple[float, float]]:
+def record_paired(requests: int, tokens: int, spool: Path, seed: int, block: int = 250,
+                  settings: bool = False) -> dict[int, tuple[float, float]]:
     """Engine- and exporter-thread CPU seconds per request, for requests of 1 token and of ``tokens``
     tokens (``requests`` of each, rounded to whole blocks), recorded by one recorder in alternating
     blocks (ABBA), each block flushed before its clocks stop: {tokens: (engine CPU, exporter CPU)}."""
@@ -84,7 +116,7 @@ def record_paired(requests: int, tokens: int, spool: Path, seed: int, block: int
     for b in range(blocks):
         for n in ((1, tokens) if b % 2 == 0 else (tokens, 1)):
             exporter_start = _thread_cpu(worker)
-            totals[n][0] += _record_block(recorder, block, n, rng, first=b * block)
+            totals[n][0] += _record_block(recorder, block, n, rng, first=b * block, settings=settings)
             recorder.pipeline.force_flush()
             totals[n][1] += _thread_cpu(worker) - exporter_start
     recorder.shutdown()
@@ -177,6 +209,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ingest-requests", type=int, default=10000,
                         help="requests of --tokens tokens in the spool ingested (default: 1M token rows)")
+    parser.add_argument("--settings", action="store_true",
+                        help="each record carries the settings llama.cpp's patches record (three settings dicts, "
+                             "sampling numbers, engine and model)")
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--ingest-only", action="store_true",
                       help="skip the recorder measurement: only ingest and its chDB ceiling")
@@ -190,7 +225,7 @@ def main() -> None:
         per_token, engine_per_token, exporter_per_token, per_request = [], [], [], []
         spans: dict[tuple[str, int], list[float]] = {}  # (thread, tokens) → its CPU per request, µs
         for i in range(0 if args.ingest_only else args.rounds):
-            measured = record_paired(args.requests, args.tokens, work / f"spool-{i}", seed=i)
+            measured = record_paired(args.requests, args.tokens, work / f"spool-{i}", seed=i, settings=args.settings)
             small, big = measured[1], measured[args.tokens]
             for n, (engine, exporter) in measured.items():
                 spans.setdefault(("engine", n), []).append(engine * 1e6)
@@ -201,7 +236,7 @@ def main() -> None:
             per_request.append(sum(small) * 1e6 - per_token[-1])
             shutil.rmtree(work / f"spool-{i}", ignore_errors=True)
         if not args.ingest_only:
-            print(f"recorder + spool, capture={os.environ['KVTRACE_CAPTURE']}, CPU time per thread, "
+            print(f"recorder + spool, capture={os.environ['KVTRACE_CAPTURE']}, settings={args.settings}, CPU time per thread, "
                   f"{args.rounds} rounds of {args.requests} requests:")
             print(f"  per generated token (both threads) us : {_best_median(per_token)}")
             print(f"    engine thread                     us : {_best_median(engine_per_token)}")

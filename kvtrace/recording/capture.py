@@ -175,7 +175,7 @@ class CapturePolicy:
     def sampling_settings(self, context: Optional[str], settings: dict[str, Any]) -> dict[str, Any]:
         """A request's sampling settings with the client's text in them (``stop`` strings) as
         :meth:`client_text` lets it leave: kept, keyed-hashed (one hash of the whole value) or left out."""
-        if self.mode == sc.CAPTURE_IDS or not any(name in settings for name in CLIENT_TEXT_SETTINGS):
+        if self.mode == sc.CAPTURE_IDS or settings.keys().isdisjoint(CLIENT_TEXT_SETTINGS):
             return settings
         kept = dict(settings)
         for name in CLIENT_TEXT_SETTINGS:

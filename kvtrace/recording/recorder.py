@@ -48,6 +48,7 @@ from kvtrace.recording.stats import StatsFile
 log = logging.getLogger("kvtrace")
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_UNSET = Status(StatusCode.UNSET)  # read-only: one for every span without an error
 
 
 class Recorder:
@@ -227,7 +228,7 @@ class Recorder:
     def _to_span(self, r: RequestRecord) -> ReadableSpan:
         context = SpanContext(int(r.trace_id, 16), int(r.span_id, 16), is_remote=False, trace_flags=_SAMPLED)
         attributes = self.request_attributes(r)
-        status = Status(StatusCode.UNSET)
+        status = _UNSET
         if r.error:
             status = Status(StatusCode.ERROR,
                             self.capture.error_text(attributes.get(sc.PROMPT_HASH), r.error, r.error_detail))

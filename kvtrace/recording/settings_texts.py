@@ -3,11 +3,11 @@
 A record's ``config`` holds settings as dicts (sampling, numerics, cache settings), and most of them
 are the same objects on every span of a process: a llama.cpp model's numerics are one dict, its
 sampling defaults the same values.  Writing one with ``json.dumps(sort_keys=True)`` costs 4-8 µs;
-:class:`SettingsTexts` remembers the text of a dict by the identity of its keys and values and
-gives it back while they are the very same objects.  Identity, not equality: ``0.0 == -0.0`` and
-``1 == True`` are equal yet written differently.  Only dicts of immutable scalars are remembered
-(a list in one could change in place), and the remembered objects are held, so their ids are not
-taken by others while remembered.
+:class:`SettingsTexts` remembers the text of a dict by its names and the identity of its values and
+gives it back while its names are the same text and its values the very same objects.  Identity,
+not equality, for the values: ``0.0 == -0.0`` and ``1 == True`` are equal yet written differently.
+Only dicts of text names and immutable scalar values are remembered (a list in one could change in
+place), and the remembered values are held, so their ids are not taken by others while remembered.
 """
 
 from __future__ import annotations
@@ -30,17 +30,18 @@ class SettingsTexts:
 
     def __init__(self, limit: int = 256):
         self.limit = limit
-        self._texts: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple, tuple, str]] = {}
+        self._texts: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple[tuple, str]] = {}
 
     def text(self, settings: dict) -> str:
-        identity = (tuple(map(id, settings)), tuple(map(id, settings.values())))
+        names = tuple(settings)
+        identity = (names, tuple(map(id, settings.values())))
         remembered = self._texts.get(identity)
         if remembered is not None:
-            return remembered[2]
+            return remembered[1]
         text = settings_text(settings)
         values = tuple(settings.values())
-        if _SCALARS.issuperset(map(type, values)):
+        if _SCALARS.issuperset(map(type, values)) and all(type(name) is str for name in names):
             if len(self._texts) >= self.limit:
                 self._texts.clear()
-            self._texts[identity] = (tuple(settings), values, text)  # held: their ids stay theirs
+            self._texts[identity] = (values, text)  # the values held: their ids stay theirs
         return text

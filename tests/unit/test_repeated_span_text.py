@@ -37,13 +37,15 @@ def test_a_settings_dict_seen_again_is_written_again_when_its_values_change(memo
         numerics, sort_keys=True)
 
 
-def test_settings_whose_values_can_change_in_place_are_never_remembered():
+def test_settings_that_can_change_in_place_or_whose_names_are_no_text_are_never_remembered():
     texts = SettingsTexts()
     stops = ["\n"]
     sampling = {"stop": stops, "temp": 0.7}
     assert texts.text(sampling) == json.dumps(sampling, sort_keys=True)
     stops.append("END")  # the same list object, other content
     assert texts.text(sampling) == '{"stop": ["\\n", "END"], "temp": 0.7}'
+    # Names that are no text: 1 and True are one dict key, written "1" and "true".
+    assert (texts.text({1: "on"}), texts.text({True: "on"})) == ('{"1": "on"}', '{"true": "on"}')
 
 
 def test_remembered_settings_are_forgotten_when_the_limit_is_reached():
