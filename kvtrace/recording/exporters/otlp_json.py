@@ -9,8 +9,9 @@ protobuf → JSON path is ~2.5 ms per span and writes ids as base64.
 per-token arrays as packed ``bytesValue`` (``kvtrace/recording/packed_arrays.py``) instead of one
 value object per element.
 
-The line is built as plain Python objects and written by msgspec in one call; what repeats (a string
-or integer attribute seen before, a homogeneous array) goes in as text already written (``msgspec.Raw``).
+The line is built as plain Python objects and written by msgspec in one call; what repeats (a string,
+integer or float attribute seen before, a homogeneous array) goes in as text already written
+(``msgspec.Raw``).
 Floats are written as Python's ``repr`` writes them, so the bytes are those ``json`` wrote before.
 
 Strings are written as Python holds them; ``utf8_line`` makes the line's bytes, repairing on the
@@ -134,9 +135,9 @@ _NOTHING_PACKED: dict[str, str] = {}
 
 
 def attributes_list(attributes: Any, packed_arrays: dict[str, str] = _NOTHING_PACKED) -> list:
-    """Each ``KeyValue``; the arrays ``packed_arrays`` names packed (when they fit their type).  Strings and
-    integers, most of a span's attributes, are looked up here among those written before, without a call:
-    an exported span has dozens of attributes."""
+    """Each ``KeyValue``; the arrays ``packed_arrays`` names packed (when they fit their type).  Strings,
+    integers and floats, most of a span's attributes, are looked up here among those written before,
+    without a call: an exported span has dozens of attributes."""
     if not attributes:
         return []
     strings, integers, floats = _WRITTEN[str], _WRITTEN[int], _WRITTEN[float]
