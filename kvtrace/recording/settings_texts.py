@@ -26,7 +26,7 @@ def settings_text(settings: dict) -> str:
 
 class SettingsTexts:
     """:func:`settings_text`, remembered for up to ``limit`` dicts (forgotten all at once when full).
-    One per recorder, used on its pipeline's thread only."""
+    One per recorder, used where its spans are built; no lock: each entry is right whoever wrote it."""
 
     def __init__(self, limit: int = 256):
         self.limit = limit
