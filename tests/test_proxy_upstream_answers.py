@@ -246,31 +246,6 @@ def test_a_json_call_is_one_write_and_one_read_of_the_request_request_would_writ
             assert received.headers["host"] == server.url.removeprefix("http://")
 
 
-def test_a_json_call_takes_a_kept_connection_without_a_look_and_goes_again_where_the_upstream_closed_it(
-        monkeypatch):
-    """The integrity calls change nothing on the server, so a kept connection is used without the look
-    before reuse (a system call each); one the upstream closed meanwhile costs the call a second send, on
-    another connection, not its answer. The relay's requests still look first."""
-    from kvtrace.proxy.upstream import _Connection
-
-    first = Answer([length_answer(b"first")], close=True)
-    answers = iter([first])
-    with ScriptedUpstream(lambda received: next(answers, Answer([length_answer(b"again")]))) as server:
-        upstream = Upstream(server.url)
-        assert upstream.post_json("/tokenize", b"{}", timeout=BOUND_S) == (200, b"first")
-        assert first.closed.wait(BOUND_S)  # the upstream closed the connection the proxy keeps
-        looks = []
-        real_alive = _Connection.alive
-        monkeypatch.setattr(_Connection, "alive", lambda self: looks.append(self) or real_alive(self))
-        assert upstream.post_json("/tokenize", b"{}", timeout=BOUND_S) == (200, b"again")
-        assert looks == [] and server.connections == 2 and len(server.requests_to("/tokenize")) == 2
-        assert upstream.post_json("/tokenize", b"{}", timeout=BOUND_S) == (200, b"again")
-        assert looks == [] and server.connections == 2  # the new connection is kept and reused
-        for _ in range(2):
-            assert fetch(upstream)[2] == b"again"
-        assert len(looks) == 2 and server.connections == 2  # each of `request`'s looked before it reused it
-
-
 def test_requests_with_and_without_a_time_out_each_reuse_a_connection_set_for_theirs():
     """The relay's requests (no time-out) and the integrity calls' (30 s) alternate: each reuses an idle
     connection whose kernel time-out is already its own, on a blocking socket (no poll before each read

@@ -356,10 +356,7 @@ class Upstream:
             except (ValueError, UnicodeEncodeError) as exc:
                 raise UpstreamUnreachable(f"the request cannot be written to the upstream ({exc})") from None
             head = self._json_heads[target] = head[:-2] + b"content-length: "
-        # Sent again by the caller if the connection turns out closed (these calls change nothing), so a
-        # kept connection is taken without the look before reuse: a system call, and a GIL handoff, fewer.
-        connection, answer = self._exchange(b"%b%d\r\n\r\n%b" % (head, len(body), body), False, timeout,
-                                            look=False)
+        connection, answer = self._exchange(b"%b%d\r\n\r\n%b" % (head, len(body), body), False, timeout)
         try:
             while not answer.complete:
                 connection.receive(answer)
@@ -369,13 +366,10 @@ class Upstream:
         self._release(connection, answer)
         return answer.status, b"".join(answer.body)
 
-    def _exchange(self, message: bytes, head_only: bool, timeout: Optional[float],
-                  look: bool = True) -> tuple[_Connection, _Answer]:
-        """``message`` sent once, and its answer read up to the end of its head. ``look=False``, for requests
-        that may go again: a kept connection is used without looking whether the upstream closed it, and
-        where it fails before the answer's head the request goes again on another."""
+    def _exchange(self, message: bytes, head_only: bool, timeout: Optional[float]) -> tuple[_Connection, _Answer]:
+        """``message`` sent once, and its answer read up to the end of its head."""
         while True:
-            connection = self._take(timeout, look)
+            connection = self._take(timeout)
             reused = connection is not None
             if connection is None:
                 connection = self._connect(timeout)
@@ -389,8 +383,6 @@ class Upstream:
                 raise UpstreamUnreachable(str(exc)) from None
             except OSError as exc:
                 connection.close()
-                if reused and not look:
-                    continue
                 raise UpstreamUnreachable(f"the connection failed while the request was sent ({exc})") from None
             answer = _Answer(head_only=head_only)
             try:
@@ -398,18 +390,14 @@ class Upstream:
                     connection.receive(answer)
                 return connection, answer
             except (OSError, _Malformed) as exc:
-                connection.close()
+                connection.close()  # the request may have reached the upstream: it is not sent again
                 if reused and connection.after_chunked:
                     self.closes_after_chunked = True
-                if reused and not look:
-                    continue  # a kept connection the upstream had closed: a request that may go again does
-                # The request may have reached the upstream: it is not sent again.
                 raise UpstreamUnreachable(str(exc) or type(exc).__name__) from None
 
-    def _take(self, timeout: Optional[float], look: bool = True) -> Optional[_Connection]:
+    def _take(self, timeout: Optional[float]) -> Optional[_Connection]:
         """The idle connection last left with ``timeout``, if any: one with another time-out is not taken, or
-        requests that alternate (the relay's, the integrity calls') would set it again at each. ``look``:
-        only one still open and silent (:meth:`_Connection.alive`)."""
+        requests that alternate (the relay's, the integrity calls') would set it again at each."""
         while True:
             with self._lock:
                 same = self._idle.get(timeout)
@@ -418,7 +406,7 @@ class Upstream:
                 connection = same.pop()
                 self._idle_count -= 1
             if time.monotonic() - connection.idle_since < MAX_IDLE_S:
-                if not look or connection.alive():
+                if connection.alive():
                     return connection
                 if connection.after_chunked:
                     self.closes_after_chunked = True
