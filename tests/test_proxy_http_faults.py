@@ -118,9 +118,9 @@ def test_a_traced_request_reaches_the_upstream_as_the_client_wrote_it_with_the_a
                               headers={"content-type": "application/json"}, timeout=30)
             assert sent.status_code == 200
     first, empty = (received.body for received in upstream.requests_to("/v1/completions"))
-    assert first == b'  {"logprobs": 2,' + written[3:]
+    assert first == b'  {"logprobs":2,' + written[3:]
     assert json.loads(first) == {**json.loads(written), "logprobs": 2}
-    assert empty == b'{"logprobs": 2}'
+    assert empty == b'{"logprobs":2}'
 
 
 def test_a_kept_alive_connection_the_upstream_closed_meanwhile_is_not_used(memory_recorder):
