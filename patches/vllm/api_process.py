@@ -42,11 +42,23 @@ def _inject_trace_headers(request: Any, processor: Any, args: tuple, kwargs: dic
     TRACE_CONTEXT.inject(carrier)
     entries = baggage.get_all()
     if entries:
-        carrier[BAGGAGE_HEADER] = json.dumps(dict(entries), default=str)
+        carrier[BAGGAGE_HEADER] = _baggage_text(entries)
     for key, value in carrier.items():
         headers.setdefault(key, value)
     headers.setdefault(REQUEST_ID_HEADER, str(arg(args, kwargs, 0, "request_id")))
     request.trace_headers = headers
+
+
+_last_baggage: tuple[tuple, str] = ((), "")
+"""The last baggage entries written and their text: a batch's requests carry the same baggage."""
+
+
+def _baggage_text(entries: Any) -> str:
+    global _last_baggage
+    items = tuple(entries.items())
+    if items != _last_baggage[0]:
+        _last_baggage = (items, json.dumps(dict(items), default=str))
+    return _last_baggage[1]
 
 
 process_inputs = observing(FAILURES, "process_inputs", _inject_trace_headers)

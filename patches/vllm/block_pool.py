@@ -20,7 +20,7 @@ from typing import Any, Iterable, NamedTuple, Optional
 
 from kvtrace import semconv as sc
 from kvtrace.patches.hooks import observing
-from kvtrace.patches.vllm.common import FAILURES, arg, bare, hash_hex
+from kvtrace.patches.vllm.common import FAILURES, arg, bare, bare_hashes, hash_hex, hash_hexes
 from kvtrace.patches.vllm.config import SETTINGS
 from kvtrace.patches.vllm.live_requests import LIVE
 from kvtrace.recording.records import CacheEvent, RequestRecord, StateOrigin
@@ -104,15 +104,12 @@ def _on_store(result: Any, pool: Any, args: tuple, kwargs: dict) -> None:
     blocks = arg(args, kwargs, 1, "blocks") or []
     block_size = int(arg(args, kwargs, 4, "block_size") or SETTINGS.block_size or 0)
     parent = hash_hex(bare(blocks[first - 1].block_hash)) if first > 0 and blocks[first - 1].block_hash else None
-    hashes: list[str] = []
-    ids: list[int] = []
-    for block in blocks[first:last]:
-        if getattr(block, "is_null", False) or block.block_hash is None:
-            continue
-        hashes.append(hash_hex(bare(block.block_hash)))
-        ids.append(int(block.block_id))
-    if not hashes:
+    stored = [block for block in blocks[first:last]
+              if block.block_hash is not None and not getattr(block, "is_null", False)]
+    if not stored:
         return
+    hashes = hash_hexes(bare_hashes([block.block_hash for block in stored]))
+    ids = [int(block.block_id) for block in stored]
     event = CacheEvent(name=sc.EVENT_CACHE_STORE, layer=sc.LAYER_PREFIX_BLOCKS, outcome=sc.OUTCOME_STORED,
                        tokens=len(hashes) * block_size, prefix_tokens=first * block_size, block_hashes=hashes,
                        block_ids=ids, parent_hash=parent, key_hash=hashes[-1])

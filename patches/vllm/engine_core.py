@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any, Optional
 
@@ -23,7 +24,7 @@ from kvtrace import semconv as sc
 from kvtrace.patches.hooks import observing
 from kvtrace.patches.vllm.api_process import BAGGAGE_HEADER, PROPAGATOR, REQUEST_ID_HEADER, TRACE_CONTEXT
 from kvtrace.patches.vllm.block_pool import PROVENANCE
-from kvtrace.patches.vllm.common import ENGINE, FAILURES, arg, bare_hashes, hash_hex
+from kvtrace.patches.vllm.common import ENGINE, FAILURES, arg, bare_hashes, hash_hex, hash_hexes
 from kvtrace.patches.vllm.config import SETTINGS, sampling_attributes
 from kvtrace.patches.vllm import request_end
 from kvtrace.patches.vllm.live_requests import LIVE, LiveRequest
@@ -50,8 +51,8 @@ def _on_admission(result: Any, manager: Any, args: tuple, kwargs: dict) -> None:
     block_size = SETTINGS.block_size or int(getattr(manager, "block_size", 0) or 0) or 1
     prompt = list(getattr(request, "prompt_token_ids", None) or [])
     prompt_blocks = len(prompt) // block_size
-    own = list(getattr(request, "block_hashes", []))[:prompt_blocks]
-    vendor = [hash_hex(h) for h in own]
+    own = list(itertools.islice(getattr(request, "block_hashes", ()), prompt_blocks))
+    vendor = hash_hexes(own)
     hit_blocks = min(num_hits // block_size, len(vendor))
     hit_hashes = vendor[:hit_blocks]
     source = PROVENANCE.source_of(hit_hashes[-1]) if hit_hashes else None
@@ -80,8 +81,7 @@ def _on_admission(result: Any, manager: Any, args: tuple, kwargs: dict) -> None:
     record.recomputed_tokens = len(prompt) - num_hits
     record.cache_layer = sc.LAYER_PREFIX_BLOCKS if num_hits else sc.LAYER_NONE
     record.hit_block_hashes = hit_hashes or None
-    record.block_layers = [sc.LAYER_PREFIX_BLOCKS if i < hit_blocks else sc.LAYER_NONE
-                           for i in range(prompt_blocks)]
+    record.block_layers = [sc.LAYER_PREFIX_BLOCKS] * hit_blocks + [sc.LAYER_NONE] * (prompt_blocks - hit_blocks)
     record.state_key = hit_hashes[-1] if hit_hashes else None
     record.state_origin = source
     if num_hits:
@@ -98,7 +98,7 @@ record_prefix_cache_stats = observing(FAILURES, "admission", _on_admission)
 
 def _correlated_start(recorder: Recorder, request: Any) -> RequestRecord:
     """Start the record inside the trace context and with the baggage the request came with."""
-    headers = dict(getattr(request, "trace_headers", None) or {})
+    headers = getattr(request, "trace_headers", None) or {}  # read only
     internal_id = str(request.request_id)
     external_id = headers.get(REQUEST_ID_HEADER) or _external_id(internal_id)
     entries = _carried_baggage(headers.get(BAGGAGE_HEADER))
@@ -114,15 +114,25 @@ def _correlated_start(recorder: Recorder, request: Any) -> RequestRecord:
             context.detach(token)
 
 
+_last_baggage: tuple[Optional[str], Optional[dict]] = (None, None)
+"""The last baggage text read and its entries: a batch's requests carry the same baggage."""
+
+
 def _carried_baggage(text: Optional[str]) -> Optional[dict]:
-    """The baggage entries the API process wrote (:data:`BAGGAGE_HEADER`), or ``None``."""
+    """The baggage entries the API process wrote (:data:`BAGGAGE_HEADER`), or ``None``; one dict per
+    distinct text in a row, read and never changed by the recorder."""
+    global _last_baggage
     if not text:
         return None
+    if text == _last_baggage[0]:
+        return _last_baggage[1]
     try:
         entries = json.loads(text)
     except ValueError:
         return None
-    return entries if isinstance(entries, dict) else None
+    entries = entries if isinstance(entries, dict) else None
+    _last_baggage = (text, entries)
+    return entries
 
 
 def _external_id(internal_id: str) -> str:

@@ -792,3 +792,37 @@ def test_the_callers_context_crosses_to_the_engine_core_in_the_trace_headers(mem
         assert record.trace_id == "%032x" % 0x1234
     record = admitted({api_process.BAGGAGE_HEADER: "[not an object", api_process.REQUEST_ID_HEADER: "req-2"})
     assert record.correlation.request_id == "req-2" and record.parent is None
+
+
+def test_a_batch_sharing_its_baggage_and_the_next_with_another_each_carry_their_own(memory_recorder):
+    """The baggage text is written and read once while it repeats (a batch's requests): a change of the
+    caller's baggage reaches the next requests at once, both ways across the processes."""
+    from opentelemetry import baggage, context
+
+    from kvtrace.patches.vllm import api_process
+
+    def sent(request_id: str, turn: str) -> dict:
+        caller = baggage.set_baggage(sc.RUN_ID, "r1", baggage.set_baggage(sc.TURN, turn))
+        written = SimpleNamespace(trace_headers=None)
+        token = context.attach(caller)
+        try:
+            api_process._inject_trace_headers(written, None, (request_id,), {})
+        finally:
+            context.detach(token)
+        return written.trace_headers
+
+    turns = []
+    for request_id, turn in (("a", "1"), ("b", "1"), ("c", "2"), ("d", "1")):
+        record = engine_core._correlated_start(memory_recorder, SimpleNamespace(
+            request_id=f"{request_id}-abcdefgh", trace_headers=sent(request_id, turn)))
+        turns.append((record.correlation.request_id, record.correlation.turn))
+    assert turns == [("a", 1), ("b", 1), ("c", 2), ("d", 1)]
+
+
+def test_a_prompts_block_hashes_in_one_call_are_each_blocks_own():
+    """``hash_hexes`` (the policy looked up once per list) gives what ``hash_hex`` gives block by block."""
+    from kvtrace.patches.vllm import common
+
+    values = [b"\x01" * 32, b"\x02" * 32, 0xABC, b"\x01" * 32]
+    assert common.hash_hexes(values) == [common.hash_hex(v) for v in values]
+    assert common.hash_hexes(values)[0] == common.hash_hexes(values)[3] != common.hash_hexes(values)[1]
