@@ -209,6 +209,7 @@ class GPUModelRunner:
 def engine(memory_recorder, monkeypatch):
     """A fake engine core with vLLM's hooks on, recording to ``memory_recorder``."""
     monkeypatch.setattr(block_pool, "bare", get_block_hash)  # what the hooks ask vLLM itself
+    monkeypatch.setattr(block_pool, "bare_hashes", lambda hashes: list(map(get_block_hash, hashes)))
     monkeypatch.setattr(engine_core, "bare_hashes", lambda hashes: list(map(get_block_hash, hashes)))
     fakes = {"Scheduler", "KVCacheManager", "BlockPool", "GPUModelRunner"}
     hooks = [Hook(__name__, hook.target, hook.wrapper) for hook in vllm_patch.HOOKS.hooks
