@@ -24,6 +24,9 @@ drift on a shared machine hits them alike), each for ``--seconds``:
   difference between arms: the record and its span, the log's reading and the task's matching, the
   integrity check's calls.
 
+Beside each arm's CPU, the part of it the kernel spent (system time: the sockets' system calls, the
+threads' wake-ups), which the proxy's Python does not show.
+
 Every answer is checked: the client counts the events of each stream and refuses one in which the
 added logprobs were not cut; an arm's CPU is read once the proxy is idle again, its records made.
 With ``--baseline TREE`` (a directory holding another kvtrace source
@@ -297,7 +300,12 @@ class Proxy:
 
     def cpu_s(self) -> float:
         """CPU seconds of the proxy's processes (every thread), its workers included."""
-        total, pending = 0.0, [self.process.pid]
+        return sum(self.cpu_times())
+
+    def cpu_times(self) -> tuple[float, float]:
+        """(user, system) CPU seconds of the proxy's processes (every thread), its workers included."""
+        user = system = 0.0
+        pending = [self.process.pid]
         while pending:
             pid = pending.pop()
             try:
@@ -305,9 +313,10 @@ class Proxy:
                 children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
             except OSError:
                 continue
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+            user += int(fields[11]) / os.sysconf("SC_CLK_TCK")  # utime
+            system += int(fields[12]) / os.sysconf("SC_CLK_TCK")  # stime: the kernel's work for it
             pending += [int(child) for child in children]
-        return total
+        return user, system
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGINT)  # a normal stop: spans flushed (and a profile written)
@@ -379,12 +388,15 @@ def measure(args: argparse.Namespace) -> None:
 
 
 def _turn(client: subprocess.Popen, proxy: Proxy, mode: str, fake: subprocess.Popen) -> dict:
-    cpu = proxy.cpu_s()
+    user, system = proxy.cpu_times()
     apparatus = _process_cpu_s(client.pid) + _process_cpu_s(fake.pid)
     known = " known" if proxy.name.startswith("traced-log-known") else ""
     result = json.loads(_ask(client, f"{proxy.url} {mode}{known}"))
     result["apparatus_cpu_s"] = _process_cpu_s(client.pid) + _process_cpu_s(fake.pid) - apparatus
-    result["cpu_s"] = _settled_cpu(proxy) - cpu
+    _settled_cpu(proxy)
+    user_after, system_after = proxy.cpu_times()
+    result["cpu_s"] = user_after + system_after - user - system
+    result["system_s"] = system_after - system
     if result["bad"]:
         raise SystemExit(f"{proxy.name}: {result['bad']} answers were not the server's (logprobs left, or an error)")
     return result
@@ -427,7 +439,8 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict
         if runs[0]["tokens"]:
             rates[name] = [r["tokens"] / r["wall_s"] for r in runs]
             print(f"  {name:<22} {_span(rates[name]):>16} tokens/s   CPU "
-                  f"{_span([r['cpu_s'] / r['tokens'] * 1e6 for r in runs], 1):>12} µs/token   "
+                  f"{_span([r['cpu_s'] / r['tokens'] * 1e6 for r in runs], 1):>12} µs/token (kernel "
+                  f"{_span([r['system_s'] / r['tokens'] * 1e6 for r in runs], 1)})   "
                   f"{_span([r['cpu_s'] / r['wall_s'] for r in runs], 2):>10} CPU s/s   client and fake "
                   f"{_span([r['apparatus_cpu_s'] / r['wall_s'] for r in runs], 2)} CPU s/s")
     for suffix in ("", " (baseline)"):
@@ -440,7 +453,8 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict
         if runs and not runs[0]["tokens"]:
             cost[name] = [r["cpu_s"] / r["requests"] * 1e6 for r in runs]
             print(f"  {name:<22} {_span([r['requests'] / r['wall_s'] for r in runs]):>16} requests/s   CPU "
-                  f"{_span(cost[name]):>12} µs/request")
+                  f"{_span(cost[name]):>12} µs/request, in the kernel "
+                  f"{_span([r['system_s'] / r['requests'] * 1e6 for r in runs]):>9}")
     for suffix in ("", " (baseline)"):
         if f"relay{suffix}" not in cost:
             continue
