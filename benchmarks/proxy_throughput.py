@@ -298,10 +298,6 @@ class Proxy:
                 raise SystemExit(f"{name}: the proxy did not start:\n{self._log_path.read_text(errors='replace')}")
             time.sleep(0.1)
 
-    def cpu_s(self) -> float:
-        """CPU seconds of the proxy's processes (every thread), its workers included."""
-        return sum(self.cpu_times())
-
     def cpu_times(self) -> tuple[float, float]:
         """(user, system) CPU seconds of the proxy's processes (every thread), its workers included."""
         user = system = 0.0
@@ -393,8 +389,7 @@ def _turn(client: subprocess.Popen, proxy: Proxy, mode: str, fake: subprocess.Po
     known = " known" if proxy.name.startswith("traced-log-known") else ""
     result = json.loads(_ask(client, f"{proxy.url} {mode}{known}"))
     result["apparatus_cpu_s"] = _process_cpu_s(client.pid) + _process_cpu_s(fake.pid) - apparatus
-    _settled_cpu(proxy)
-    user_after, system_after = proxy.cpu_times()
+    user_after, system_after = _settled_cpu(proxy)
     result["cpu_s"] = user_after + system_after - user - system
     result["system_s"] = system_after - system
     if result["bad"]:
@@ -408,13 +403,13 @@ def _process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _settled_cpu(proxy: Proxy) -> float:
-    """The proxy's CPU seconds once the records of the turn's requests are made (they are made after
-    the answers, and would otherwise go uncounted, in another arm's turn)."""
-    last = proxy.cpu_s()
+def _settled_cpu(proxy: Proxy) -> tuple[float, float]:
+    """The proxy's (user, system) CPU seconds once the records of the turn's requests are made (they are
+    made after the answers, and would otherwise go uncounted, in another arm's turn)."""
+    last = proxy.cpu_times()
     while True:
         time.sleep(0.5)
-        now = proxy.cpu_s()
+        now = proxy.cpu_times()
         if now == last:
             return now
         last = now
