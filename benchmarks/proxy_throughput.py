@@ -15,7 +15,8 @@ drift on a shared machine hits them alike), each for ``--seconds``:
   CPU (every process and thread, from /proc) per streamed token, with the CPU the client and the
   fake took meanwhile (they share the machine's cores with the workers);
 * **requests**: non-streamed one-token chat completions through three one-worker proxies:
-  ``relay`` (recording disabled: HTTP and the cut alone), ``traced`` (the record and its span), and
+  ``relay`` (recording disabled: HTTP alone, nothing added to the request, nothing cut from the
+  answer), ``traced`` (the top two added and cut, the record and its span), and
   ``traced+log`` (``--llama-server-log``: the fake writes each request's task to a llama-server-shaped
   log, so the proxy matches it and makes the integrity check's ``/apply-template`` + ``/tokenize``
   calls; each request's prompt is its own unless ``--repeat-prompts``, so the proxy's cache of the
@@ -456,8 +457,8 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict
         relay, traced, logged, known = (cost[f"{name}{suffix}"]
                                         for name in ("relay", "traced", "traced+log", "traced+log+known"))
         print(f"  each part's share of a traced request's CPU{suffix} (paired by round):")
-        print(f"    relay (HTTP both ways, the cut)          {_span(relay):>12} µs")
-        print(f"    record and span                          {_span([b - a for a, b in zip(relay, traced)]):>12} µs")
+        print(f"    relay (HTTP both ways)                   {_span(relay):>12} µs")
+        print(f"    the cut, record and span                 {_span([b - a for a, b in zip(relay, traced)]):>12} µs")
         print(f"    llama-server log, the task's match       {_span([b - a for a, b in zip(traced, known)]):>12} µs")
         print(f"    integrity calls (/apply-template, /tokenize) {_span([b - a for a, b in zip(known, logged)]):>8} µs")
         print(f"    everything (traced+log)                  {_span(logged):>12} µs")
