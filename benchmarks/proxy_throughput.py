@@ -1,7 +1,7 @@
 """How many streamed tokens a second one `kvtrace proxy` relays, and what a request costs it, with no model.
 
     python benchmarks/proxy_throughput.py [--seconds 4] [--rounds 3] [--concurrency 32] [--tokens 256]
-                                          [--events-per-write 0] [--profile FILE]
+                                          [--events-per-write 0] [--profile FILE] [--floor]
 
 A fake llama-server (a process of its own: ``/props``, ``/apply-template``, ``/tokenize``, and the
 completion endpoints answered from pre-built documents carrying the top two logprobs the proxy asks
@@ -24,6 +24,10 @@ drift on a shared machine hits them alike), each for ``--seconds``:
   prompt: the cache answers, no call is made). CPU per request, and each part's share as the
   difference between arms: the record and its span, the log's reading and the task's matching, the
   integrity check's calls.
+
+With ``--floor``, the requests have one more arm, ``floor``: a bare relay in Python (a thread per
+connection, httptools on both sides as the proxy has, each message framed again by its length, no limit,
+time-out or record), the least such a relay costs on this machine; the table gives relay / floor.
 
 Beside each arm's CPU, the part of it the kernel spent (system time: the sockets' system calls, the
 threads' wake-ups), which the proxy's Python does not show.
@@ -204,6 +208,72 @@ def run_fake(args: argparse.Namespace) -> None:
         print(json.dumps(fake.calls), flush=True)
 
 
+# --- the floor: a bare relay --------------------------------------------------------------------------
+
+class _Message:
+    """One request or answer as httptools hands it over."""
+
+    def __init__(self) -> None:
+        self.url, self.headers, self.body, self.done = b"", [], [], False
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.done = True
+
+
+def _read_message(sock: socket.socket, parser_type) -> Optional[tuple[_Message, object]]:
+    message = _Message()
+    parser = parser_type(message)
+    while not message.done:
+        data = sock.recv(1 << 16)
+        if not data:
+            return None
+        parser.feed_data(data)
+    return message, parser
+
+
+def _framed(first_line: bytes, message: _Message) -> bytes:
+    body = b"".join(message.body)
+    kept = b"".join(name + b": " + value + b"\r\n" for name, value in message.headers
+                    if name.lower() not in (b"content-length", b"transfer-encoding", b"connection"))
+    return first_line + kept + b"content-length: %d\r\n\r\n" % len(body) + body
+
+
+def _floor_connection(client: socket.socket, upstream: tuple[str, int]) -> None:
+    import httptools
+
+    with client, socket.create_connection(upstream) as server:
+        for sock in (client, server):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while (asked := _read_message(client, httptools.HttpRequestParser)) is not None:
+            request, parser = asked
+            server.sendall(_framed(b"%s %s HTTP/1.1\r\n" % (parser.get_method(), request.url), request))
+            answered = _read_message(server, httptools.HttpResponseParser)
+            if answered is None:
+                return
+            answer, parser = answered
+            client.sendall(_framed(b"HTTP/1.1 %d OK\r\n" % parser.get_status_code(), answer))
+
+
+def run_floor(args: argparse.Namespace) -> None:
+    """The least a relay in Python does per request: a thread per connection, httptools on both sides (the
+    proxy's parser), each message framed again by its length; no limits, no time-outs, no record."""
+    host, port = args.upstream.removeprefix("http://").split(":")
+    listener = socket.create_server(("127.0.0.1", 0), backlog=512)
+    print(f"kvtrace: proxy on http://127.0.0.1:{listener.getsockname()[1]}", flush=True)  # as the proxy says it
+    while True:
+        client, _ = listener.accept()
+        threading.Thread(target=_floor_connection, args=(client, (host, int(port))), daemon=True).start()
+
+
 # --- the client ---------------------------------------------------------------------------------------
 
 def _request(streamed: bool, tokens: int, number: Optional[int]) -> bytes:
@@ -286,8 +356,11 @@ class Proxy:
         self._log = open(self._log_path, "wb")
         command = ["-m", "kvtrace.cli"] if profile is None else ["-m", "cProfile", "-o", str(profile), "-m",
                                                                  "kvtrace.cli"]
+        command = [*command, "proxy", "--upstream", upstream, "--listen", "127.0.0.1:0", *extra]
+        if name == "floor":
+            command = [__file__, "--role", "floor", "--upstream", upstream]
         self.process = subprocess.Popen(
-            [sys.executable, *command, "proxy", "--upstream", upstream, "--listen", "127.0.0.1:0", *extra],
+            [sys.executable, *command],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir, env={**os.environ, **env})
         self.url = ""
         deadline = time.monotonic() + 120
@@ -349,9 +422,11 @@ def measure(args: argparse.Namespace) -> None:
         arms = {"streams": {"workers 1": [], "workers 2": ["--workers", "2"]},
                 "requests": {"relay": [], "traced": [], "traced+log": ["--llama-server-log", str(log)],
                              "traced+log+known": ["--llama-server-log", str(log)]}}
+        if args.floor:
+            arms["requests"] = {"floor": [], **arms["requests"]}
         arms = {mode: named for mode, named in arms.items() if args.only in (None, mode)}
         if args.baseline is not None:
-            arms = {mode: {**named, **{f"{name} (baseline)": extra for name, extra in named.items()}}
+            arms = {mode: {**named, **{f"{name} (baseline)": extra for name, extra in named.items() if name != "floor"}}
                     for mode, named in arms.items()}
         proxies: dict[str, Proxy] = {}
         try:
@@ -462,6 +537,8 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict
         print(f"    llama-server log, the task's match       {_span([b - a for a, b in zip(traced, known)]):>12} µs")
         print(f"    integrity calls (/apply-template, /tokenize) {_span([b - a for a, b in zip(known, logged)]):>8} µs")
         print(f"    everything (traced+log)                  {_span(logged):>12} µs")
+        if "floor" in cost and not suffix:
+            print(f"  relay / floor (paired by round): CPU {_span([a / b for a, b in zip(relay, cost['floor'])], 2)}×")
     if "relay" not in cost:
         return
     completions = calls.get("/v1/chat/completions", 0) or 1
@@ -484,7 +561,11 @@ def parse_args() -> argparse.Namespace:
                         help="pair every arm with a proxy that imports kvtrace from this source tree")
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="also run a one-worker proxy under cProfile for the streams arm; its stats to FILE")
-    parser.add_argument("--role", choices=("upstream", "client"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--floor", action="store_true",
+                        help="also run a bare relay (a thread per connection, httptools, nothing else) as the "
+                             "requests' floor")
+    parser.add_argument("--role", choices=("upstream", "client", "floor"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--upstream", default="", help=argparse.SUPPRESS)
     parser.add_argument("--log", type=Path, default=None, help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -495,5 +576,7 @@ if __name__ == "__main__":
         run_fake(arguments)
     elif arguments.role == "client":
         run_client(arguments)
+    elif arguments.role == "floor":
+        run_floor(arguments)
     else:
         measure(arguments)

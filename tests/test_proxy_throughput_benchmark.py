@@ -4,6 +4,7 @@ request's task is in its log for the proxy to find."""
 
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -32,3 +33,27 @@ def test_the_fake_server_s_streams_and_answers_reach_the_client_whole_and_the_lo
     assert len(spans) == streams["requests"] + whole["requests"] == fake.calls["/v1/chat/completions"]
     assert {attributes[sc.SERVER_TASK_MATCH] for attributes, _, _ in spans} == {sc.TASK_MATCH_MARKER}
     assert fake.calls["/tokenize"] == len(spans)  # each prompt its own: tokenized once each
+
+
+def test_the_floor_relays_the_fake_server_s_answers_whole():
+    """The floor arm is a relay the requests' figures are compared with: it must pass every answer on."""
+    fake = benchmark.FakeLlamaServer(TOKENS, 0, None)
+    threading.Thread(target=fake.serve, daemon=True).start()
+    listener = socket.create_server(("127.0.0.1", 0))
+    upstream = ("127.0.0.1", fake.listener.getsockname()[1])
+
+    def accept() -> None:
+        for _ in range(3):
+            client, _ = listener.accept()
+            threading.Thread(target=benchmark._floor_connection, args=(client, upstream), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    relayed = benchmark._drive(f"http://127.0.0.1:{listener.getsockname()[1]}", False, TOKENS, 0.2, 2, False)
+    assert relayed["bad"] == 0 and relayed["requests"] == fake.calls["/v1/chat/completions"] > 0
+    with socket.create_connection(listener.getsockname()) as sock:
+        sock.sendall(benchmark._request(False, TOKENS, 1))
+        answer = b""
+        while not benchmark._whole_done(bytearray(answer)):
+            answer += sock.recv(1 << 16)
+    listener.close()
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\n" + benchmark.whole_answer(False))
