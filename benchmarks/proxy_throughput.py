@@ -17,10 +17,10 @@ drift on a shared machine hits them alike), each for ``--seconds``:
 * **requests**: non-streamed one-token chat completions through three one-worker proxies:
   ``relay`` (recording disabled: HTTP alone, nothing added to the request, nothing cut from the
   answer), ``traced`` (the top two added and cut, the record and its span), and
-  ``traced+log`` (``--llama-server-log``: the fake writes each request's task to a llama-server-shaped
-  log, so the proxy matches it and makes the integrity check's ``/apply-template`` + ``/tokenize``
-  calls; each request's prompt is its own unless ``--repeat-prompts``, so the proxy's cache of the
-  server's tokens does not answer for it), and ``traced+log+known`` (the same, every request with one
+  ``traced+log`` (``--llama-server-log``: the fake writes each request's task to a log as llama-server
+  writes it at ``-lv 4``, 25 lines a request, so the proxy matches it and makes the integrity check's
+  ``/apply-template`` + ``/tokenize`` calls; each request's prompt is its own unless ``--repeat-prompts``,
+  so the proxy's cache of the server's tokens does not answer for it), and ``traced+log+known`` (the same, every request with one
   prompt: the cache answers, no call is made). CPU per request, and each part's share as the
   difference between arms: the record and its span, the log's reading and the task's matching, the
   integrity check's calls.
@@ -182,22 +182,51 @@ class FakeLlamaServer:
         return self.stream[top_two] if streamed else [self.whole[top_two]]
 
     def _log_task(self, request: dict, streamed: bool) -> None:
+        """The 25 lines llama-server 0.3.36 writes at ``-lv 4`` for a request with its prompt cache on
+        (the other slots passed over and saved idle, the sampler, the timings), this task's in them."""
         marker = request.get("dry_penalty_last_n", -1)
         generated = self.tokens if streamed else 1
         with self._lock:
             task, self._task = self._task, self._task + 1
-            slot = f"id  {task % 4} | task {task} |"
-            lines = [f"slot params_from_: {slot} sampler params: ",
-                     f"\tdry_multiplier = 0.000, dry_base = 1.750, dry_allowed_length = 2, "
+            slot = task % 4
+            others = [other for other in range(4) if other != slot]
+            ours, idle = f"id  {slot} | task {task} |", f"id  {slot} | task -1 |"
+            lines = ["I srv  server_strea: conv_id= (empty=1)",
+                     *(f"I slot get_availabl: id  {other} | task -1 |  - skipping, slot is empty" for other in others),
+                     f"I slot get_availabl: {idle}  - checking sim = 0.000 (0/{PROMPT_TOKENS}) > 0.100",
+                     f"I slot get_availabl: {idle} selected slot by LRU, t_last = {task}",
+                     f"I slot launch_slot_: {idle} sampler chain: logits -> ?penalties -> ?dry -> ?top-n-sigma -> "
+                     "top-k -> ?typical -> top-p -> min-p -> ?xtc -> temp-ext -> dist ",
+                     f"I slot launch_slot_: {idle} sampler params: ",
+                     "\trepeat_last_n = 64, repeat_penalty = 1.000, frequency_penalty = 0.000, "
+                     "presence_penalty = 0.000",
+                     "\tdry_multiplier = 0.000, dry_base = 1.750, dry_allowed_length = 2, "
                      f"dry_penalty_last_n = {marker}",
-                     f"slot launch_slot_: {slot} processing task",
-                     f"slot update_slots: {slot} new prompt, n_ctx_slot = 4096, n_keep = 0, task.n_tokens = "
+                     "\ttop_k = 40, top_p = 0.950, min_p = 0.050, xtc_probability = 0.000, xtc_threshold = 0.100, "
+                     "typical_p = 1.000, top_n_sigma = -1.000, temp = 0.800",
+                     "\tmirostat = 0, mirostat_lr = 0.100, mirostat_ent = 5.000, adaptive_target = -1.000, "
+                     "adaptive_decay = 0.900",
+                     f"I slot launch_slot_: {ours} processing task, is_child = 0",
+                     *(f"I slot process_sing: id  {other} | task -1 | saving idle slot to prompt cache"
+                       for other in others),
+                     f"I slot   operator(): {ours} new prompt, n_ctx_slot = 4096, n_keep = 0, task.n_tokens = "
                      f"{PROMPT_TOKENS}",
-                     f"slot print_timing: {slot} prompt eval time = 1.00 ms / {PROMPT_TOKENS} tokens",
-                     f"slot print_timing: {slot}        eval time = 1.00 ms / {generated} tokens",
-                     f"slot      release: {slot} stop processing: n_tokens = {PROMPT_TOKENS + generated}"]
+                     f"I slot   operator(): {ours} cached n_tokens = 0, memory_seq_rm [0, end)",
+                     f"I slot init_sampler: {ours} init sampler, took 0.01 ms, tokens: text = {PROMPT_TOKENS}, "
+                     f"total = {PROMPT_TOKENS}",
+                     f"I slot print_timing: {ours} prompt eval time =       1.00 ms /    {PROMPT_TOKENS} tokens "
+                     f"(    0.04 ms per token, 24000.00 tokens per second)",
+                     f"I slot print_timing: {ours}        eval time =       1.00 ms /    {generated} tokens "
+                     "(    1.00 ms per token,  1000.00 tokens per second)",
+                     f"I slot print_timing: {ours}       total time =       2.00 ms /    "
+                     f"{PROMPT_TOKENS + generated} tokens",
+                     f"I slot print_timing: {ours}    graphs reused =          0",
+                     f"I slot      release: {ours} stop processing: n_tokens = {PROMPT_TOKENS + generated}, "
+                     "truncated = 0",
+                     "I srv  update_slots: all slots are idle"]
+            stamp = f"0.00.{task // 1000 % 1000:03d}.{task % 1000:03d} "
             with open(self.log, "a") as out:
-                out.write("\n".join(lines) + "\n")
+                out.write("".join(stamp + line + "\n" if line[0] == "I" else line + "\n" for line in lines))
 
 
 def run_fake(args: argparse.Namespace) -> None:
