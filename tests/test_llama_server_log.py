@@ -373,3 +373,14 @@ def test_a_requests_way_through_the_provenance_takes_its_lock_five_times(tmp_pat
     assert (first.task.task, second.task.task, second.task.previous_task) == (7, 8, 7)
     assert record.config[sc.SERVER_TASK_MATCH] == sc.TASK_MATCH_MARKER and record.state_origin is not None
     assert taken == 5  # the request sent, the log's tasks added, the match, its record settled and remembered
+
+
+def test_every_literal_the_parser_looks_for_holds_a_word_of_its_first_screen():
+    """A line without any of ``SCREEN_WORDS`` is passed over unread: a literal added without its word
+    would never be seen."""
+    from kvtrace.llama_server import log as parser_module
+
+    assert parser_module._Screened.literals
+    uncovered = [literal for literal in parser_module._Screened.literals
+                 if not any(word in literal for word in parser_module.SCREEN_WORDS)]
+    assert uncovered == []

@@ -89,6 +89,10 @@ _FOUND = _Screened("- found better prompt with f_keep = ",
 _ANY_LITERAL = re.compile("|".join(re.escape(literal) for literal in _Screened.literals))
 """One search for all the literals: about half the lines of a -lv 4 log hold none and are passed over in it
 (a line cost 3.9 µs instead of 5.4, testing each pattern's literal in turn)."""
+SCREEN_WORDS = ("prompt", "cache", "selected slot", "dry_penalty", "llama_", "Flash Attention", "system_info",
+                "load_tensors", "removing")
+"""Every literal holds one of these words (a test keeps it so): a line holding none is passed over before
+the search, which costs 1.4–4.1 µs a line (the longer, the dearer) where the words' tests cost 0.75."""
 
 SELECTED_BY = {"LCP similarity": "lcp_similarity", "LRU": "lru", "id": "id"}
 
@@ -216,7 +220,7 @@ class LogParser:
             self._marker_of_slot[self._params_slot] = int(m["n"])
             self._params_slot = None
             return None
-        if _ANY_LITERAL.search(line) is None:
+        if not any([word in line for word in SCREEN_WORDS]) or _ANY_LITERAL.search(line) is None:
             return None
         pending = self._pending
         if "- prompt " in line:
