@@ -20,10 +20,10 @@ drift on a shared machine hits them alike), each for ``--seconds``:
   ``traced+log`` (``--llama-server-log``: the fake writes each request's task to a log as llama-server
   writes it at ``-lv 4``, 25 lines a request, so the proxy matches it and makes the integrity check's
   ``/apply-template`` + ``/tokenize`` calls; each request's prompt is its own unless ``--repeat-prompts``,
-  so the proxy's cache of the server's tokens does not answer for it), and ``traced+log+known`` (the same, every request with one
-  prompt: the cache answers, no call is made). CPU per request, and each part's share as the
-  difference between arms: the record and its span, the log's reading and the task's matching, the
-  integrity check's calls.
+  so the proxy's cache of the server's tokens does not answer for it), and ``traced+log+known`` (the
+  same, every request with one prompt: the cache answers, no call is made). CPU per request, and each
+  part's share as the difference between arms: the record and its span, the log's reading and the
+  task's matching, the integrity check's calls.
 
 With ``--floor``, the requests have one more arm, ``floor``: a bare relay in Python (a thread per
 connection, httptools on both sides as the proxy has, each message framed again by its length, no limit,
@@ -182,7 +182,7 @@ class FakeLlamaServer:
         return self.stream[top_two] if streamed else [self.whole[top_two]]
 
     def _log_task(self, request: dict, streamed: bool) -> None:
-        """The 25 lines llama-server 0.3.36 writes at ``-lv 4`` for a request with its prompt cache on
+        """The 25 lines the llama-server kvtrace builds writes at ``-lv 4`` for a request, its prompt cache on
         (the other slots passed over and saved idle, the sampler, the timings), this task's in them."""
         marker = request.get("dry_penalty_last_n", -1)
         generated = self.tokens if streamed else 1
@@ -192,7 +192,8 @@ class FakeLlamaServer:
             others = [other for other in range(4) if other != slot]
             ours, idle = f"id  {slot} | task {task} |", f"id  {slot} | task -1 |"
             lines = ["I srv  server_strea: conv_id= (empty=1)",
-                     *(f"I slot get_availabl: id  {other} | task -1 |  - skipping, slot is empty" for other in others),
+                     *(f"I slot get_availabl: id  {other} | task -1 |  - skipping, slot is empty"
+                       for other in others),
                      f"I slot get_availabl: {idle}  - checking sim = 0.000 (0/{PROMPT_TOKENS}) > 0.100",
                      f"I slot get_availabl: {idle} selected slot by LRU, t_last = {task}",
                      f"I slot launch_slot_: {idle} sampler chain: logits -> ?penalties -> ?dry -> ?top-n-sigma -> "
@@ -455,8 +456,8 @@ def measure(args: argparse.Namespace) -> None:
             arms["requests"] = {"floor": [], **arms["requests"]}
         arms = {mode: named for mode, named in arms.items() if args.only in (None, mode)}
         if args.baseline is not None:
-            arms = {mode: {**named, **{f"{name} (baseline)": extra for name, extra in named.items() if name != "floor"}}
-                    for mode, named in arms.items()}
+            arms = {mode: {**named, **{f"{name} (baseline)": extra for name, extra in named.items()
+                                       if name != "floor"}} for mode, named in arms.items()}
         proxies: dict[str, Proxy] = {}
         try:
             for mode, named in arms.items():
