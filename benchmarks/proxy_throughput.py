@@ -14,7 +14,7 @@ drift on a shared machine hits them alike), each for ``--seconds``:
   answer in one write, as fast as the socket takes it). Streamed tokens a second, and the proxy's
   CPU (every process and thread, from /proc) per streamed token, with the CPU the client and the
   fake took meanwhile (they share the machine's cores with the workers);
-* **requests**: non-streamed one-token chat completions through three one-worker proxies:
+* **requests**: non-streamed one-token chat completions through four one-worker proxies:
   ``relay`` (recording disabled: HTTP alone, nothing added to the request, nothing cut from the
   answer), ``traced`` (the top two added and cut, the record and its span), and
   ``traced+log`` (``--llama-server-log``: the fake writes each request's task to a log as llama-server
