@@ -384,11 +384,12 @@ class Proxy:
         self.name = name
         self._log_path = workdir / f"{name}.log"
         self._log = open(self._log_path, "wb")
-        command = ["-m", "kvtrace.cli"] if profile is None else ["-m", "cProfile", "-o", str(profile), "-m",
-                                                                 "kvtrace.cli"]
-        command = [*command, "proxy", "--upstream", upstream, "--listen", "127.0.0.1:0", *extra]
         if name == "floor":
             command = [__file__, "--role", "floor", "--upstream", upstream]
+        else:
+            profiled = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
+            command = [*profiled, "-m", "kvtrace.cli", "proxy", "--upstream", upstream, "--listen", "127.0.0.1:0",
+                       *extra]
         self.process = subprocess.Popen(
             [sys.executable, *command],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir, env={**os.environ, **env})
@@ -409,12 +410,11 @@ class Proxy:
         while pending:
             pid = pending.pop()
             try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                own_user, own_system = _cpu_times(pid)
                 children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
             except OSError:
                 continue
-            user += int(fields[11]) / os.sysconf("SC_CLK_TCK")  # utime
-            system += int(fields[12]) / os.sysconf("SC_CLK_TCK")  # stime: the kernel's work for it
+            user, system = user + own_user, system + own_system
             pending += [int(child) for child in children]
         return user, system
 
@@ -503,10 +503,15 @@ def _turn(client: subprocess.Popen, proxy: Proxy, mode: str, fake: subprocess.Po
     return result
 
 
+def _cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of one process, every thread: system is the kernel's work for it."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def _process_cpu_s(pid: int) -> float:
     """CPU seconds of one process (every thread): the client's or the fake's, which share the cores."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(_cpu_times(pid))
 
 
 def _settled_cpu(proxy: Proxy) -> tuple[float, float]:
