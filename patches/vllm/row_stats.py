@@ -6,7 +6,8 @@
   whatever the row's size, so a step makes as few as it can: a handful of tensor attribute reads and
   no torch op for float32 logits;
 * logits on a device: :func:`device_rows` computes the rows there, in vLLM's stream, without reading a
-  value on the host and without a temporary the size of the whole logits (docs/tracing.md, "vLLM on a GPU").
+  value on the host and without a temporary the size of the whole logits (docs/tracing.md, "vLLM on a GPU"):
+  on CUDA in one launch of :mod:`.row_kernel`'s kernel, else (or if the kernel fails) in torch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from kvtrace.patches.rowstats import sampled_rows_reader
+from kvtrace.patches.vllm.common import FAILURES
+from kvtrace.patches.vllm.row_kernel import kernel_rows
 
 
 class SampledRow(NamedTuple):
@@ -34,6 +37,8 @@ class SampledRow(NamedTuple):
     sampled: float  # 1.0 when the row sampled a token (read as ``sampled > 0.5``); 0.0 for a partial or chunked prefill
 
 
+KERNEL_DEVICES = {"cuda"}
+"""Device types whose rows :mod:`.row_kernel`'s kernel computes; emptied when a launch fails (counted)."""
 CHUNK_ELEMENTS = 1 << 22
 """Logits elements converted to float32 at a time for the log-sum-exp: 16 MiB per temporary, whatever
 the batch (256 rows of Llama 3's 128,256 ids at once would be 131 MB each)."""
@@ -47,6 +52,15 @@ def device_rows(logits: Any, chosen: Any, sampled: Optional[Any] = None) -> Any:
     shapes are read on the host; the top two are taken in the logits' own dtype, the log-sum-exp in
     float32 chunks of :data:`CHUNK_ELEMENTS`.
     """
+    if logits.device.type in KERNEL_DEVICES:
+        try:
+            stats = kernel_rows(logits, chosen, sampled)
+        except Exception:
+            FAILURES.count("sampler rows kernel (the torch path runs instead)")
+            KERNEL_DEVICES.clear()
+            stats = None
+        if stats is not None:
+            return stats
     # Deferred: torch is there whenever vLLM samples, but importing this package must not load it.
     import torch
 
