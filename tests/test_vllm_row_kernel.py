@@ -77,8 +77,9 @@ def test_the_kernels_rows_equal_the_host_helpers(interpreter, dtype, n):
     chosen[2], chosen[4], chosen[5] = 31, 99, n - 1
     skip = np.zeros(rows, dtype=bool)
     skip[6] = True  # a partial prefill: its row is read as not sampled
-    sampled = torch.from_numpy(~skip)
-    for ids in (chosen[:, None], chosen.to(torch.int32)):  # V1's [rows, 1] int64; V2's int32
+    mask, counts = torch.from_numpy(~skip), torch.from_numpy((~skip).astype(np.int32) * 2)
+    # V1's ids [rows, 1] int64 with a mask of the rows that sampled; V2's int32 with its num_sampled counts
+    for ids, sampled in ((chosen[:, None], mask), (chosen.to(torch.int32), counts)):
         got = _kernel_rows(interpreter, logits, ids, sampled)
         _assert_rows_match(got, _host(logits, chosen[:, None], skip), skip)
     assert (got[1].top1, got[1].runner_up) == (10, n - 5)
@@ -131,3 +132,11 @@ def test_the_cost_benchmark_runs_both_paths_and_finds_their_rows_equal():
     rows, torch_host, kernel_host, _, _, first_launch, diff = done.stdout.splitlines()[1].split()
     assert rows == "2" and float(torch_host) > 0 and float(kernel_host) > 0 and float(first_launch) > 0
     assert float(diff) < 1e-5
+
+
+def test_the_torch_path_reads_v2s_counts_as_its_mask(monkeypatch):
+    monkeypatch.setattr(row_stats, "KERNEL_DEVICES", set())
+    logits = torch.randn(3, 50)
+    counts = torch.tensor([2, 0, 1], dtype=torch.int32)  # V2's num_sampled: the middle row a prefill chunk
+    stats = row_stats.device_rows(logits, logits.argmax(dim=1), counts)
+    assert stats[:, 5].tolist() == [1.0, 0.0, 1.0]

@@ -66,7 +66,7 @@ def _kernel() -> Any:
         top1 = tl.where(tied, chosen, first_id)
         runner_up = tl.where(tied & (first_id != chosen), first_id, second_id)
         log_normalizer = tl.where(top == float("-inf"), top, top + tl.log(total))
-        flag = tl.load(sampled + row).to(tl.float32) if HAS_SAMPLED else 1.0
+        flag = (tl.load(sampled + row) > 0).to(tl.float32) if HAS_SAMPLED else 1.0  # a mask or counts
         row_out = out + row * 6
         tl.store(row_out, chosen.to(tl.float32))
         tl.store(row_out + 1, top1.to(tl.float32))

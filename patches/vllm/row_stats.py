@@ -47,7 +47,8 @@ the batch (256 rows of Llama 3's 128,256 ids at once would be 131 MB each)."""
 def device_rows(logits: Any, chosen: Any, sampled: Optional[Any] = None) -> Any:
     """One :class:`SampledRow` per logits row, as a [rows, 6] float32 tensor on the logits' device.
 
-    ``sampled`` is a bool tensor on the same device marking the rows that sampled a token (``None``:
+    ``sampled`` is a tensor on the same device whose rows above 0 sampled a token (a bool mask, or the
+    V2 runner's ``num_sampled`` counts as they are: no operation to make a mask of them) (``None``:
     every row; a mask held on the host is applied when the rows are read, :mod:`.pending_rows`).  Only
     shapes are read on the host; the top two are taken in the logits' own dtype, the log-sum-exp in
     float32 chunks of :data:`CHUNK_ELEMENTS`.
@@ -80,7 +81,7 @@ def device_rows(logits: Any, chosen: Any, sampled: Optional[Any] = None) -> Any:
         top1 = torch.where(tied, ids, top.indices[:, 0])
         runner_up = torch.where(tied & (top.indices[:, 0] == ids), top.indices[:, 1],
                                 torch.where(tied, top.indices[:, 0], top.indices[:, 1]))
-        flag = sampled.float() if sampled is not None else torch.ones_like(values[:, 0])
+        flag = (sampled > 0).float() if sampled is not None else torch.ones_like(values[:, 0])
         columns = SampledRow(chosen=ids.float(), top1=top1.float(), runner_up=runner_up.float(),
                              margin=values[:, 0] - values[:, 1], chosen_logprob=chosen_logit - log_normalizer,
                              sampled=flag)

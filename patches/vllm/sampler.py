@@ -209,7 +209,7 @@ def _on_sample_v2(output: Any, sampler: Any, args: tuple, kwargs: dict) -> None:
     if host is not None:
         hand_over(req_ids, host_rows(host, output.sampled_token_ids, np.asarray(num_sampled <= 0)), shape)
     else:
-        queue_device_rows(req_ids, device_rows(logits, output.sampled_token_ids, num_sampled > 0), shape)
+        queue_device_rows(req_ids, device_rows(logits, output.sampled_token_ids, num_sampled), shape)
 
 
 sample_v1 = _sample_v1
