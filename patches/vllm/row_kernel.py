@@ -16,7 +16,9 @@ from typing import Any, Optional
 
 BLOCK = 4096
 """Logits read per iteration of a row's program (16 KiB of float32, 8 KiB of bf16)."""
-NUM_WARPS = 8
+COMPILE_OPTIONS = {"num_warps": 8, "enable_fp_fusion": False}
+"""No multiply-add contraction: the same arithmetic as the interpreter the tests run it in (and Triton 3.9
+warns at every first compile that leaves the choice to its default)."""
 
 
 @functools.cache
@@ -92,6 +94,6 @@ def kernel_rows(logits: Any, chosen: Any, sampled: Optional[Any] = None) -> Opti
     out = torch.empty((rows, 6), dtype=torch.float32, device=logits.device)
     if rows:
         mask = sampled if sampled is not None else logits  # an unread pointer without a mask
-        kernel[(rows,)](logits, logits.stride(0), n, ids, ids.stride(0), mask, out,
-                        HAS_SAMPLED=sampled is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        kernel[(rows,)](logits, logits.stride(0), n, ids, ids.stride(0), mask, out, HAS_SAMPLED=sampled is not None,
+                        BLOCK=BLOCK, **COMPILE_OPTIONS)
     return out
