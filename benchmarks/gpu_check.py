@@ -226,8 +226,9 @@ def measure(args, llm, batch: int, patch, recorder, torch, cuda: bool, syncs: li
     errors_before = recorder.pipeline.counters["instrumentation_errors"]
     syncs_before = len(syncs)
     cut_before = sum(recorder.pipeline.counters[name] for name in CUT)
+    patch.patch()  # warm, traced: this batch size's first step, and the rows kernel's first launch (its compile)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(batch, 10_000 + batch, vocab)], params,
-                 use_tqdm=False)  # warm: this batch size's first step
+                 use_tqdm=False)
     for round_index in range(args.rounds):
         for traced in ((False, True) if round_index % 2 == 0 else (True, False)):
             patch.patch() if traced else patch.unpatch()
