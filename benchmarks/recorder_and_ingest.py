@@ -20,9 +20,12 @@ shared: wall time is printed next to it, never instead of it):
 Rounds alternate; best and median of each figure are printed. ``--recorder-only`` measures the
 recorder alone (no spool is ingested), ``--ingest-only`` ingest and its ceiling alone; with
 ``--settings`` each record carries what llama.cpp's patches put in one (settings dicts, sampling numbers,
-engine and model), without it only correlation, prompt and tokens.
+engine and model), without it only correlation, prompt and tokens. Every request has a prompt of its own;
+with ``--turn-growth N`` each episode's prompt is its last one and N tokens more, turn after turn, so the
+prompt's block hashes remembered from the turn before count.
 
 Usage: python benchmarks/recorder_and_ingest.py [--requests 2000] [--tokens 100] [--rounds 3] [--settings]
+                                               [--turn-growth N]
                                                [--ingest-requests 10000] [--ingest-only | --recorder-only]
 """
 
@@ -37,6 +40,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 from kvtrace import correlate
 from kvtrace import semconv as sc
@@ -77,16 +81,34 @@ def _llama_cpp_settings(config: dict) -> None:
     config[sc.GEN_AI_REQUEST_SEED] = sampling["seed"]
 
 
+PROMPT_TOKENS = 300
+TURNS = 8
+
+
+def _prompt(rng: random.Random, i: int, growth: int, conversations: dict[int, list[int]]) -> list[int]:
+    """Request ``i``'s prompt (episode ``i // TURNS``, turn ``i % TURNS``): its own ``PROMPT_TOKENS``, or with
+    ``growth`` the episode's last prompt and ``growth`` tokens more, as an agent's turns grow."""
+    episode, turn = divmod(i, TURNS)
+    new = [rng.randrange(32000) for _ in range(PROMPT_TOKENS if not growth or not turn else growth)]
+    if not growth:
+        return new
+    prompt = conversations.pop(episode, []) + new if turn else new
+    if turn < TURNS - 1:
+        conversations[episode] = prompt
+    return prompt
+
+
 def _record_block(recorder: Recorder, requests: int, tokens: int, rng: random.Random, first: int,
-                  settings: bool = False) -> float:
+                  settings: bool = False, growth: int = 0, conversations: Optional[dict] = None) -> float:
     """Record ``requests`` requests of ``tokens`` tokens; the engine thread's CPU seconds in kvtrace."""
-    prompt = [rng.randrange(32000) for _ in range(300)]
+    conversations = {} if conversations is None else conversations
     engine_cpu = 0.0
     for i in range(first, first + requests):
         # Fresh draws per request, made outside the timed part: the engine computed them, not kvtrace.
+        prompt = _prompt(rng, i, growth, conversations)
         draws = [(rng.randrange(32000), rng.randrange(32000), rng.random() * 8, -rng.random() * 3)
                  for _ in range(tokens)]
-        with correlate(run_id="bench", episode_id=f"ep{i // 8}", turn=i % 8):
+        with correlate(run_id="bench", episode_id=f"ep{i // TURNS}", turn=i % TURNS):
             t = time.thread_time()
             rec = recorder.start_request("bench", model="m")
             rec.prompt_token_ids = prompt
@@ -104,7 +126,7 @@ def _record_block(recorder: Recorder, requests: int, tokens: int, rng: random.Ra
 
 
 def record_paired(requests: int, tokens: int, spool: Path, seed: int, block: int = 250,
-                  settings: bool = False) -> dict[int, tuple[float, float]]:
+                  settings: bool = False, growth: int = 0) -> dict[int, tuple[float, float]]:
     """Engine- and exporter-thread CPU seconds per request, for requests of 1 token and of ``tokens``
     tokens (``requests`` of each, rounded to whole blocks), recorded by one recorder in alternating
     blocks (ABBA), each block flushed before its clocks stop: {tokens: (engine CPU, exporter CPU)}."""
@@ -112,11 +134,13 @@ def record_paired(requests: int, tokens: int, spool: Path, seed: int, block: int
     worker = recorder.pipeline._worker
     rng = random.Random(seed)
     totals = {1: [0.0, 0.0], tokens: [0.0, 0.0]}
+    conversations: dict[int, dict] = {1: {}, tokens: {}}  # each arm's episodes go on from block to block
     blocks = max(1, requests // block)
     for b in range(blocks):
         for n in ((1, tokens) if b % 2 == 0 else (tokens, 1)):
             exporter_start = _thread_cpu(worker)
-            totals[n][0] += _record_block(recorder, block, n, rng, first=b * block, settings=settings)
+            totals[n][0] += _record_block(recorder, block, n, rng, first=b * block, settings=settings,
+                                          growth=growth, conversations=conversations[n])
             recorder.pipeline.force_flush()
             totals[n][1] += _thread_cpu(worker) - exporter_start
     recorder.shutdown()
@@ -209,6 +233,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ingest-requests", type=int, default=10000,
                         help="requests of --tokens tokens in the spool ingested (default: 1M token rows)")
+    parser.add_argument("--turn-growth", type=int, default=0, metavar="N",
+                        help=f"each episode's prompt grows by N tokens a turn ({TURNS} turns, the first "
+                             f"{PROMPT_TOKENS} tokens), as an agent's do; default: every request a "
+                             f"{PROMPT_TOKENS}-token prompt of its own")
     parser.add_argument("--settings", action="store_true",
                         help="each record carries the settings llama.cpp's patches record (three settings dicts, "
                              "sampling numbers, engine and model)")
@@ -225,7 +253,8 @@ def main() -> None:
         per_token, engine_per_token, exporter_per_token, per_request = [], [], [], []
         spans: dict[tuple[str, int], list[float]] = {}  # (thread, tokens) → its CPU per request, µs
         for i in range(0 if args.ingest_only else args.rounds):
-            measured = record_paired(args.requests, args.tokens, work / f"spool-{i}", seed=i, settings=args.settings)
+            measured = record_paired(args.requests, args.tokens, work / f"spool-{i}", seed=i, settings=args.settings,
+                                     growth=args.turn_growth)
             small, big = measured[1], measured[args.tokens]
             for n, (engine, exporter) in measured.items():
                 spans.setdefault(("engine", n), []).append(engine * 1e6)
@@ -241,7 +270,9 @@ def main() -> None:
             print(f"  per generated token (both threads) us : {_best_median(per_token)}")
             print(f"    engine thread                     us : {_best_median(engine_per_token)}")
             print(f"    exporter thread                   us : {_best_median(exporter_per_token)}")
-            print(f"  per request (300-token prompt)    us : {_best_median(per_request)}")
+            prompts = (f"prompts of {PROMPT_TOKENS} + {args.turn_growth} a turn" if args.turn_growth else
+                       f"{PROMPT_TOKENS}-token prompts")
+            print(f"  per request ({prompts})    us : {_best_median(per_request)}")
             for (thread, n), values in sorted(spans.items()):
                 print(f"  {thread} thread, a {n}-token request   us : {_best_median(values)}")
         if args.recorder_only:

@@ -114,12 +114,20 @@ class OutputTokenIds(NamedTuple):
     runner_up: Sequence[int]
 
 
+CHAIN_MEMO_BLOCKS = 16_384
+"""Prompt blocks whose chained hash :meth:`CapturePolicy.block_hashes_packed` remembers (about 400 bytes
+each, all let go when full): a conversation's next prompt repeats the last one, whose blocks were hashed
+for the last span."""
+
+
 class CapturePolicy:
     def __init__(self, mode: str, key: bytes):
         self.mode = mode
         self._key = hashlib.blake2b(key, digest_size=32).digest()  # normalise any key length to 32 bytes
         self._place_stream = hashlib.shake_256(self._key + _PLACE_DOMAIN)
         self._keyed: dict[tuple[int, bytes], Any] = {}
+        self._chain_memo: dict[bytes, tuple[bytes, bytes, str]] = {}
+        """A block's parent hash → (the block's tokens last hashed after it, its hash, as hex)."""
 
     def _keyed_state(self, size: int, domain: bytes) -> Any:
         """A BLAKE2b state with the key already absorbed, copied for each hash: keying a new one costs a
@@ -195,18 +203,34 @@ class CapturePolicy:
         return self.block_hashes_packed(pack_tokens(tokens), block_size)
 
     def block_hashes_packed(self, packed: bytes, block_size: int) -> list[str]:
-        """:meth:`block_hashes` of tokens already packed by :func:`pack_tokens`."""
-        view = memoryview(packed)  # each block a view of the same bytes, not a copy
+        """:meth:`block_hashes` of tokens already packed by :func:`pack_tokens`.
+
+        A block that follows the same parent hash as a block hashed before, with the same tokens, takes
+        that hash from memory (a look-up and a comparison of its bytes, a quarter of hashing it): a
+        conversation's turns, each the last prompt and more, hash only what is new.
+        """
         width = block_size * _TOKEN_BYTES
         keyed = self._keyed_state(_HASH_BYTES, b"").copy
+        memo = self._chain_memo
+        if len(memo) > CHAIN_MEMO_BLOCKS:
+            memo.clear()  # one dict operation: another thread reading it meanwhile finds less, never wrong
         out: list[str] = []
         parent = b""
         for start in range(0, len(packed) - width + 1, width):
+            block = packed[start : start + width]
+            known = memo.get(parent)
+            if known is not None and known[0] == block:
+                parent = known[1]
+                out.append(known[2])
+                continue
             hashed = keyed()
             hashed.update(parent)
-            hashed.update(view[start : start + width])
-            parent = hashed.digest()
-            out.append(parent.hex())
+            hashed.update(block)
+            digest = hashed.digest()
+            text = digest.hex()
+            memo[parent] = (block, digest, text)
+            parent = digest
+            out.append(text)
         return out
 
     def engine_hash(self, engine_hash_hex: str) -> str:

@@ -101,3 +101,28 @@ def test_prompt_and_block_hashes_are_the_keyed_blake2b_of_their_definition():
     assert policy.hash_tokens(prompt[:3]) != policy.hash_tokens(prompt[:4])
     assert policy.output_hash("p", [5, 6]) == hashlib.blake2b(
         b"p\0" + struct.pack("<2q", 5, 6), key=normalised, digest_size=8, person=b"kvtrace.output").hexdigest()
+
+
+def test_block_hashes_remembered_from_earlier_prompts_are_those_a_fresh_policy_computes(monkeypatch):
+    # A conversation's turns share their earlier blocks; two conversations share a system prompt and part
+    # ways; a block size changes; the memory fills and is let go: every chain as computed from nothing.
+    from kvtrace.recording import capture
+
+    key = b"a deployment key of enough bytes"
+    policy = CapturePolicy(sc.CAPTURE_HASHED, key)
+    system = list(range(1000, 1000 + 40))
+    turns = {name: [system + [start + i for i in range(19)]] for name, start in (("a", 5), ("b", 7))}
+    for name in turns:
+        for turn in range(3):
+            turns[name].append(turns[name][-1] + [turn * 100 + i for i in range(21)])
+    prompts = [p for pair in zip(turns["a"], turns["b"]) for p in pair]
+    prompts += [turns["a"][2], turns["a"][2][:47], turns["a"][2][:47] + [9] * 30]  # again; cut; cut and other
+    for block_size in (16, 8, 16):
+        for prompt in prompts:
+            assert policy.block_hashes(prompt, block_size) == CapturePolicy(sc.CAPTURE_HASHED, key).block_hashes(
+                prompt, block_size)
+    assert len(policy._chain_memo) > 0
+    monkeypatch.setattr(capture, "CHAIN_MEMO_BLOCKS", 4)
+    for prompt in prompts:
+        assert policy.block_hashes(prompt, 16) == CapturePolicy(sc.CAPTURE_HASHED, key).block_hashes(prompt, 16)
+        assert len(policy._chain_memo) <= 4 + len(prompt) // 16
