@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -84,8 +85,8 @@ def main(argv=None) -> int:
                     end.record()
                     sync()
                     device_time[name].append(begin.elapsed_time(end) / steps * 1e3)
-        median = {name: sorted(values)[len(values) // 2] for name, values in host.items()}
-        on_device = {name: (f"{sorted(values)[len(values) // 2]:.1f}" if values else "-")
+        median = {name: statistics.median(values) for name, values in host.items()}
+        on_device = {name: (f"{statistics.median(values):.1f}" if values else "-")
                      for name, values in device_time.items()}
         print(f"{rows:5d} {median['torch']:14.1f} {median['kernel']:15.1f} {on_device['torch']:>16} "
               f"{on_device['kernel']:>17} {first_launch:15.2f} {diff.max().item():15.2e}")
