@@ -26,6 +26,7 @@ from integrity_readback import assert_counted_and_alerted, store  # noqa: E402
 from kvtrace import correlate, queries, semconv as sc  # noqa: E402
 from kvtrace.analysis.forks import diff_runs  # noqa: E402
 from vllm_fork_workload import vllm_block_hashes  # noqa: E402
+from vllm_request_endings import PROBE_PROMPT, SAMPLED_PROMPT, abort_mid_answer, requests_ending_every_way  # noqa: E402
 
 BLOCK = 32
 SHARED = "the agent opens the file and reads the first line of the configuration " * 3
@@ -144,29 +145,15 @@ def test_every_row_is_its_output_token_whatever_ends_the_request(llm, memory_rec
     # Stop token, stop string, max_tokens=1, n=2, mixed lengths and (12 KV blocks for 16 requests)
     # preemption in one call, then an abort mid-stream: kvtrace checks each row's chosen id against
     # vLLM's output token at its position; here, where nothing reorders rows, none may be cut.
-    from vllm import SamplingParams
-
-    probe = generate(llm, "the agent stops at a token", turn=0, max_tokens=8).outputs[0]
-    stop_token, stop_text = probe.token_ids[3], probe.text[len(probe.text) // 2:][:3]
+    probe = generate(llm, PROBE_PROMPT, turn=0, max_tokens=8).outputs[0]
+    stop_token = probe.token_ids[3]
     spans_of(memory_recorder)
     memory_recorder.pipeline.exporter.clear()
     greedy = dict(temperature=0.0, ignore_eos=True)
-    requests = [("the agent stops at a token", SamplingParams(max_tokens=8, stop_token_ids=[stop_token], **greedy)),
-                ("the agent stops at a string", SamplingParams(max_tokens=16, stop=[stop_text], **greedy)),
-                ("the agent says one word", SamplingParams(max_tokens=1, **greedy)),
-                ("the agent drafts two answers", SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=10,
-                                                              ignore_eos=True))]
-    requests += [(f"request {i} " + "with a longer prompt " * (i % 5 * 3), SamplingParams(max_tokens=4 + 3 * i, **greedy))
-                 for i in range(12)]
+    requests = requests_ending_every_way(probe, greedy)
     with correlate(run_id="vllm-rows", episode_id="e0", turn=0):
         outputs = llm.generate([text for text, _ in requests], [params for _, params in requests], use_tqdm=False)
-        engine = llm.llm_engine
-        engine.add_request("abort-me", "the agent is cut off mid answer", SamplingParams(max_tokens=64, **greedy))
-        for _ in range(3):
-            engine.step()
-        engine.abort_request(["abort-me"])
-        while engine.has_unfinished_requests():
-            engine.step()
+        abort_mid_answer(llm.llm_engine, greedy)
     spans = spans_of(memory_recorder)
     completions = sum(len(out.outputs) for out in outputs)
     assert len(spans) == completions + 1 == 18  # n=2 is two requests in the engine core; the aborted one too
@@ -181,7 +168,7 @@ def test_every_row_is_its_output_token_whatever_ends_the_request(llm, memory_rec
         assert sc.OUTPUT_ROWS_CUT_AT not in span, span[sc.REQUEST_ID]
         assert len(span[sc.OUTPUT_MARGINS]) == len(tokens) == span[sc.GEN_AI_USAGE_OUTPUT_TOKENS] >= 1
     for out in outputs:
-        if out.prompt != "the agent drafts two answers":  # greedy: the chosen id is the raw top-1
+        if out.prompt != SAMPLED_PROMPT:  # greedy: the chosen id is the raw top-1
             span = by_prompt[tuple(out.prompt_token_ids)]
             assert list(span[sc.OUTPUT_TOP1_IDS]) == list(span[sc.OUTPUT_TOKEN_IDS])
     counters = memory_recorder.pipeline.counters.snapshot()
