@@ -29,15 +29,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-LIKE_A_GPU = {"KVTRACE_TEST_LIKE_A_GPU": "1", "PYTHONPATH": str(Path(__file__).with_name("vllm_cpu_site"))}
-"""The environment that runs a vLLM server's every process as on a GPU (tests/vllm_cpu_site/sitecustomize.py)."""
+def like_a_gpu_environment() -> dict[str, str]:
+    """What runs a vLLM server's every process as on a GPU (tests/vllm_cpu_site/sitecustomize.py)."""
+    path = [str(Path(__file__).with_name("vllm_cpu_site")), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"KVTRACE_TEST_LIKE_A_GPU": "1", "PYTHONPATH": os.pathsep.join(path)}
 
 
 def serve_command(model: Path, like_a_gpu: bool = False) -> list[str]:
     """README's ``kvtrace run -- vllm serve MODEL ...``; where vLLM is installed as the ``vllm-cpu``
     distribution its ``vllm`` script exits at start (it asks for the version of a distribution named
     ``vllm``), so the same server is started through the module that ``vllm serve`` runs.
-    ``like_a_gpu``: with async scheduling (and :data:`LIKE_A_GPU` in its environment)."""
+    ``like_a_gpu``: with async scheduling (and :func:`like_a_gpu_environment`)."""
     from importlib.metadata import PackageNotFoundError, version
 
     argv = readme_command(SERVE, {"MODEL": str(model)}) + (["--async-scheduling"] if like_a_gpu else [])
@@ -59,13 +61,14 @@ def running_vllm_server(hf_model: Path, spool_dir: Path, log_path: Path, *extra:
     ``like_a_gpu``: see :func:`serve_command`."""
     port = free_port()
     # The autouse kvtrace_env fixture has set KVTRACE_SPOOL_DIR / XDG_DATA_HOME / KVTRACE_CAPTURE in os.environ.
-    env = dict(os.environ, **(env or {}), **(LIKE_A_GPU if like_a_gpu else {}),
+    env = dict(os.environ, **(env or {}), **(like_a_gpu_environment() if like_a_gpu else {}),
                VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                KVTRACE_SPOOL_DIR=str(spool_dir), KVTRACE_CAPTURE="ids", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [*serve_command(hf_model, like_a_gpu), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-             "--dtype", "float32", "--max-model-len", "256", "--block-size", "32", "--enforce-eager", "--seed", "0",
+            [*serve_command(hf_model, like_a_gpu), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
+             "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--block-size", "32",
+             "--enforce-eager", "--seed", "0",
              # vLLM's default (0) aborts: the API process SIGKILLs the engine core right after its SIGTERM,
              # so spans still in the engine core's export batch (up to 1 s old) never reach the spool.
              # Draining lets the engine core exit normally and flush at exit.
