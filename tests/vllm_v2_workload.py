@@ -10,7 +10,7 @@ mixed lengths in one call on a KV cache too small for them, so vLLM preempts, th
 greedy requests asking for vLLM's own top-two log-probabilities. Prints one JSON line: vLLM's outputs
 and kvtrace's spans (``--untraced``: kvtrace's hooks not installed, no spans).
 
-    python tests/vllm_v2_workload.py --model DIR [--async-scheduling] [--v1] [--untraced]
+    python tests/vllm_v2_workload.py --model DIR [--async-scheduling] [--v1] [--untraced] [--chunk TOKENS]
 """
 
 from __future__ import annotations
