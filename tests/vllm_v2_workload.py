@@ -66,14 +66,12 @@ def spans(recorder) -> list[dict]:
     from kvtrace import semconv as sc
 
     recorder.pipeline.force_flush()
-    out = []
-    for span in recorder.pipeline.exporter.get_finished_spans():
-        attributes = {k: (list(v) if isinstance(v, tuple) else v) for k, v in span.attributes.items()}
-        attributes["_events"] = [{"name": e.name, **{k: (list(v) if isinstance(v, tuple) else v)
-                                                     for k, v in e.attributes.items()}} for e in span.events]
-        if span.name == sc.SPAN_REQUEST:
-            out.append(attributes)
-    return out
+
+    def plain(attributes) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in attributes.items()}
+
+    return [{**plain(span.attributes), "_events": [{"name": e.name, **plain(e.attributes)} for e in span.events]}
+            for span in recorder.pipeline.exporter.get_finished_spans() if span.name == sc.SPAN_REQUEST]
 
 
 def main(argv: list[str]) -> int:

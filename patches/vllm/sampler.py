@@ -205,8 +205,9 @@ def _on_sample_v2(output: Any, sampler: Any, args: tuple, kwargs: dict) -> None:
     req_ids = list(batch.req_ids[:rows])
     host = host_float32(logits)
     shape = step_shape_v2(batch, rows)
-    # chunked-prefill rows sample nothing (num_sampled 0)
-    if host is not None:  # counts in host memory: compared by numpy, a quarter of a torch op and its conversion
+    if host is not None:
+        # Chunked-prefill rows sample nothing (num_sampled 0). The counts are in host memory: numpy's
+        # comparison costs a quarter of a torch op and its conversion.
         skip = output.num_sampled.numpy().reshape(-1)[:rows] <= 0
         hand_over(req_ids, host_rows(host, output.sampled_token_ids, skip), shape)
     else:
