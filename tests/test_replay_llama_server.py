@@ -25,6 +25,7 @@ from kvtrace.cli import main
 from kvtrace.replay import verdicts
 from kvtrace.testmodels.llama_gguf import make_model
 from llama_server_process import free_port, llama_server_binary, running_llama_server, running_proxy
+import this_cpu
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("h11")
@@ -32,15 +33,7 @@ pytest.importorskip("h11")
 TURNS, TOKENS = 4, 12
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-
-
-MEASURED_HERE = "avx2" in _cpu_flags() and "avx512f" not in _cpu_flags()
+MEASURED_HERE = "avx2" in this_cpu.flags() and "avx512f" not in this_cpu.flags()
 """The arms' fork was measured on AVX2 without AVX-512 (llama.cpp's AVX2 kernels): there it must appear."""
 PROMPT = "Episode 5: the agent opens the kitchen drawer and"
 ARMS_SETTINGS = ("-fa", "on", "-lv", "4", "--cache-ram", "0")

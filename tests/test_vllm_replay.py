@@ -34,6 +34,7 @@ pytest.importorskip("vllm")
 from kvtrace import semconv as sc  # noqa: E402
 from kvtrace.analysis.forks import diff_runs  # noqa: E402
 from kvtrace.db import connect  # noqa: E402
+import this_cpu  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 """Two experiment passes and a third small one, then a vLLM start per replay: minutes on a busy machine."""
@@ -41,18 +42,9 @@ pytestmark = pytest.mark.timeout(900)
 EPISODES, TURNS, TOKENS = 12, 2, 32
 MEASURED_ON = "AMD EPYC"
 """The CPU the fork was measured on (no AVX-512): episode e011 forks at turn 1, a near tie where the hit and
-the recompute chose each other's runner-up. Other CPUs run other kernels and may fork elsewhere or nowhere."""
-
-
-def cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
-
-
-MEASURED_HERE = cpu_model() == MEASURED_ON
+the recompute chose each other's runner-up. Other CPUs run other kernels and may fork elsewhere or nowhere:
+an AMD EPYC with AVX-512 forked in none of the 12 episodes."""
+MEASURED_HERE = this_cpu.model_name() == MEASURED_ON and "avx512f" not in this_cpu.flags()
 DTYPE = "bfloat16"
 OFF, PREFIX = (f"vreplay/{DTYPE}/eager/{arm}/r0/canonical" for arm in ("off", "prefix"))
 HASHED = f"vhashed/{DTYPE}/eager/off/r0/canonical"
