@@ -16,7 +16,6 @@ ids, an unknown episode; nothing is kept then.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
