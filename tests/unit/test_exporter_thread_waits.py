@@ -31,6 +31,19 @@ class RecordingEvent(threading.Event):
         return super().wait(timeout)
 
 
+class GatedExporter(InMemorySpanExporter):
+    """Holds each batch while ``gate`` is clear, as a slow sink does."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def export(self, spans):
+        self.gate.wait(60)
+        return super().export(spans)
+
+
 def until(condition, what: str, limit_s: float = 20.0) -> None:
     """Wait for ``condition`` (a bound on a hang, not a timing)."""
     deadline = time.monotonic() + limit_s
@@ -42,7 +55,7 @@ def until(condition, what: str, limit_s: float = 20.0) -> None:
 @pytest.fixture
 def pipeline(monkeypatch):
     monkeypatch.setattr(pipeline_module, "STATS_INTERVAL_S", IDLE_WAIT_S)
-    exporter = InMemorySpanExporter()
+    exporter = GatedExporter()
     pipeline = SpanPipeline(exporter, schedule_delay_ms=20)
     first, pipeline._wake = pipeline._wake, RecordingEvent()
     first.set()  # the worker's first wait ends; every later one is recorded
@@ -75,7 +88,9 @@ def test_a_burst_of_spans_costs_the_engines_thread_one_wake(pipeline):
     original_set = wake.set
     wake.set = lambda: (sets.append(1), original_set())[1]
 
+    exporter.gate.clear()  # the first span's batch is held in the sink while the rest of the burst comes
     for _ in range(50):
         pipeline.on_end(ReadableSpan(name="request"))
+    exporter.gate.set()
     until(lambda: len(exporter.get_finished_spans()) == 50, "spans were left queued")
-    assert len(sets) == 1  # the first span of the burst woke it; the rest waited for it, or its next tick
+    assert len(sets) == 1  # the first span of the burst woke it; the rest were drained behind it
