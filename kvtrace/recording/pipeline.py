@@ -117,9 +117,8 @@ class SpanPipeline(SpanProcessor):
         idle_wait = max(STATS_INTERVAL_S, self.schedule_delay)
         while not self._final:
             if quiet:
-                self._idle = True
-                if self._queue or self._closing:  # came after the drain: no wait for the first span
-                    self._idle = False
+                self._idle = True  # before the look at the queue: a span queued after the look wakes the wait
+                self._idle = not (self._queue or self._closing)
             self._wake.wait(idle_wait if self._idle else self.schedule_delay)
             self._wake.clear()
             self._idle = False

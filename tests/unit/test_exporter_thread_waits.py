@@ -10,10 +10,10 @@ import time
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvtrace.recording import pipeline as pipeline_module
 from kvtrace.recording.pipeline import SpanPipeline
+from gated_sink import GatedExporter
 
 IDLE_WAIT_S = 600.0
 """The counters' interval in these tests: an exporter thread that waited it out would fail them."""
@@ -31,19 +31,6 @@ class RecordingEvent(threading.Event):
         return super().wait(timeout)
 
 
-class GatedExporter(InMemorySpanExporter):
-    """Holds each batch while ``gate`` is clear, as a slow sink does."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def export(self, spans):
-        self.gate.wait(60)
-        return super().export(spans)
-
-
 def until(condition, what: str, limit_s: float = 20.0) -> None:
     """Wait for ``condition`` (a bound on a hang, not a timing)."""
     deadline = time.monotonic() + limit_s
@@ -56,6 +43,7 @@ def until(condition, what: str, limit_s: float = 20.0) -> None:
 def pipeline(monkeypatch):
     monkeypatch.setattr(pipeline_module, "STATS_INTERVAL_S", IDLE_WAIT_S)
     exporter = GatedExporter()
+    exporter.gate.set()  # open, until a test holds a batch
     pipeline = SpanPipeline(exporter, schedule_delay_ms=20)
     first, pipeline._wake = pipeline._wake, RecordingEvent()
     first.set()  # the worker's first wait ends; every later one is recorded

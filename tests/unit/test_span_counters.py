@@ -14,11 +14,11 @@ import time
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvtrace.recording.counters import SpanCounters
 from kvtrace.recording.pipeline import SpanPipeline
 from kvtrace.recording.stats import COUNTERS, lost
+from gated_sink import GatedExporter
 
 
 @pytest.fixture
@@ -27,18 +27,6 @@ def eager_thread_switches():
     sys.setswitchinterval(1e-5)
     yield
     sys.setswitchinterval(interval)
-
-
-class GatedExporter(InMemorySpanExporter):
-    """Holds each batch until ``gate`` is set, as a slow sink does."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-
-    def export(self, spans):
-        self.gate.wait(60)
-        return super().export(spans)
 
 
 def run_together(workers, watch) -> list[dict[str, int]]:
