@@ -18,7 +18,8 @@ drift on a shared machine hits them alike), each for ``--seconds``:
   ``relay`` (recording disabled: HTTP alone, nothing added to the request, nothing cut from the
   answer), ``traced`` (the top two added and cut, the record and its span), and
   ``traced+log`` (``--llama-server-log``: the fake writes each request's task to a log as llama-server
-  writes it at ``-lv 4``, 25 lines a request, so the proxy matches it and makes the integrity check's
+  writes it at ``-lv 4``, 25 lines a request, in a log of that proxy's own (a port of the fake's of its
+  own), so the proxy matches it and makes the integrity check's
   ``/apply-template`` + ``/tokenize`` calls; each request's prompt is its own unless ``--repeat-prompts``,
   so the proxy's cache of the server's tokens does not answer for it), and ``traced+log+known`` (the
   same, every request with one prompt: the cache answers, no call is made). CPU per request, and each
@@ -120,28 +121,34 @@ def _chunked(events: list[bytes], events_per_write: int) -> list[bytes]:
 
 
 class FakeLlamaServer:
-    """Answers from pre-built bytes; writes each marked request's task to ``log`` as llama-server -lv 4 does."""
+    """Answers from pre-built bytes on one port per log (one port and no log without ``logs``); writes each
+    marked request's task to its port's log as llama-server -lv 4 does: a proxy reading a log of its own is
+    one in front of a server only it calls."""
 
-    def __init__(self, tokens: int, events_per_write: int, log: Optional[Path]):
+    def __init__(self, tokens: int, events_per_write: int, logs: list[Path]):
         self.stream = {top_two: _chunked(stream_events(tokens, top_two), events_per_write) for top_two in (False, True)}
         self.whole = {top_two: _json_head(whole_answer(top_two)) + whole_answer(top_two) for top_two in (False, True)}
         props = json.dumps(PROPS).encode()
         self.props = _json_head(props) + props
-        self.tokens, self.log = tokens, log
+        self.tokens = tokens
         self.calls: dict[str, int] = {}
         self._task = 0
         self._lock = threading.Lock()
-        if log is not None:
+        for log in logs:
             log.write_text("llama_context: n_ctx         = 4096\nllama_context: n_batch       = 2048\n")
-        self.listener = socket.create_server(("127.0.0.1", 0), backlog=512)
+        self.listeners = {socket.create_server(("127.0.0.1", 0), backlog=512): log for log in logs or [None]}
 
     def serve(self) -> None:
-        while True:
-            sock, _ = self.listener.accept()
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._connection, args=(sock,), daemon=True).start()
+        for listener, log in self.listeners.items():
+            threading.Thread(target=self._accept, args=(listener, log), daemon=True).start()
 
-    def _connection(self, sock: socket.socket) -> None:
+    def _accept(self, listener: socket.socket, log: Optional[Path]) -> None:
+        while True:
+            sock, _ = listener.accept()
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._connection, args=(sock, log), daemon=True).start()
+
+    def _connection(self, sock: socket.socket, log: Optional[Path]) -> None:
         buffer = b""
         with sock:
             while True:
@@ -163,10 +170,10 @@ class FakeLlamaServer:
                 body, buffer = buffer[:length], buffer[length:]
                 with self._lock:
                     self.calls[target] = self.calls.get(target, 0) + 1
-                for piece in self._answer(target, body):
+                for piece in self._answer(target, body, log):
                     sock.sendall(piece)
 
-    def _answer(self, target: str, body: bytes) -> list[bytes]:
+    def _answer(self, target: str, body: bytes, log: Optional[Path]) -> list[bytes]:
         if target == "/props":
             return [self.props]
         if target == "/apply-template":
@@ -177,11 +184,11 @@ class FakeLlamaServer:
             return [_json_head(tokens) + tokens]
         streamed = b'"stream": true' in body or b'"stream":true' in body
         top_two = b'"n_probs"' in body
-        if self.log is not None and b'"dry_penalty_last_n"' in body:  # marked: a proxy reading the log sent it
-            self._log_task(json.loads(body), streamed)
+        if log is not None and b'"dry_penalty_last_n"' in body:  # marked: a proxy reading the log sent it
+            self._log_task(json.loads(body), streamed, log)
         return self.stream[top_two] if streamed else [self.whole[top_two]]
 
-    def _log_task(self, request: dict, streamed: bool) -> None:
+    def _log_task(self, request: dict, streamed: bool, log: Path) -> None:
         """The 25 lines the llama-server kvtrace builds writes at ``-lv 4`` for a request, its prompt cache on
         (the other slots passed over and saved idle, the sampler, the timings), this task's in them."""
         marker = request.get("dry_penalty_last_n", -1)
@@ -226,14 +233,14 @@ class FakeLlamaServer:
                      "truncated = 0",
                      "I srv  update_slots: all slots are idle"]
             stamp = f"0.00.{task // 1000 % 1000:03d}.{task % 1000:03d} "
-            with open(self.log, "a") as out:
+            with open(log, "a") as out:
                 out.write("".join(stamp + line + "\n" if line[0] == "I" else line + "\n" for line in lines))
 
 
 def run_fake(args: argparse.Namespace) -> None:
     fake = FakeLlamaServer(args.tokens, args.events_per_write, args.log)
-    threading.Thread(target=fake.serve, daemon=True).start()
-    print(fake.listener.getsockname()[1], flush=True)
+    fake.serve()
+    print(*(listener.getsockname()[1] for listener in fake.listeners), flush=True)
     for line in sys.stdin:  # "calls": how often each path was asked, as JSON
         print(json.dumps(fake.calls), flush=True)
 
@@ -445,19 +452,26 @@ def measure(args: argparse.Namespace) -> None:
         workdir = Path(scratch)
         env = {"KVTRACE_SPOOL_DIR": str(workdir / "spool"), "XDG_DATA_HOME": str(workdir / "data"),
                "KVTRACE_RUN_ID": "proxy-throughput"}
-        log = workdir / "server.log"
-        fake = _helper("upstream", args, "--log", str(log))
-        upstream = f"http://127.0.0.1:{fake.stdout.readline().strip()}"
-        client = _helper("client", args)
+        reading = ["--llama-server-log"]  # the arm's own log follows
         arms = {"streams": {"workers 1": [], "workers 2": ["--workers", "2"]},
-                "requests": {"relay": [], "traced": [], "traced+log": ["--llama-server-log", str(log)],
-                             "traced+log+known": ["--llama-server-log", str(log)]}}
+                "requests": {"relay": [], "traced": [], "traced+log": reading, "traced+log+known": reading}}
         if args.floor:
             arms["requests"] = {"floor": [], **arms["requests"]}
         arms = {mode: named for mode, named in arms.items() if args.only in (None, mode)}
         if args.baseline is not None:
             arms = {mode: {**named, **{f"{name} (baseline)": extra for name, extra in named.items()
                                        if name != "floor"}} for mode, named in arms.items()}
+        labels = {name: name.replace(" (baseline)", "-baseline").replace(" ", "-").replace("+", "-")
+                  for named in arms.values() for name in named}
+        # Each proxy that reads a log has a port and a log of its own: another proxy's tasks in its log would
+        # be parsed on its CPU, which no proxy in front of a server only it calls does.
+        logs = {name: workdir / f"server-{labels[name]}.log" for named in arms.values()
+                for name, extra in named.items() if extra is reading}
+        fake = _helper("upstream", args, *(f"--log={log}" for log in logs.values()))
+        ports = fake.stdout.readline().split()
+        upstreams = [f"http://127.0.0.1:{port}" for port in ports]  # the first also serves the arms without a log
+        own_upstream = dict(zip(logs, upstreams))
+        client = _helper("client", args)
         proxies: dict[str, Proxy] = {}
         try:
             for mode, named in arms.items():
@@ -465,10 +479,10 @@ def measure(args: argparse.Namespace) -> None:
                     own = {**env, "KVTRACE_DISABLED": "1"} if name.startswith("relay") else dict(env)
                     if name.endswith("(baseline)"):
                         own["PYTHONPATH"] = str(args.baseline.resolve())
-                    label = name.replace(" (baseline)", "-baseline").replace(" ", "-").replace("+", "-")
-                    proxies[name] = Proxy(label, upstream, workdir, extra, own)
+                    extra = [*extra, str(logs[name])] if name in logs else extra
+                    proxies[name] = Proxy(labels[name], own_upstream.get(name, upstreams[0]), workdir, extra, own)
             if args.profile:
-                proxies["profiled"] = Proxy("profiled", upstream, workdir, [], env, profile=args.profile)
+                proxies["profiled"] = Proxy("profiled", upstreams[0], workdir, [], env, profile=args.profile)
             results: dict[str, list[dict]] = {name: [] for name in proxies}
             for round_number in range(args.rounds):
                 for mode, named in arms.items():
@@ -601,7 +615,7 @@ def parse_args() -> argparse.Namespace:
                              "requests' floor")
     parser.add_argument("--role", choices=("upstream", "client", "floor"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--log", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--log", type=Path, action="append", default=[], help=argparse.SUPPRESS)
     return parser.parse_args()
 
 

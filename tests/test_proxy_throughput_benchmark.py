@@ -21,26 +21,32 @@ TOKENS = 16
 
 def test_the_fake_server_s_streams_and_answers_reach_the_client_whole_and_the_log_ties_each_to_its_task(
         tmp_path, memory_recorder, finished_requests):
-    fake = benchmark.FakeLlamaServer(TOKENS, 0, tmp_path / "server.log")
-    threading.Thread(target=fake.serve, daemon=True).start()
-    upstream = f"http://127.0.0.1:{fake.listener.getsockname()[1]}"
-    with proxy_in_thread(upstream, memory_recorder, llama_server_log=tmp_path / "server.log") as proxy:
-        streams = benchmark._drive(proxy, True, TOKENS, 0.2, 2, False)
-        whole = benchmark._drive(proxy, False, TOKENS, 0.2, 2, False)
-    assert streams["bad"] == whole["bad"] == 0  # every answer a 200 with the added logprobs cut
-    assert streams["requests"] > 0 and streams["tokens"] == streams["requests"] * TOKENS
+    logs = [tmp_path / "server-a.log", tmp_path / "server-b.log"]
+    fake = benchmark.FakeLlamaServer(TOKENS, 0, logs)
+    fake.serve()
+    ports = [listener.getsockname()[1] for listener in fake.listeners]
+    requests = []
+    for port, log in zip(ports, logs):
+        with proxy_in_thread(f"http://127.0.0.1:{port}", memory_recorder, llama_server_log=log) as proxy:
+            streams = benchmark._drive(proxy, True, TOKENS, 0.2, 2, False)
+            whole = benchmark._drive(proxy, False, TOKENS, 0.2, 2, False)
+        assert streams["bad"] == whole["bad"] == 0  # every answer a 200 with the added logprobs cut
+        assert streams["requests"] > 0 and streams["tokens"] == streams["requests"] * TOKENS
+        requests.append(streams["requests"] + whole["requests"])
+    # Each proxy's tasks in its own log alone: a proxy parses no other proxy's lines.
+    assert [log.read_text().count("processing task") for log in logs] == requests
     spans = finished_requests(memory_recorder)
-    assert len(spans) == streams["requests"] + whole["requests"] == fake.calls["/v1/chat/completions"]
+    assert len(spans) == sum(requests) == fake.calls["/v1/chat/completions"]
     assert {attributes[sc.SERVER_TASK_MATCH] for attributes, _, _ in spans} == {sc.TASK_MATCH_MARKER}
     assert fake.calls["/tokenize"] == len(spans)  # each prompt its own: tokenized once each
 
 
 def test_the_floor_relays_the_fake_server_s_answers_whole():
     """The floor arm is a relay the requests' figures are compared with: it must pass every answer on."""
-    fake = benchmark.FakeLlamaServer(TOKENS, 0, None)
-    threading.Thread(target=fake.serve, daemon=True).start()
+    fake = benchmark.FakeLlamaServer(TOKENS, 0, [])
+    fake.serve()
     listener = socket.create_server(("127.0.0.1", 0))
-    upstream = ("127.0.0.1", fake.listener.getsockname()[1])
+    upstream = ("127.0.0.1", next(iter(fake.listeners)).getsockname()[1])
 
     def accept() -> None:
         for _ in range(3):
