@@ -1,7 +1,7 @@
 """What `kvtrace proxy` adds to a request and to each streamed token, against the direct path.
 
     python benchmarks/proxy_overhead.py [--requests 300] [--streams 40] [--tokens 64] [--model M.gguf]
-                                        [--llama-server-log] [--baseline-python PYTHON]
+                                        [--llama-server-log] [--baseline-python PYTHON] [--floor]
 
 Starts llama-server (the build `python -m kvtrace.llama_server.build` caches) on the
 tiny generated model and kvtrace's proxy in front of it, recording to a spool in a temporary
@@ -42,6 +42,11 @@ of their own in front of the same server, the client alternates between them (an
 arms) stream by stream, and each process's CPU time (from /proc, every thread) is divided by the
 tokens it relayed; the table ends with the ratio. Time in the proxy per chunk is then not shown
 (it is measured inside this process only).
+
+With ``--floor`` the same pairing puts the proxy beside ``proxy_throughput.py``'s bare relay in Python
+(a thread per connection, httptools, an answer passed on read by read; it adds and cuts nothing, so
+the server computes no top two for it): the least CPU a relay of this shape spends a streamed token
+at one client on this machine, and proxied / floor.
 
 Prints a table; asserts nothing (the timings belong to this machine, not to the code).
 """
@@ -156,6 +161,8 @@ def parse_args() -> argparse.Namespace:
                         help="llama-server logs at -lv 4 and the proxy reads the log (task match, integrity calls)")
     parser.add_argument("--baseline-python", type=Path, default=None, metavar="PYTHON",
                         help="measure this tree's proxy against the kvtrace installed for PYTHON, paired")
+    parser.add_argument("--floor", action="store_true",
+                        help="measure the proxy against a bare relay in Python (proxy_throughput.py's), paired")
     return parser.parse_args()
 
 
@@ -190,14 +197,16 @@ class ChunkClock:
 
 
 class ProxyProcess:
-    """``kvtrace proxy`` run by ``python`` (this tree's or a baseline's) on a free port, and its CPU time."""
+    """``kvtrace proxy`` run by ``python`` (this tree's or a baseline's) on a free port, or with ``floor`` the
+    bare relay of proxy_throughput.py, and its CPU time."""
 
-    def __init__(self, python: Path, server: str, log_path: Path, server_log: Optional[Path]):
+    def __init__(self, python: Path, server: str, log_path: Path, server_log: Optional[Path], floor: bool = False):
         self._log = open(log_path, "wb")
         reading = ["--llama-server-log", str(server_log)] if server_log is not None else []
         # Absolute: the proxy runs elsewhere, not in a source tree (`-m` would import from it).
-        self.process = subprocess.Popen([str(python.absolute()), "-m", "kvtrace.cli", "proxy", "--upstream", server,
-                                         "--listen", "127.0.0.1:0", *reading], stdout=self._log,
+        command = ([str(HERE / "proxy_throughput.py"), "--role", "floor", "--upstream", server] if floor else
+                   ["-m", "kvtrace.cli", "proxy", "--upstream", server, "--listen", "127.0.0.1:0", *reading])
+        self.process = subprocess.Popen([str(python.absolute()), *command], stdout=self._log,
                                         stderr=subprocess.STDOUT, cwd=log_path.parent)
         self.url = ""
         deadline = time.monotonic() + 120
@@ -268,15 +277,18 @@ def main() -> None:
         reading = server_log if args.llama_server_log else None
         verbose = ("-lv", "4") if args.llama_server_log else ()
         with running_llama_server(model, *verbose, log_path=server_log) as server:
-            if args.baseline_python is None:
+            if args.baseline_python is None and not args.floor:
                 clock = ChunkClock()
                 with proxy_in_thread(server, llama_server_log=reading) as proxy:
                     results, cpu = run_client(server, {"proxied": proxy}, args,
                                               lambda: {"proxied": time.process_time()})
                 report(args, results, cpu, clock.delays)
                 return
-            proxies = {"proxied": ProxyProcess(Path(sys.executable), server, workdir / "proxied.log", reading),
-                       "baseline": ProxyProcess(args.baseline_python, server, workdir / "baseline.log", reading)}
+            proxies = {"proxied": ProxyProcess(Path(sys.executable), server, workdir / "proxied.log", reading)}
+            if args.baseline_python is not None:
+                proxies["baseline"] = ProxyProcess(args.baseline_python, server, workdir / "baseline.log", reading)
+            if args.floor:
+                proxies["floor"] = ProxyProcess(Path(sys.executable), server, workdir / "floor.log", None, floor=True)
             try:
                 results, cpu = run_client(server, {k: p.url for k, p in proxies.items()}, args,
                                           lambda: {k: p.cpu_s() for k, p in proxies.items()})
@@ -324,8 +336,9 @@ def report(args: argparse.Namespace, results: dict, cpu: dict, delays: Optional[
     for name in proxies:
         print(f"  {f'{name} CPU per token':<26} {per_token[name] * 1e6:8.1f} µs "
               f"(every thread, the per-request share included)")
-    if "baseline" in per_token and per_token["baseline"] > 0:
-        print(f"  {'CPU per token, proxied / baseline':<26} {per_token['proxied'] / per_token['baseline']:8.2f}")
+    for name in ("baseline", "floor"):
+        if per_token.get(name, 0) > 0:
+            print(f"  {f'CPU per token, proxied / {name}':<26} {per_token['proxied'] / per_token[name]:8.2f}")
     if results["resent"]:
         print(f"(requests sent again after the server closed a kept-alive connection: {results['resent']})")
 

@@ -27,8 +27,10 @@ drift on a shared machine hits them alike), each for ``--seconds``:
   task's matching, the integrity check's calls.
 
 With ``--floor``, the requests have one more arm, ``floor``: a bare relay in Python (a thread per
-connection, httptools on both sides as the proxy has, each message framed again by its length, no limit,
-time-out or record), the least such a relay costs on this machine; the table gives relay / floor.
+connection, httptools on both sides as the proxy has, a request framed again by its length, an answer
+passed on as it arrives, one write a read; no limit, time-out or record), the least such a relay costs
+on this machine; the table gives relay / floor. ``proxy_overhead.py --floor`` runs it in front of
+llama-server.
 
 Beside each arm's CPU, the part of it the kernel spent (system time: the sockets' system calls, the
 threads' wake-ups), which the proxy's Python does not show.
@@ -248,7 +250,7 @@ def run_fake(args: argparse.Namespace) -> None:
 # --- the floor: a bare relay --------------------------------------------------------------------------
 
 class _Message:
-    """One request or answer as httptools hands it over."""
+    """One message as httptools hands it over."""
 
     def __init__(self) -> None:
         self.url, self.headers, self.body, self.done = b"", [], [], False
@@ -284,20 +286,71 @@ def _framed(first_line: bytes, message: _Message) -> bytes:
     return first_line + kept + b"content-length: %d\r\n\r\n" % len(body) + body
 
 
+class _Relayed(_Message):
+    """An answer passed on as it arrives: its head once whole, then what each read brought of its body
+    (chunk-framed where the upstream chunks it), one write a read, as the proxy relays a stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out: list[bytes] = []
+        self.chunked = False
+        self.parser = None
+
+    def on_headers_complete(self) -> None:
+        self.chunked = any(name.lower() == b"transfer-encoding" for name, _ in self.headers)
+        kept = b"".join(name + b": " + value + b"\r\n" for name, value in self.headers
+                        if name.lower() != b"connection")
+        self.out.append(b"HTTP/1.1 %d OK\r\n%b\r\n" % (self.parser.get_status_code(), kept))
+
+    def on_body(self, body: bytes) -> None:
+        self.out.append(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
+
+    def on_message_complete(self) -> None:
+        if self.chunked:
+            self.out.append(b"0\r\n\r\n")
+        self.done = True
+
+
+def _relay_answer(server: socket.socket, client: socket.socket) -> Optional[bool]:
+    """One answer from ``server`` to ``client`` as it arrives: ``None`` if it broke off, else whether
+    ``server`` may carry the next request."""
+    import httptools
+
+    answer = _Relayed()
+    parser = answer.parser = httptools.HttpResponseParser(answer)
+    while not answer.done:
+        data = server.recv(1 << 16)
+        if not data:
+            return None
+        parser.feed_data(data)
+        if answer.out:
+            client.sendall(b"".join(answer.out))
+            answer.out.clear()
+    return parser.should_keep_alive()
+
+
+def _upstream_socket(upstream: tuple[str, int]) -> socket.socket:
+    server = socket.create_connection(upstream)
+    server.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return server
+
+
 def _floor_connection(client: socket.socket, upstream: tuple[str, int]) -> None:
     import httptools
 
-    with client, socket.create_connection(upstream) as server:
-        for sock in (client, server):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    server = _upstream_socket(upstream)
+    with client:
         while (asked := _read_message(client, httptools.HttpRequestParser)) is not None:
             request, parser = asked
             server.sendall(_framed(b"%s %s HTTP/1.1\r\n" % (parser.get_method(), request.url), request))
-            answered = _read_message(server, httptools.HttpResponseParser)
-            if answered is None:
-                return
-            answer, parser = answered
-            client.sendall(_framed(b"HTTP/1.1 %d OK\r\n" % parser.get_status_code(), answer))
+            reusable = _relay_answer(server, client)
+            if not reusable:  # llama-server closes a kept-alive connection now and then: a new one
+                server.close()
+                if reusable is None:
+                    return
+                server = _upstream_socket(upstream)
+        server.close()
 
 
 def run_floor(args: argparse.Namespace) -> None:

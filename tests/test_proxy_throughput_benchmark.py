@@ -42,20 +42,23 @@ def test_the_fake_server_s_streams_and_answers_reach_the_client_whole_and_the_lo
 
 
 def test_the_floor_relays_the_fake_server_s_answers_whole():
-    """The floor arm is a relay the requests' figures are compared with: it must pass every answer on."""
+    """The floor is the relay the proxy's figures are compared with: it must pass every answer on, streams too."""
     fake = benchmark.FakeLlamaServer(TOKENS, 0, [])
     fake.serve()
     listener = socket.create_server(("127.0.0.1", 0))
     upstream = ("127.0.0.1", next(iter(fake.listeners)).getsockname()[1])
 
     def accept() -> None:
-        for _ in range(3):
+        for _ in range(5):
             client, _ = listener.accept()
             threading.Thread(target=benchmark._floor_connection, args=(client, upstream), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
-    relayed = benchmark._drive(f"http://127.0.0.1:{listener.getsockname()[1]}", False, TOKENS, 0.2, 2, False)
+    floor = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    relayed = benchmark._drive(floor, False, TOKENS, 0.2, 2, False)
     assert relayed["bad"] == 0 and relayed["requests"] == fake.calls["/v1/chat/completions"] > 0
+    streamed = benchmark._drive(floor, True, TOKENS, 0.2, 2, False)  # passed on chunk by chunk
+    assert streamed["bad"] == 0 and streamed["requests"] > 0 and streamed["tokens"] == streamed["requests"] * TOKENS
     with socket.create_connection(listener.getsockname()) as sock:
         sock.sendall(benchmark._request(False, TOKENS, 1))
         answer = b""
