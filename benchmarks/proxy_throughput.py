@@ -249,8 +249,12 @@ def run_fake(args: argparse.Namespace) -> None:
 
 # --- the floor: a bare relay --------------------------------------------------------------------------
 
-class _Message:
-    """One message as httptools hands it over."""
+def _headers(headers: list[tuple[bytes, bytes]], dropped: tuple[bytes, ...]) -> bytes:
+    return b"".join(name + b": " + value + b"\r\n" for name, value in headers if name.lower() not in dropped)
+
+
+class _Request:
+    """One request as httptools hands it over."""
 
     def __init__(self) -> None:
         self.url, self.headers, self.body, self.done = b"", [], [], False
@@ -268,39 +272,40 @@ class _Message:
         self.done = True
 
 
-def _read_message(sock: socket.socket, parser_type) -> Optional[tuple[_Message, object]]:
-    message = _Message()
-    parser = parser_type(message)
-    while not message.done:
+def _read_request(sock: socket.socket) -> Optional[bytes]:
+    """The next request on ``sock``, framed again by its length; ``None`` once the client closed."""
+    import httptools
+
+    request = _Request()
+    parser = httptools.HttpRequestParser(request)
+    while not request.done:
         data = sock.recv(1 << 16)
         if not data:
             return None
         parser.feed_data(data)
-    return message, parser
+    body = b"".join(request.body)
+    return (b"%s %s HTTP/1.1\r\n" % (parser.get_method(), request.url)
+            + _headers(request.headers, (b"content-length", b"transfer-encoding", b"connection"))
+            + b"content-length: %d\r\n\r\n" % len(body) + body)
 
 
-def _framed(first_line: bytes, message: _Message) -> bytes:
-    body = b"".join(message.body)
-    kept = b"".join(name + b": " + value + b"\r\n" for name, value in message.headers
-                    if name.lower() not in (b"content-length", b"transfer-encoding", b"connection"))
-    return first_line + kept + b"content-length: %d\r\n\r\n" % len(body) + body
-
-
-class _Relayed(_Message):
+class _Relayed:
     """An answer passed on as it arrives: its head once whole, then what each read brought of its body
     (chunk-framed where the upstream chunks it), one write a read, as the proxy relays a stream."""
 
     def __init__(self) -> None:
-        super().__init__()
+        self.headers: list[tuple[bytes, bytes]] = []
         self.out: list[bytes] = []
-        self.chunked = False
+        self.chunked = self.done = False
         self.parser = None
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self.chunked = any(name.lower() == b"transfer-encoding" for name, _ in self.headers)
-        kept = b"".join(name + b": " + value + b"\r\n" for name, value in self.headers
-                        if name.lower() != b"connection")
-        self.out.append(b"HTTP/1.1 %d OK\r\n%b\r\n" % (self.parser.get_status_code(), kept))
+        self.out.append(b"HTTP/1.1 %d OK\r\n%b\r\n" % (self.parser.get_status_code(),
+                                                        _headers(self.headers, (b"connection",))))
 
     def on_body(self, body: bytes) -> None:
         self.out.append(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
@@ -336,26 +341,26 @@ def _upstream_socket(upstream: tuple[str, int]) -> socket.socket:
 
 
 def _floor_connection(client: socket.socket, upstream: tuple[str, int]) -> None:
-    import httptools
-
     client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     server = _upstream_socket(upstream)
-    with client:
-        while (asked := _read_message(client, httptools.HttpRequestParser)) is not None:
-            request, parser = asked
-            server.sendall(_framed(b"%s %s HTTP/1.1\r\n" % (parser.get_method(), request.url), request))
+    try:
+        while (request := _read_request(client)) is not None:
+            server.sendall(request)
             reusable = _relay_answer(server, client)
+            if reusable is None:
+                return
             if not reusable:  # llama-server closes a kept-alive connection now and then: a new one
                 server.close()
-                if reusable is None:
-                    return
                 server = _upstream_socket(upstream)
+    finally:
         server.close()
+        client.close()
 
 
 def run_floor(args: argparse.Namespace) -> None:
-    """The least a relay in Python does per request: a thread per connection, httptools on both sides (the
-    proxy's parser), each message framed again by its length; no limits, no time-outs, no record."""
+    """The least a relay in Python does: a thread per connection, httptools on both sides (the proxy's
+    parser), a request framed again by its length, an answer passed on as it arrives; no limits, no
+    time-outs, no record."""
     host, port = args.upstream.removeprefix("http://").split(":")
     listener = socket.create_server(("127.0.0.1", 0), backlog=512)
     print(f"kvtrace: proxy on http://127.0.0.1:{listener.getsockname()[1]}", flush=True)  # as the proxy says it
@@ -519,7 +524,7 @@ def measure(args: argparse.Namespace) -> None:
         # Each proxy that reads a log has a port and a log of its own: another proxy's tasks in its log would
         # be parsed on its CPU, which no proxy in front of a server only it calls does.
         logs = {name: workdir / f"server-{labels[name]}.log" for named in arms.values()
-                for name, extra in named.items() if extra is reading}
+                for name, extra in named.items() if extra == reading}
         fake = _helper("upstream", args, *(f"--log={log}" for log in logs.values()))
         ports = fake.stdout.readline().split()
         upstreams = [f"http://127.0.0.1:{port}" for port in ports]  # the first also serves the arms without a log
