@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 
+@functools.cache
 def _field(name: str) -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
