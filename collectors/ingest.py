@@ -28,7 +28,7 @@ from kvtrace.collectors.otlp_rows import MalformedSpan, SpanRow, rows_from_reque
 from kvtrace.collectors.quarantine import Quarantine
 from kvtrace.collectors.schema import first_line
 from kvtrace.collectors.span_files import find_files, passed_over_message, writer_is_gone
-from kvtrace.collectors.store import batch_token, store_rows
+from kvtrace.collectors.store import batch_token, store_rows, store_spans_lost_to_a_kill
 from kvtrace.config import default_spool_dir
 from kvtrace.errors import IngestStopped, UnreadableInput, UnusableInput
 from kvtrace.safe_files import open_regular
@@ -112,6 +112,9 @@ class Ingestor:
         self.quarantine = Quarantine(quarantine_dir)
         self.progress = progress or (lambda message: None)
         self.log = IngestLog(client)
+        self._first_chunk = False
+        """The chunk being stored is a pass's first of its file: the one a killed pass may have left half-stored."""
+        self._tokens_outlive_rows: Optional[bool] = None
 
     def ingest_file(self, path: Path, result: Optional[FileResult] = None) -> FileResult:
         result = result or FileResult(str(path))
@@ -124,6 +127,7 @@ class Ingestor:
         return result
 
     def _ingest_open_file(self, path: Path, f, result: FileResult) -> None:
+        self._first_chunk = True
         size = os.fstat(f.fileno()).st_size
         head = f.readline(MAX_LINE_BYTES + 1)
         if not head.endswith(b"\n") and len(head) <= MAX_LINE_BYTES:  # the whole file
@@ -274,6 +278,16 @@ class Ingestor:
         result.repaired += len(dropped)
         parsed.append(_Line(line_no, line, rows, digest(line)))
 
+    def _kill_may_lose_rows(self) -> bool:
+        """Whether ``otel_traces`` is a non-replicated MergeTree, whose deduplication a kill can leave with a
+        block's token but not its rows (``store_spans_lost_to_a_kill``); a cluster's replicated tables record
+        the two together, and rows queued for its shards are not yet readable."""
+        if self._tokens_outlive_rows is None:
+            self._tokens_outlive_rows = self.client.query(
+                "SELECT engine FROM system.tables WHERE database = currentDatabase() AND name = 'otel_traces'"
+            ).result_rows == [("MergeTree",)]
+        return self._tokens_outlive_rows
+
     def _quarantine(self, path: Path, line_no: int, text: bytes, reason: str, result: FileResult) -> None:
         where = self.quarantine.add(path, line_no, text, reason)
         result.quarantined += 1
@@ -294,13 +308,17 @@ class Ingestor:
                 known.add(line.hash)
                 fresh.append(line)
         self._insert(path, fresh, result)
+        self._first_chunk = False
 
     def _insert(self, path: Path, lines: list[_Line], result: FileResult) -> None:
         if not lines:
             return
         rows = [row for line in lines for row in line.rows]
         try:
-            store_rows(self.client, rows, batch_token("".join(line.hash for line in lines).encode()))
+            token = batch_token("".join(line.hash for line in lines).encode())
+            store_rows(self.client, rows, token)
+            if self._first_chunk and self._kill_may_lose_rows():
+                store_spans_lost_to_a_kill(self.client, rows, token)
             self.client.insert("kvtrace_ingest_lines", [[line.hash] for line in lines], column_names=["line_hash"])
         except Exception as exc:  # noqa: BLE001 - Arrow and the client raise whatever a value makes them raise
             if database_refuses_writes(exc):

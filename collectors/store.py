@@ -214,5 +214,24 @@ def store_rows(client, rows: list[SpanRow], token: str) -> None:
             client.insert_arrow(name, table, settings=settings)
 
 
+def store_spans_lost_to_a_kill(client, rows: list[SpanRow], token: str) -> None:
+    """After ``store_rows(client, rows, token)``: write again the rows ``otel_traces`` lacks, under a token of
+    their own. A non-replicated MergeTree records a block's token before it moves the block's
+    part into place, so a process killed between the two leaves the token without the rows, and the same
+    chunk stored again under it is dropped as a copy. An insert dropped against a live one returns only
+    once that one's part is in place, so rows missing here are rows no process will write."""
+    spans = {(row.TraceId, row.SpanId) for row in rows}
+    present = client.query(_PRESENT_SQL, parameters={"traces": sorted({trace for trace, _ in spans})}).result_rows
+    missing = spans - {tuple(pair) for pair in present}
+    if missing:
+        lost = [row for row in rows if (row.TraceId, row.SpanId) in missing]
+        again = batch_token("".join(sorted(span for _, span in missing)).encode())
+        client.insert_arrow("otel_traces", otel_table(lost, _Attributes([row.SpanAttributes for row in lost])),
+                            settings={"insert_deduplication_token": f"otel_traces:{token}:lost:{again}"})
+
+
+_PRESENT_SQL = "SELECT DISTINCT TraceId, SpanId FROM otel_traces WHERE TraceId IN {traces:Array(String)}"
+
+
 def batch_token(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
