@@ -48,7 +48,9 @@ With ``--floor`` the same pairing puts the proxy beside ``proxy_throughput.py``'
 the server computes no top two for it): the least CPU a relay of this shape spends a streamed token
 at one client on this machine, and proxied / floor.
 
-Prints a table; asserts nothing (the timings belong to this machine, not to the code).
+Prints a table, and whether this run meets the proxy's targets at one client (p50 and p99 added beyond the
+top two, CPU a request, CPU a streamed token); asserts nothing (the timings belong to this machine, not to
+the code).
 """
 
 from __future__ import annotations
@@ -339,6 +341,14 @@ def report(args: argparse.Namespace, results: dict, cpu: dict, delays: Optional[
     for name in ("baseline", "floor"):
         if per_token.get(name, 0) > 0:
             print(f"  {f'CPU per token, proxied / {name}':<26} {per_token['proxied'] / per_token[name]:8.2f}")
+    added = [percentile(latency["proxied"], q) - percentile(latency["direct+top2"], q) for q in (0.5, 0.99)]
+    verdicts = [(f"p50 added beyond the top two {added[0] * 1e3:.2f} ms", added[0] <= 0.5e-3, "0.5 ms"),
+                (f"p99 added {added[1] * 1e3:.2f} ms", added[1] <= 2e-3, "2 ms"),
+                (f"CPU a request {cpu['alone']['proxied'] / args.requests * 1e3:.2f} ms (its requests alone)",
+                 cpu["alone"]["proxied"] / args.requests <= 1e-3, "1 ms"),
+                (f"CPU a streamed token {per_token['proxied'] * 1e6:.1f} µs", per_token["proxied"] <= 30e-6, "30 µs")]
+    print("targets (this run): " + "; ".join(f"{what} (<= {limit}: {'met' if met else 'not met'})"
+                                             for what, met, limit in verdicts))
     if results["resent"]:
         print(f"(requests sent again after the server closed a kept-alive connection: {results['resent']})")
 

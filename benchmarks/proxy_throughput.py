@@ -42,7 +42,9 @@ tree, e.g. ``git archive REV kvtrace | tar -x -C TREE``, compiled modules copied
 twin whose proxy imports kvtrace from TREE, run in turn with it, and the table gives both. With
 ``--profile FILE``, one more ``--workers 1`` proxy runs under cProfile (its main thread only: use
 py-spy for the relay's threads) and its statistics go to FILE. Prints a table with the range over the
-rounds; asserts nothing (the figures belong to this machine).
+rounds, and on the rounds' medians whether the proxy's targets are met (a streamed token's CPU, one
+worker's tokens a second, two workers against one, a traced+log request's CPU); asserts nothing (the
+figures belong to this machine).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -605,6 +608,12 @@ def _span(values: list[float], digits: int = 0) -> str:
     return f"{low:,.{digits}f}–{high:,.{digits}f}"
 
 
+def _target(what: str, value: float, limit: float, unit: str, at_least: bool = False) -> str:
+    met = value >= limit if at_least else value <= limit
+    shown = f"{value:,.0f}" if limit >= 100 else f"{value:.2f}"
+    return f"{what} {shown} {unit} ({'>=' if at_least else '<='} {limit:,g} {unit}: {'met' if met else 'not met'})"
+
+
 def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict[str, int]) -> None:
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {args.rounds} rounds of "
           f"{args.seconds:g} s per arm, concurrency {args.concurrency}, ranges over the rounds")
@@ -626,6 +635,15 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict
                                                  rates.get(f"workers 2{suffix}", []))]
         if scaling:
             print(f"  workers 2 / workers 1{suffix} (paired by round): {_span(scaling, 2)}×")
+    targets = []
+    if "workers 1" in rates:
+        one = [r["cpu_s"] / r["tokens"] * 1e6 for r in results["workers 1"]]
+        targets += [_target("CPU a streamed token, one worker", statistics.median(one), 30, "µs"),
+                    _target("streamed tokens, one worker", statistics.median(rates["workers 1"]), 30_000, "a second",
+                            at_least=True)]
+    if "workers 2" in rates:
+        targets.append(_target("workers 2 / workers 1", statistics.median(
+            [two / one for one, two in zip(rates["workers 1"], rates["workers 2"])]), 1.7, "×", at_least=True))
     print(f"requests (non-streamed chat, one token, {'one prompt' if args.repeat_prompts else 'a prompt each'}):")
     for name, runs in results.items():
         if runs and not runs[0]["tokens"]:
@@ -646,6 +664,10 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict
         print(f"    everything (traced+log)                  {_span(logged):>12} µs")
         if "floor" in cost and not suffix:
             print(f"  relay / floor (paired by round): CPU {_span([a / b for a, b in zip(relay, cost['floor'])], 2)}×")
+    if "traced+log" in cost:
+        targets.append(_target("CPU a request, traced+log", statistics.median(cost["traced+log"]), 1000, "µs"))
+    if targets:
+        print("targets (medians over the rounds): " + "; ".join(targets))
     if "relay" not in cost:
         return
     completions = calls.get("/v1/chat/completions", 0) or 1
