@@ -15,6 +15,7 @@ directory, never through a link, every read bounded.
 from __future__ import annotations
 
 import errno
+import functools
 import gc
 import hashlib
 import json
@@ -112,9 +113,6 @@ class Ingestor:
         self.quarantine = Quarantine(quarantine_dir)
         self.progress = progress or (lambda message: None)
         self.log = IngestLog(client)
-        self._first_chunk = False
-        """The chunk being stored is a pass's first of its file: the one a killed pass may have left half-stored."""
-        self._tokens_outlive_rows: Optional[bool] = None
 
     def ingest_file(self, path: Path, result: Optional[FileResult] = None) -> FileResult:
         result = result or FileResult(str(path))
@@ -127,7 +125,6 @@ class Ingestor:
         return result
 
     def _ingest_open_file(self, path: Path, f, result: FileResult) -> None:
-        self._first_chunk = True
         size = os.fstat(f.fileno()).st_size
         head = f.readline(MAX_LINE_BYTES + 1)
         if not head.endswith(b"\n") and len(head) <= MAX_LINE_BYTES:  # the whole file
@@ -153,6 +150,7 @@ class Ingestor:
             return
         start = start or Checkpoint(head_key)
         offset, line_no, before = start.offset, start.lines, (start.lines, start.spans, start.quarantined)
+        first = True  # the pass's first chunk stored: the one a killed pass may have left half-stored
         while True:
             f.seek(offset)
             data = f.read(CHUNK_BYTES)
@@ -180,7 +178,8 @@ class Ingestor:
                     if stop > start and not (data[start] in b" \t\r\x0b\x0c" and data[start:stop].isspace()):
                         self._parse(path, line_no, view[start:stop], parsed, result)
                     start = end + 1
-                self._store(path, parsed, result)
+                self._store(path, parsed, result, first_of_pass=first)
+                first = False
             finally:
                 if collecting:
                     gc.enable()
@@ -260,7 +259,7 @@ class Ingestor:
         else:
             parsed: list[_Line] = []
             self._parse(path, 1, data, parsed, result)
-            self._store(path, parsed, result)
+            self._store(path, parsed, result, first_of_pass=True)
         result.lines = 1
         self._save(path, key, document, len(data), (0, 0, 0), result, True)
 
@@ -278,22 +277,21 @@ class Ingestor:
         result.repaired += len(dropped)
         parsed.append(_Line(line_no, line, rows, digest(line)))
 
+    @functools.cached_property
     def _kill_may_lose_rows(self) -> bool:
         """Whether ``otel_traces`` is a non-replicated MergeTree, whose deduplication a kill can leave with a
         block's token but not its rows (``store_spans_lost_to_a_kill``); a cluster's replicated tables record
         the two together, and rows queued for its shards are not yet readable."""
-        if self._tokens_outlive_rows is None:
-            self._tokens_outlive_rows = self.client.query(
-                "SELECT engine FROM system.tables WHERE database = currentDatabase() AND name = 'otel_traces'"
-            ).result_rows == [("MergeTree",)]
-        return self._tokens_outlive_rows
+        return self.client.query(
+            "SELECT engine FROM system.tables WHERE database = currentDatabase() AND name = 'otel_traces'"
+        ).result_rows == [("MergeTree",)]
 
     def _quarantine(self, path: Path, line_no: int, text: bytes, reason: str, result: FileResult) -> None:
         where = self.quarantine.add(path, line_no, text, reason)
         result.quarantined += 1
         result.messages.append(f"{path}:{line_no}: {reason} ({where})")
 
-    def _store(self, path: Path, lines: list[_Line], result: FileResult) -> None:
+    def _store(self, path: Path, lines: list[_Line], result: FileResult, first_of_pass: bool) -> None:
         """Store the lines not stored before (here or in another file); a line twice in a chunk once."""
         try:
             known = {row[0] for row in self.client.query(
@@ -307,17 +305,16 @@ class Ingestor:
             else:
                 known.add(line.hash)
                 fresh.append(line)
-        self._insert(path, fresh, result)
-        self._first_chunk = False
+        self._insert(path, fresh, result, first_of_pass)
 
-    def _insert(self, path: Path, lines: list[_Line], result: FileResult) -> None:
+    def _insert(self, path: Path, lines: list[_Line], result: FileResult, first_of_pass: bool) -> None:
         if not lines:
             return
         rows = [row for line in lines for row in line.rows]
         try:
             token = batch_token("".join(line.hash for line in lines).encode())
             store_rows(self.client, rows, token)
-            if self._first_chunk and self._kill_may_lose_rows():
+            if first_of_pass and self._kill_may_lose_rows:
                 store_spans_lost_to_a_kill(self.client, rows, token)
             self.client.insert("kvtrace_ingest_lines", [[line.hash] for line in lines], column_names=["line_hash"])
         except Exception as exc:  # noqa: BLE001 - Arrow and the client raise whatever a value makes them raise
@@ -327,8 +324,8 @@ class Ingestor:
                 return self._quarantine(path, lines[0].number, lines[0].text,
                                         f"the database rejected it: {first_line(exc)}", result)
             middle = len(lines) // 2  # split until the lines to blame are found
-            self._insert(path, lines[:middle], result)
-            return self._insert(path, lines[middle:], result)
+            self._insert(path, lines[:middle], result, first_of_pass)
+            return self._insert(path, lines[middle:], result, first_of_pass)
         result.spans += len(rows)
 
 
