@@ -64,6 +64,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import httptools
+
 # --- the fake llama-server ------------------------------------------------------------------------
 
 PROPS = {"build_info": "b0-fake", "model_path": "fake.gguf", "total_slots": 4, "model_ftype": "all F32",
@@ -277,8 +279,6 @@ class _Request:
 
 def _read_request(sock: socket.socket) -> Optional[bytes]:
     """The next request on ``sock``, framed again by its length; ``None`` once the client closed."""
-    import httptools
-
     request = _Request()
     parser = httptools.HttpRequestParser(request)
     while not request.done:
@@ -322,8 +322,6 @@ class _Relayed:
 def _relay_answer(server: socket.socket, client: socket.socket) -> Optional[bool]:
     """One answer from ``server`` to ``client`` as it arrives: ``None`` if it broke off, else whether
     ``server`` may carry the next request."""
-    import httptools
-
     answer = _Relayed()
     parser = answer.parser = httptools.HttpResponseParser(answer)
     while not answer.done:
@@ -630,20 +628,20 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict
                   f"{_span([r['system_s'] / r['tokens'] * 1e6 for r in runs], 1)})   "
                   f"{_span([r['cpu_s'] / r['wall_s'] for r in runs], 2):>10} CPU s/s   client and fake "
                   f"{_span([r['apparatus_cpu_s'] / r['wall_s'] for r in runs], 2)} CPU s/s")
-    for suffix in ("", " (baseline)"):
-        scaling = [two / one for one, two in zip(rates.get(f"workers 1{suffix}", []),
-                                                 rates.get(f"workers 2{suffix}", []))]
-        if scaling:
-            print(f"  workers 2 / workers 1{suffix} (paired by round): {_span(scaling, 2)}×")
+    scaling = {suffix: [two / one for one, two in zip(rates.get(f"workers 1{suffix}", []),
+                                                      rates.get(f"workers 2{suffix}", []))]
+               for suffix in ("", " (baseline)")}
+    for suffix, ratios in scaling.items():
+        if ratios:
+            print(f"  workers 2 / workers 1{suffix} (paired by round): {_span(ratios, 2)}×")
     targets = []
     if "workers 1" in rates:
         one = [r["cpu_s"] / r["tokens"] * 1e6 for r in results["workers 1"]]
         targets += [_target("CPU a streamed token, one worker", statistics.median(one), 30, "µs"),
                     _target("streamed tokens, one worker", statistics.median(rates["workers 1"]), 30_000, "a second",
                             at_least=True)]
-    if "workers 2" in rates:
-        targets.append(_target("workers 2 / workers 1", statistics.median(
-            [two / one for one, two in zip(rates["workers 1"], rates["workers 2"])]), 1.7, "×", at_least=True))
+    if scaling[""]:
+        targets.append(_target("workers 2 / workers 1", statistics.median(scaling[""]), 1.7, "×", at_least=True))
     print(f"requests (non-streamed chat, one token, {'one prompt' if args.repeat_prompts else 'a prompt each'}):")
     for name, runs in results.items():
         if runs and not runs[0]["tokens"]:
