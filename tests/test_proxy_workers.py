@@ -148,24 +148,46 @@ def test_two_workers_record_every_request_once_each_tied_to_its_own_task(tiny_gg
     assert len({task for _, task in spans.values()}) == len(asked)  # no two requests claimed one task
 
 
+def cpus_of_threads(pid: int) -> set[frozenset[int]]:
+    """The CPU sets a process's threads may run on (one set when every thread has the same)."""
+    cpus = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            cpus.add(frozenset(os.sched_getaffinity(int(task))))
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
+    return cpus
+
+
 def test_a_worker_that_dies_is_replaced_and_what_it_spooled_stays(tiny_gguf, tmp_path, spool_dir, db):
+    """With --pin-workers: each worker's threads on a CPU of its own, and the replacement on the dead one's."""
     from kvtrace.collectors.ingest import ingest_paths
 
+    allowed = sorted(os.sched_getaffinity(0))
     port, log = free_port(), tmp_path / "server.log"
     with running_llama_server(tiny_gguf, "-lv", "4", log_path=log, slots=2) as server:
         argv = [PROGRAMS["kvtrace"], "proxy", "--upstream", server, "--listen", f"127.0.0.1:{port}",
-                "--workers", "2", "--llama-server-log", str(log)]
+                "--workers", "2", "--llama-server-log", str(log), "--pin-workers"]
         with proxy_process(argv, port, tmp_path / "proxy.log") as proxy:
             listening(tmp_path / "proxy.log")
             parent = proxy_pid(port)
             first, second = workers_of(parent)
             before_kill = ask_until_each_worker_served(proxy, spool_dir, [first, second])
+            # After serving, when every thread has started: one CPU set per worker, for all its threads.
+            pinned = {pid: sorted(cpus) for pid in (first, second) for (cpus,) in [cpus_of_threads(pid)]}
+            assert sorted(pinned.values()) == sorted([[allowed[0]], [allowed[1 % len(allowed)]]])
+            assert cpus_of_threads(parent) == {frozenset(allowed)}  # the supervisor is not pinned
             os.kill(first, signal.SIGKILL)
             deadline = time.monotonic() + 30
             while len(workers_of(parent)) < 2 or first in workers_of(parent):
                 assert time.monotonic() < deadline, "the dead worker was not replaced"
                 time.sleep(0.1)
             assert second in workers_of(parent)  # the other one served on
+            # The replacement pins itself once its interpreter has started.
+            while not (replacements := set(workers_of(parent)) - {first, second}) or any(
+                    cpus_of_threads(pid) != {frozenset(pinned[first])} for pid in replacements):
+                assert time.monotonic() < deadline, f"the replacements {replacements} are not pinned as the dead one was"
+                time.sleep(0.1)
             after_kill = range(len(before_kill), len(before_kill) + 12)
             ask_and_wait_for_spans(proxy, spool_dir, after_kill, 4)
     assert "starting another" in (tmp_path / "proxy.log").read_text()
@@ -176,3 +198,34 @@ def test_a_worker_that_dies_is_replaced_and_what_it_spooled_stays(tiny_gguf, tmp
     assert before and set(before) <= {f"e{n}" for n in before_kill}
     ingest_paths(db, [spool_dir])
     assert {f"e{n}" for n in after_kill} | set(before) <= set(stored(db))  # and every request after the restart
+
+
+def test_one_pinned_worker_keeps_every_thread_to_the_first_cpu_and_relays(tmp_path):
+    from scripted_upstream import ScriptedUpstream, json_answer
+
+    allowed = sorted(os.sched_getaffinity(0))
+    port = free_port()
+    with ScriptedUpstream(lambda received: json_answer({"status": "ok", "path": received.target})) as upstream:
+        argv = [PROGRAMS["kvtrace"], "proxy", "--upstream", upstream.url, "--listen", f"127.0.0.1:{port}",
+                "--pin-workers"]
+        with proxy_process(argv, port, tmp_path / "proxy.log") as proxy:
+            assert httpx.get(proxy + "/v1/models", timeout=30).json() == {"status": "ok", "path": "/v1/models"}
+            (pid,) = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()
+                      and f"127.0.0.1:{port}".encode() in _cmdline(entry)]
+            assert cpus_of_threads(pid) == {frozenset({allowed[0]})}
+
+
+def _cmdline(entry: Path) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_pinning_where_the_platform_cannot_is_refused_in_one_line(monkeypatch, capsys):
+    from kvtrace.cli import main
+
+    monkeypatch.delattr(os, "sched_setaffinity")  # as on macOS
+    assert main(["proxy", "--upstream", "http://127.0.0.1:9", "--pin-workers"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--pin-workers" in err and "Traceback" not in err

@@ -42,6 +42,9 @@ def add_arguments(p) -> None:
                    help="proxy processes on the one port, each with its own GIL (default 1; up to "
                         f"{MAX_WORKERS}). Raise it toward the cores free beside the server when one proxy's CPU "
                         "is the bottleneck; the limits below hold per worker, the shadow budget for them all")
+    p.add_argument("--pin-workers", action="store_true",
+                   help="keep each worker to a CPU of its own (Linux; worker i on the i-th CPU this process may "
+                        "use): more tokens a second for less CPU, on a machine or cpuset the proxy has to itself")
     shadow = p.add_argument_group("shadow twins (docs/proxy.md, 'Shadow twins'): margin shift measured on live traffic")
     shadow.add_argument("--shadow", type=share, default=None, metavar="RATE",
                         help="after a cache-hit request is answered, send this share of them again with the "
@@ -85,6 +88,11 @@ def run(args) -> int:
         raise ConfigError(f"kvtrace proxy needs {exc.name or 'its extra'}: pip install 'kvtrace[proxy]'") from None
 
     host, port = args.listen
+    if args.pin_workers:
+        from kvtrace.proxy import cpu_affinity
+
+        if not cpu_affinity.supported():
+            raise ConfigError("--pin-workers needs Linux's CPU affinity; run without it")
     where = "nowhere (recording is disabled)" if settings.disabled else f"the {settings.exporter} exporter"
 
     def listening(bound: int) -> None:
@@ -100,9 +108,11 @@ def run(args) -> int:
         if args.workers > 1:
             from kvtrace.proxy.workers import WorkerPlan, serve_workers
 
-            serve_workers(WorkerPlan(args.upstream, host, port, args.llama_server_log, limits, shadow), args.workers,
-                          on_listening=listening)
+            serve_workers(WorkerPlan(args.upstream, host, port, args.llama_server_log, limits, shadow,
+                                     pin=args.pin_workers), args.workers, on_listening=listening)
         else:
+            if args.pin_workers:
+                cpu_affinity.keep_to(cpu_affinity.cpu_of_worker(0))
             serve(args.upstream, host, port, llama_server_log=args.llama_server_log, on_listening=listening,
                   limits=limits, shadow=shadow)
     except OSError as exc:  # the address is taken or not this machine's

@@ -14,6 +14,7 @@ SIGTERM stops every worker, each flushing its spans, then exits.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import signal
@@ -46,6 +47,8 @@ class WorkerPlan:
     llama_server_log: Optional[Path]
     limits: Limits
     shadow: Optional[ShadowBudget]
+    pin: bool = False
+    """Each worker kept to a CPU of its own (:mod:`cpu_affinity`)."""
 
 
 def serve_workers(plan: WorkerPlan, workers: int, on_listening: Optional[Callable[[int], None]] = None) -> None:
@@ -55,7 +58,7 @@ def serve_workers(plan: WorkerPlan, workers: int, on_listening: Optional[Callabl
     reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     reserved.bind((plan.host, plan.port))  # bound, never listening: it holds the port, takes no connection
     port = reserved.getsockname()[1]
-    plan = WorkerPlan(plan.upstream, plan.host, port, plan.llama_server_log, plan.limits, plan.shadow)
+    plan = dataclasses.replace(plan, port=port)
     ledger = ShadowLedger(plan.shadow, context) if plan.shadow else None
     ready = context.SimpleQueue()
     stop = threading.Event()
@@ -120,8 +123,11 @@ def _stop_all(processes: list) -> None:
 def _worker(plan: WorkerPlan, index: int, workers: int, ledger: Optional[ShadowLedger], ready: Any) -> None:
     """One worker process: the proxy of :func:`kvtrace.proxy.app.serve` on the shared port."""
     from kvtrace.proxy.app import serve
+    from kvtrace.proxy.cpu_affinity import cpu_of_worker, keep_to
 
     try:
+        if plan.pin:
+            keep_to(cpu_of_worker(index))  # before the proxy starts its threads: they inherit it
         serve(plan.upstream, plan.host, plan.port, plan.llama_server_log,
               on_listening=lambda port: ready.put(("listening", index)), limits=plan.limits, shadow=plan.shadow,
               ledger=ledger, lane=(index, workers))
