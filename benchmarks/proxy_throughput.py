@@ -10,7 +10,7 @@ processes at ``--concurrency`` kept-alive connections. Arms, run in turns (ABBA 
 drift on a shared machine hits them alike), each for ``--seconds``:
 
 * **streams**: streamed chat completions of ``--tokens`` events each, through ``--workers 1`` and
-  ``--workers 2``; the fake writes a stream ``--events-per-write`` events at a time (0: the whole
+  ``--workers 2``, each also with ``--pin-workers`` (a worker kept to a CPU of its own); the fake writes a stream ``--events-per-write`` events at a time (0: the whole
   answer in one write, as fast as the socket takes it). Streamed tokens a second, and the proxy's
   CPU (every process and thread, from /proc) per streamed token, with the CPU the client and the
   fake took meanwhile (they share the machine's cores with the workers);
@@ -43,7 +43,7 @@ twin whose proxy imports kvtrace from TREE, run in turn with it, and the table g
 ``--profile FILE``, one more ``--workers 1`` proxy runs under cProfile (its main thread only: use
 py-spy for the relay's threads) and its statistics go to FILE. Prints a table with the range over the
 rounds, and on the rounds' medians whether the proxy's targets are met (a streamed token's CPU, one
-worker's tokens a second, two workers against one, a traced+log request's CPU); asserts nothing (the
+worker's tokens a second, two workers against one, free and pinned, a traced+log request's CPU); asserts nothing (the
 figures belong to this machine).
 """
 
@@ -512,14 +512,17 @@ def measure(args: argparse.Namespace) -> None:
         env = {"KVTRACE_SPOOL_DIR": str(workdir / "spool"), "XDG_DATA_HOME": str(workdir / "data"),
                "KVTRACE_RUN_ID": "proxy-throughput"}
         reading = ["--llama-server-log"]  # the arm's own log follows
-        arms = {"streams": {"workers 1": [], "workers 2": ["--workers", "2"]},
+        pinned = ["--pin-workers"]
+        arms = {"streams": {"workers 1": [], "workers 2": ["--workers", "2"], "workers 1 pinned": pinned,
+                            "workers 2 pinned": ["--workers", "2", *pinned]},
                 "requests": {"relay": [], "traced": [], "traced+log": reading, "traced+log+known": reading}}
         if args.floor:
             arms["requests"] = {"floor": [], **arms["requests"]}
         arms = {mode: named for mode, named in arms.items() if args.only in (None, mode)}
         if args.baseline is not None:
             arms = {mode: {**named, **{f"{name} (baseline)": extra for name, extra in named.items()
-                                       if name != "floor"}} for mode, named in arms.items()}
+                                       if name != "floor" and pinned[0] not in extra}}  # an older tree may lack it
+                    for mode, named in arms.items()}
         labels = {name: name.replace(" (baseline)", "-baseline").replace(" ", "-").replace("+", "-")
                   for named in arms.values() for name in named}
         # Each proxy that reads a log has a port and a log of its own: another proxy's tasks in its log would
@@ -628,20 +631,24 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict
                   f"{_span([r['system_s'] / r['tokens'] * 1e6 for r in runs], 1)})   "
                   f"{_span([r['cpu_s'] / r['wall_s'] for r in runs], 2):>10} CPU s/s   client and fake "
                   f"{_span([r['apparatus_cpu_s'] / r['wall_s'] for r in runs], 2)} CPU s/s")
-    scaling = {suffix: [two / one for one, two in zip(rates.get(f"workers 1{suffix}", []),
-                                                      rates.get(f"workers 2{suffix}", []))]
-               for suffix in ("", " (baseline)")}
-    for suffix, ratios in scaling.items():
+    # Like with like (free against free, pinned against pinned), the pinned two against the default one, and
+    # what pinning itself gives two workers.
+    scaling = {(two, one): [b / a for a, b in zip(rates.get(one, []), rates.get(two, []))]
+               for two, one in (("workers 2", "workers 1"), ("workers 2 pinned", "workers 1 pinned"),
+                                ("workers 2 pinned", "workers 1"), ("workers 2 pinned", "workers 2"),
+                                ("workers 2 (baseline)", "workers 1 (baseline)"))}
+    for (two, one), ratios in scaling.items():
         if ratios:
-            print(f"  workers 2 / workers 1{suffix} (paired by round): {_span(ratios, 2)}×")
+            print(f"  {two} / {one} (paired by round): {_span(ratios, 2)}× (median {statistics.median(ratios):.2f})")
     targets = []
     if "workers 1" in rates:
         one = [r["cpu_s"] / r["tokens"] * 1e6 for r in results["workers 1"]]
         targets += [_target("CPU a streamed token, one worker", statistics.median(one), 30, "µs"),
                     _target("streamed tokens, one worker", statistics.median(rates["workers 1"]), 30_000, "a second",
                             at_least=True)]
-    if scaling[""]:
-        targets.append(_target("workers 2 / workers 1", statistics.median(scaling[""]), 1.7, "×", at_least=True))
+    for two, one in (("workers 2", "workers 1"), ("workers 2 pinned", "workers 1 pinned")):
+        if scaling[two, one]:
+            targets.append(_target(f"{two} / {one}", statistics.median(scaling[two, one]), 1.7, "×", at_least=True))
     print(f"requests (non-streamed chat, one token, {'one prompt' if args.repeat_prompts else 'a prompt each'}):")
     for name, runs in results.items():
         if runs and not runs[0]["tokens"]:
