@@ -10,8 +10,9 @@ processes at ``--concurrency`` kept-alive connections. Arms, run in turns (ABBA 
 drift on a shared machine hits them alike), each for ``--seconds``:
 
 * **streams**: streamed chat completions of ``--tokens`` events each, through ``--workers 1`` and
-  ``--workers 2``, each also with ``--pin-workers`` (a worker kept to a CPU of its own); the fake writes a stream ``--events-per-write`` events at a time (0: the whole
-  answer in one write, as fast as the socket takes it). Streamed tokens a second, and the proxy's
+  ``--workers 2``, each also with ``--pin-workers`` (a worker kept to a CPU of its own); the fake
+  writes a stream ``--events-per-write`` events at a time (0: the whole answer in one write, as fast
+  as the socket takes it). Streamed tokens a second, and the proxy's
   CPU (every process and thread, from /proc) per streamed token, with the CPU the client and the
   fake took meanwhile (they share the machine's cores with the workers);
 * **requests**: non-streamed one-token chat completions through four one-worker proxies:
@@ -43,8 +44,8 @@ twin whose proxy imports kvtrace from TREE, run in turn with it, and the table g
 ``--profile FILE``, one more ``--workers 1`` proxy runs under cProfile (its main thread only: use
 py-spy for the relay's threads) and its statistics go to FILE. Prints a table with the range over the
 rounds, and on the rounds' medians whether the proxy's targets are met (a streamed token's CPU, one
-worker's tokens a second, two workers against one, free and pinned, a traced+log request's CPU); asserts nothing (the
-figures belong to this machine).
+worker's tokens a second, two workers against one, free and pinned, a traced+log request's CPU);
+asserts nothing (the figures belong to this machine).
 """
 
 from __future__ import annotations

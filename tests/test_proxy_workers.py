@@ -174,7 +174,9 @@ def test_a_worker_that_dies_is_replaced_and_what_it_spooled_stays(tiny_gguf, tmp
             first, second = workers_of(parent)
             before_kill = ask_until_each_worker_served(proxy, spool_dir, [first, second])
             # After serving, when every thread has started: one CPU set per worker, for all its threads.
-            pinned = {pid: sorted(cpus) for pid in (first, second) for (cpus,) in [cpus_of_threads(pid)]}
+            sets = {pid: cpus_of_threads(pid) for pid in (first, second)}
+            assert all(len(cpus) == 1 for cpus in sets.values()), sets
+            pinned = {pid: sorted(next(iter(cpus))) for pid, cpus in sets.items()}
             assert sorted(pinned.values()) == sorted([[allowed[0]], [allowed[1 % len(allowed)]]])
             assert cpus_of_threads(parent) == {frozenset(allowed)}  # the supervisor is not pinned
             os.kill(first, signal.SIGKILL)
@@ -186,7 +188,7 @@ def test_a_worker_that_dies_is_replaced_and_what_it_spooled_stays(tiny_gguf, tmp
             # The replacement pins itself once its interpreter has started.
             while not (replacements := set(workers_of(parent)) - {first, second}) or any(
                     cpus_of_threads(pid) != {frozenset(pinned[first])} for pid in replacements):
-                assert time.monotonic() < deadline, f"the replacements {replacements} are not pinned as the dead one was"
+                assert time.monotonic() < deadline, f"{replacements} not kept to the dead one's CPU"
                 time.sleep(0.1)
             after_kill = range(len(before_kill), len(before_kill) + 12)
             ask_and_wait_for_spans(proxy, spool_dir, after_kill, 4)
