@@ -44,7 +44,7 @@ def add_arguments(p) -> None:
                         "is the bottleneck; the limits below hold per worker, the shadow budget for them all")
     p.add_argument("--pin-workers", action="store_true",
                    help="keep each worker to a CPU of its own (Linux; worker i on the i-th CPU this process may "
-                        "use): more tokens a second for less CPU, on a machine or cpuset the proxy has to itself")
+                        "use): more tokens a second where the proxy has its CPUs to itself (docs/proxy.md, 'Workers')")
     shadow = p.add_argument_group("shadow twins (docs/proxy.md, 'Shadow twins'): margin shift measured on live traffic")
     shadow.add_argument("--shadow", type=share, default=None, metavar="RATE",
                         help="after a cache-hit request is answered, send this share of them again with the "
