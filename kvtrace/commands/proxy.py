@@ -111,10 +111,8 @@ def run(args) -> int:
             serve_workers(WorkerPlan(args.upstream, host, port, args.llama_server_log, limits, shadow,
                                      pin=args.pin_workers), args.workers, on_listening=listening)
         else:
-            if args.pin_workers:
-                cpu_affinity.keep_to(cpu_affinity.cpu_of_worker(0))
             serve(args.upstream, host, port, llama_server_log=args.llama_server_log, on_listening=listening,
-                  limits=limits, shadow=shadow)
+                  limits=limits, shadow=shadow, pin=args.pin_workers)
     except OSError as exc:  # the address is taken or not this machine's
         raise ConfigError(f"--listen {host}:{port}: {exc.strerror or exc}") from None
     return 0

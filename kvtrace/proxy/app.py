@@ -56,6 +56,7 @@ from kvtrace.llama_server.tasks import (MARKER_FIELD, Fingerprint, TaskProvenanc
                                         server_tokenizer)
 from kvtrace.proxy import answers
 from kvtrace.proxy.background import Background
+from kvtrace.proxy.cpu_affinity import cpu_of_worker, keep_to
 from kvtrace.proxy.heap import PeriodicTrim, collect_less_often, limit_arenas
 from kvtrace.proxy.http1 import ClientGone, Headers, Request, Responder, Server
 from kvtrace.proxy.limits import Limits, ShadowBudget
@@ -621,11 +622,14 @@ def proxy_in_thread(upstream: str, recorder: Optional[Recorder] = None, llama_se
 def serve(upstream: str, host: str, port: int, llama_server_log: Optional[Path] = None,
           on_listening: Optional[Callable[[int], None]] = None, limits: Limits = Limits(),
           shadow: Optional[ShadowBudget] = None, ledger: Optional[ShadowLedger] = None,
-          lane: tuple[int, int] = (0, 1)) -> None:
+          lane: tuple[int, int] = (0, 1), pin: bool = False) -> None:
     """Run the proxy until SIGINT or SIGTERM (both a normal stop: the spans are flushed, exit 0).
 
     With ``shadow``, an upstream known to have no cache bypass is refused (``ConfigError``). ``ledger`` and
-    ``lane``: this proxy is worker ``lane[0]`` of ``lane[1]`` (:mod:`workers`), sharing the shadow budget."""
+    ``lane``: this proxy is worker ``lane[0]`` of ``lane[1]`` (:mod:`workers`), sharing the shadow budget.
+    ``pin``: this process kept to its lane's CPU (:mod:`cpu_affinity`)."""
+    if pin:
+        keep_to(cpu_of_worker(lane[0]))  # before the proxy's threads start: they inherit it
     limit_arenas()  # before the proxy's threads start: they share the arenas
     app = ProxyApp(upstream, llama_server_log=llama_server_log, shadow=shadow, ledger=ledger, lane=lane)
     if shadow is not None:

@@ -123,14 +123,11 @@ def _stop_all(processes: list) -> None:
 def _worker(plan: WorkerPlan, index: int, workers: int, ledger: Optional[ShadowLedger], ready: Any) -> None:
     """One worker process: the proxy of :func:`kvtrace.proxy.app.serve` on the shared port."""
     from kvtrace.proxy.app import serve
-    from kvtrace.proxy.cpu_affinity import cpu_of_worker, keep_to
 
     try:
-        if plan.pin:
-            keep_to(cpu_of_worker(index))  # before the proxy starts its threads: they inherit it
         serve(plan.upstream, plan.host, plan.port, plan.llama_server_log,
               on_listening=lambda port: ready.put(("listening", index)), limits=plan.limits, shadow=plan.shadow,
-              ledger=ledger, lane=(index, workers))
+              ledger=ledger, lane=(index, workers), pin=plan.pin)
     except (ConfigError, OSError) as exc:
         ready.put(("failed", str(exc)))
         raise SystemExit(2) from None
