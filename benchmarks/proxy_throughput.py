@@ -67,6 +67,8 @@ from typing import Optional
 
 import httptools
 
+from targets import verdict  # benchmarks/, beside this script
+
 # --- the fake llama-server ------------------------------------------------------------------------
 
 PROPS = {"build_info": "b0-fake", "model_path": "fake.gguf", "total_slots": 4, "model_ftype": "all F32",
@@ -610,12 +612,6 @@ def _span(values: list[float], digits: int = 0) -> str:
     return f"{low:,.{digits}f}–{high:,.{digits}f}"
 
 
-def _target(what: str, value: float, limit: float, unit: str, at_least: bool = False) -> str:
-    met = value >= limit if at_least else value <= limit
-    shown = f"{value:,.0f}" if limit >= 100 else f"{value:.2f}"
-    return f"{what} {shown} {unit} ({'>=' if at_least else '<='} {limit:,g} {unit}: {'met' if met else 'not met'})"
-
-
 def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict[str, int]) -> None:
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {args.rounds} rounds of "
           f"{args.seconds:g} s per arm, concurrency {args.concurrency}, ranges over the rounds")
@@ -644,12 +640,12 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict
     targets = []
     if "workers 1" in rates:
         one = [r["cpu_s"] / r["tokens"] * 1e6 for r in results["workers 1"]]
-        targets += [_target("CPU a streamed token, one worker", statistics.median(one), 30, "µs"),
-                    _target("streamed tokens, one worker", statistics.median(rates["workers 1"]), 30_000, "a second",
+        targets += [verdict("CPU a streamed token, one worker", statistics.median(one), 30, "µs"),
+                    verdict("streamed tokens, one worker", statistics.median(rates["workers 1"]), 30_000, "a second",
                             at_least=True)]
     for two, one in (("workers 2", "workers 1"), ("workers 2 pinned", "workers 1 pinned")):
         if scaling[two, one]:
-            targets.append(_target(f"{two} / {one}", statistics.median(scaling[two, one]), 1.7, "×", at_least=True))
+            targets.append(verdict(f"{two} / {one}", statistics.median(scaling[two, one]), 1.7, "×", at_least=True))
     print(f"requests (non-streamed chat, one token, {'one prompt' if args.repeat_prompts else 'a prompt each'}):")
     for name, runs in results.items():
         if runs and not runs[0]["tokens"]:
@@ -671,7 +667,7 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], calls: dict
         if "floor" in cost and not suffix:
             print(f"  relay / floor (paired by round): CPU {_span([a / b for a, b in zip(relay, cost['floor'])], 2)}×")
     if "traced+log" in cost:
-        targets.append(_target("CPU a request, traced+log", statistics.median(cost["traced+log"]), 1000, "µs"))
+        targets.append(verdict("CPU a request, traced+log", statistics.median(cost["traced+log"]), 1000, "µs"))
     if targets:
         print("targets (medians over the rounds): " + "; ".join(targets))
     if "relay" not in cost:
