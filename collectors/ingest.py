@@ -28,7 +28,7 @@ from kvtrace.collectors.checkpoints import Checkpoint, IngestLog, digest, key_of
 from kvtrace.collectors.otlp_rows import MalformedSpan, SpanRow, rows_from_request
 from kvtrace.collectors.quarantine import Quarantine
 from kvtrace.collectors.schema import first_line
-from kvtrace.collectors.span_files import find_files, passed_over_message, writer_is_gone
+from kvtrace.collectors.span_files import find_files, passed_over_message, unwatched_because, writer_is_gone
 from kvtrace.collectors.store import batch_token, store_rows, store_spans_lost_to_a_kill
 from kvtrace.config import default_spool_dir
 from kvtrace.errors import IngestStopped, UnreadableInput, UnusableInput
@@ -195,7 +195,7 @@ class Ingestor:
             hasher.update(data)
             offset += len(data)
         elif data:
-            result.pending_bytes = len(data)
+            self._left_pending(path, len(data), result)
         self._save(path, head_key, hasher, offset, before, result, complete)
 
     def _resume_point(self, f, size: int, head: str):
@@ -253,7 +253,7 @@ class Ingestor:
             json.loads(data)
         except ValueError:
             if not writer_is_gone(path):
-                result.pending_bytes = len(data)
+                self._left_pending(path, len(data), result)
                 return
             self._quarantine(path, 1, data, "truncated line (its writer ended before finishing it)", result)
         else:
@@ -285,6 +285,17 @@ class Ingestor:
         return self.client.query(
             "SELECT engine FROM system.tables WHERE database = currentDatabase() AND name = 'otel_traces'"
         ).result_rows == [("MergeTree",)]
+
+    @staticmethod
+    def _left_pending(path: Path, size: int, result: FileResult) -> None:
+        """A tail without newline is left for a later pass; where no writer can be watched ending, say how to end it."""
+        result.pending_bytes = size
+        why = unwatched_because(path)
+        if why:
+            result.messages.append(
+                f"{path}: its last {size:,} byte(s) end in no newline and are left for a later pass: a line is read "
+                f"once it ends, and whether anything still writes this file cannot be told ({why}). If nothing "
+                "does, end it with a newline and ingest again: that line is then stored or quarantined")
 
     def _quarantine(self, path: Path, line_no: int, text: bytes, reason: str, result: FileResult) -> None:
         where = self.quarantine.add(path, line_no, text, reason)

@@ -58,6 +58,15 @@ def passed_over_message(passed_over: list[str]) -> str:
             f"only regular files are ingested from a directory ({named}{rest})")
 
 
+def unwatched_because(path: Path) -> Optional[str]:
+    """Why kvtrace cannot tell whether anything still writes ``path`` (``None`` when it can: a spool file
+    of this host, whose writer's process it can look for)."""
+    writer = writer_of(path)
+    if writer is None:
+        return "it is no kvtrace spool file"
+    return None if writer[0] == spool_host() else f"its writer ran on another machine, {writer[0]}"
+
+
 def writer_is_gone(path: Path) -> bool:
     """True when ``path`` is a kvtrace spool file of this host whose writer process has ended."""
     writer = writer_of(path)

@@ -51,6 +51,24 @@ def test_a_file_still_being_written_is_taken_up_to_its_last_line_and_continued(d
     assert db.query("SELECT count() FROM otel_traces").result_rows[0][0] == 3
 
 
+def test_a_tail_no_writer_can_be_watched_for_waits_and_ingest_says_how_to_end_it(db, tmp_path):
+    good = encode_request(_spans(1))
+    foreign = tmp_path / "collector-export.jsonl"
+    foreign.write_text(good + "\n" + "{garbage")
+    elsewhere = tmp_path / "kvtrace-otherhost-123-1-000000.jsonl"  # another machine's spool file
+    elsewhere.write_text(good[:20])
+    report = ingest_paths(db, [foreign, elsewhere], quarantine_dir=tmp_path / "q")
+    assert report.spans == 1 and report.pending_bytes == len("{garbage") + 20 and report.quarantined == 0
+    first, second = report.files
+    assert len(first.messages) == 1 and first.messages[0].startswith(f"{foreign}: its last 8 byte(s) end in no newline")
+    assert "no kvtrace spool file" in first.messages[0] and "end it with a newline" in first.messages[0]
+    assert "another machine, otherhost" in second.messages[0]
+    with open(foreign, "a") as f:
+        f.write("\n")
+    again = ingest_paths(db, [foreign], quarantine_dir=tmp_path / "q")
+    assert again.spans == 0 and again.quarantined == 1 and again.pending_bytes == 0
+
+
 def test_truncated_tail_of_a_crashed_writer_is_quarantined_and_the_rest_kept(db, tmp_path):
     spool = tmp_path / "spool"
     spool.mkdir()
