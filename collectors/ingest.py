@@ -185,7 +185,8 @@ class Ingestor:
                     gc.enable()
             hasher.update(view[: cut + 1])
             offset += cut + 1
-            self._save(path, head_key, hasher, offset, before, result, complete=False)
+            if offset < size:  # at the file's end the save after the loop follows at once: one insert, not two
+                self._save(path, head_key, hasher, offset, before, result, complete=False)
             self.progress(f"{path.name}: {result.spans} spans")
         complete = writer_is_gone(path)
         if data and complete:
