@@ -69,11 +69,13 @@ def unwatched_because(path: Path) -> Optional[str]:
 
 def writer_is_gone(path: Path) -> bool:
     """True when ``path`` is a kvtrace spool file of this host whose writer process has ended."""
-    writer = writer_of(path)
-    if writer is None or writer[0] != spool_host() or writer[1] == os.getpid():
-        return False  # not a spool file, another machine's (we cannot tell), or our own
+    if unwatched_because(path) is not None:
+        return False
+    pid = writer_of(path)[1]
+    if pid == os.getpid():
+        return False  # our own
     try:
-        os.kill(writer[1], 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except (PermissionError, OverflowError):
