@@ -1,10 +1,8 @@
 """``kvtrace proxy --pin-workers``: each worker process kept to one CPU of its own.
 
-A worker's threads hand its GIL to one another at every read and write. Kept to one CPU, that
-hand-over wakes a thread on the same CPU, not another's, and no thread migrates: on two cores two
-pinned workers relayed a median 1.20x the tokens a second of two free ones (docs/proxy.md, "Workers").
-Opt-in, because a pinned worker cannot move off a CPU that something else (the server, a second
-proxy) keeps busy.
+Kept to one CPU, the GIL's hand-over between a worker's threads wakes no other core and no thread
+migrates; opt-in, since a pinned worker cannot leave a CPU something else keeps busy (docs/proxy.md,
+"Workers", has the figures).
 """
 
 from __future__ import annotations
