@@ -2,7 +2,7 @@
 
     .venv/bin/python -P benchmarks/server_load.py [--servers vllm,llama-cpp,llama-server]
         [--concurrency 1,8,32] [--requests 96] [--tokens 16] [--size tiny|small|base] [--minutes 0]
-        [--vllm-python .venv-vllm/bin/python] [--shadow RATE] [--cache-ram MIB]
+        [--vllm-python .venv-vllm/bin/python] [--shadow RATE] [--cache-ram MIB] [--proxy-workers N]
 
 Three servers, each on a model kvtrace generates (nothing is downloaded), each as a traced and an
 untraced arm that the client alternates block by block, ABBA (a block is twice the concurrency's
@@ -15,7 +15,8 @@ requests, sent through that many client threads), so drift on a shared machine h
 * ``llama-cpp``: ``kvtrace run -- python -m llama_cpp.server`` against the same server with
   ``KVTRACE_DISABLED=1``;
 * ``llama-server``: llama.cpp's server (``-np 4``, the build
-  ``python -m kvtrace.llama_server.build`` caches) behind ``kvtrace proxy``, against the
+  ``python -m kvtrace.llama_server.build`` caches) behind ``kvtrace proxy`` (``--workers N`` with
+  ``--proxy-workers N``; how each request span was tied to its server task is tallied), against the
   same llama-server called directly. A third arm, the same server called directly with the top two
   the proxy asks for (``n_probs``), gives the server's own share of the proxy's cost: its ratios
   to the plain direct server are printed under each cell, as a floor no proxy can go below.
@@ -23,8 +24,8 @@ requests, sent through that many client threads), so drift on a shared machine h
 For each concurrency, non-streamed and streamed ``/v1/completions`` (a shared 120-word prefix, a
 distinct tail and W3C baggage per request), it prints traced/untraced ratios of throughput
 (requests per second of wall time), of p50 and p99 latency, and of CPU time per request (every
-process of the arm, from /proc: the server and what it started, and the proxy), wall time beside
-it; and the request spans in the traced arm's spool against the requests it completed (lost =
+process of the arm, from /proc: the server and what it started, and the proxy; the proxy's own beside
+it, user and system apart), wall time beside it; and the request spans in the traced arm's spool against the requests it completed (lost =
 completed - spans, after the spool has had time to catch up).  RSS of the traced server and of the
 proxy is sampled before and after the load and, with ``--minutes M``, over an M-minute soak of
 traced load at the highest concurrency, with its growth in %.
@@ -44,6 +45,7 @@ Prints a table; asserts nothing (the timings belong to the machine they were tak
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import itertools
 import json
@@ -66,7 +68,7 @@ import httpx
 
 from kvtrace.proxy.margin_request import COMPLETIONS, UpstreamProfile, plan_request
 from kvtrace.recording.stats import SHADOW_TWINS_DROPPED, read_stats
-from kvtrace.semconv import ARM, ARM_SHADOW, SPAN_REQUEST
+from kvtrace.semconv import ARM, ARM_SHADOW, SERVER_TASK_MATCH, SPAN_REQUEST
 from kvtrace.testmodels.llama_gguf import SIZES as GGUF_SIZES, make_model as make_gguf_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -114,11 +116,13 @@ def parse_args() -> argparse.Namespace:
                              "cache's listing, so a soak reads the proxy's own growth once the cache is full: "
                              "64 MiB holds about 200 of the tiny model's states, as many as 8 GiB holds of a "
                              "7B model's")
+    parser.add_argument("--proxy-workers", type=int, default=1, metavar="N",
+                        help="llama-server's traced arm: `kvtrace proxy --workers N` (default 1)")
     parser.add_argument("--shadow", type=float, default=None, metavar="RATE",
                         help=f"compare a proxy with --shadow RATE against a plain one ({', '.join(SHADOW_SERVERS)})")
     args = parser.parse_args()
-    if args.requests < 1 or args.tokens < 1 or args.minutes < 0:
-        parser.error("--requests and --tokens must be at least 1, --minutes at least 0")
+    if args.requests < 1 or args.tokens < 1 or args.minutes < 0 or args.proxy_workers < 1:
+        parser.error("--requests, --tokens and --proxy-workers must be at least 1, --minutes at least 0")
     if args.shadow is not None:
         if not 0 < args.shadow <= 1:
             parser.error("--shadow is a share: above 0 and at most 1")
@@ -154,17 +158,21 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU of these processes and everything below them, from /proc."""
-    total = 0
+def cpu_times(pids: list[int]) -> tuple[float, float]:
+    """User and system CPU of these processes and everything below them, from /proc."""
+    user = system = 0
     for root in pids:
         for pid in process_tree(root):
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / CLOCK_TICKS
+            user, system = user + int(fields[11]), system + int(fields[12])  # utime, stime
+    return user / CLOCK_TICKS, system / CLOCK_TICKS
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    return sum(cpu_times(pids))
 
 
 def rss_mb(pid: int) -> float:
@@ -321,7 +329,8 @@ def llama_server_arms(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Arm
     log = root / "llama-server.log"
     with started("llama-server", llama_server_argv(model, port, log, args.cache_ram), base_env(root, False),
                  root / "llama-server.out", base + "/health") as server, \
-            started("kvtrace proxy", proxy_argv(base, proxy_port, "--llama-server-log", str(log)),
+            started("kvtrace proxy", proxy_argv(base, proxy_port, "--llama-server-log", str(log),
+                                                "--workers", str(args.proxy_workers)),
                     base_env(root, True), root / "proxy.out", proxy_base + "/health") as proxy:
         yield (Arm(base, [server.pid]),
                Arm(proxy_base, [server.pid, proxy.pid], root / "spool", {"server": server.pid, "proxy": proxy.pid}))
@@ -360,22 +369,28 @@ ARMS = {"vllm": vllm_arms, "llama-cpp": llama_cpp_arms, "llama-server": llama_se
 
 # ------------------------------------------------------------------------------------------- load
 
-def request_spans(spool: Path) -> tuple[int, int]:
-    """The request spans in a spool's complete lines: the clients', and the shadow twins'."""
-    clients = twins = 0
+def spooled_request_spans(spool: Path) -> Iterator[dict]:
+    """The request spans in a spool's complete lines, every worker's file."""
     for path in sorted(spool.glob("*.jsonl")) if spool.is_dir() else []:
         text = path.read_text(errors="replace")
         for line in text[:text.rfind("\n") + 1].splitlines():
             with contextlib.suppress(ValueError):
                 for resource in json.loads(line).get("resourceSpans", []):
                     for scope in resource.get("scopeSpans", []):
-                        for span in scope.get("spans", []):
-                            if span.get("name") == SPAN_REQUEST:
-                                if is_twin(span):
-                                    twins += 1
-                                else:
-                                    clients += 1
-    return clients, twins
+                        yield from (span for span in scope.get("spans", []) if span.get("name") == SPAN_REQUEST)
+
+
+def request_spans(spool: Path) -> tuple[int, int]:
+    """The request spans in a spool: the clients', and the shadow twins'."""
+    twins = [is_twin(span) for span in spooled_request_spans(spool)]
+    return len(twins) - sum(twins), sum(twins)
+
+
+def task_matches(spool: Path) -> collections.Counter:
+    """How the proxy tied each client request span to its llama-server task (``marker`` when by its own)."""
+    return collections.Counter(next((a.get("value", {}).get("stringValue") for a in span.get("attributes", [])
+                                     if a.get("key") == SERVER_TASK_MATCH), "absent")
+                               for span in spooled_request_spans(spool) if not is_twin(span))
 
 
 def twins_dropped(spool: Path) -> int:
@@ -426,13 +441,15 @@ class Client:
 
     def block(self, arm: Arm, concurrency: int, count: int, stream: bool, settle_s: float = 0.0) -> "Block":
         """``settle_s``: a wait after the requests, inside the CPU window (work they left behind counts)."""
-        cpu, wall = cpu_seconds(arm.pids), time.perf_counter()
+        proxy = [arm.rss["proxy"]] if "proxy" in arm.rss else []
+        cpu, proxy_cpu, wall = cpu_seconds(arm.pids), cpu_times(proxy), time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
             latencies = list(pool.map(lambda _: self.one(arm, stream), range(count)))
         wall_s = time.perf_counter() - wall
         time.sleep(settle_s)
         arm.completed += len(latencies)
-        return Block(wall_s, cpu_seconds(arm.pids) - cpu, latencies)
+        return Block(wall_s, cpu_seconds(arm.pids) - cpu, latencies,
+                     tuple(after - first for after, first in zip(cpu_times(proxy), proxy_cpu)))
 
 
 @dataclass
@@ -440,6 +457,8 @@ class Block:
     wall_s: float
     cpu_s: float
     latencies: list[float]
+    proxy_cpu_s: tuple[float, float] = (0.0, 0.0)
+    """The proxy's share of ``cpu_s`` (its workers included), user and system, where the arm has one."""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -488,6 +507,8 @@ def measure(client: Client, untraced: Arm, traced: Arm, concurrency: int, reques
         wall = sum(b.wall_s for b in arms[is_traced])
         out[name] = {"rps": len(latencies) / wall, "p50": percentile(latencies, 0.5), "p99": percentile(latencies, 0.99),
                      "cpu_per_request": sum(b.cpu_s for b in arms[is_traced]) / len(latencies),
+                     "proxy_cpu_per_request": [sum(b.proxy_cpu_s[kind] for b in arms[is_traced]) / len(latencies)
+                                               for kind in (0, 1)],
                      "wall_per_request": wall / len(latencies)}
     return out
 
@@ -534,6 +555,9 @@ def report_cell(server: str, concurrency: int, stream: bool, out: dict, shadow: 
     resent = f"  resent after a dropped connection: {out['resent']}" if out["resent"] else ""
     spans = "" if floor else f"  spans {out['spans']}/{out['completed']} (lost {lost}; target 0)"
     p50_pct = 100 * (ratio(out, "p50") - 1)
+    user, system = t["proxy_cpu_per_request"]
+    proxy_cpu = f", the proxy's {(user + system) * 1e3:.1f}: user {user * 1e3:.1f}, system {system * 1e3:.1f}" \
+        if user + system else ""
     target = ""
     if shadow:
         target = f"  twins {out['twins']} (dropped {out['dropped']})"
@@ -550,7 +574,7 @@ def report_cell(server: str, concurrency: int, stream: bool, out: dict, shadow: 
           f"p50 {ratio(out, 'p50'):6.3f}{by_pair} ({u['p50'] * 1e3:.1f} / {t['p50'] * 1e3:.1f} ms, {p50_pct:+.1f} %)  "
           f"p99 {ratio(out, 'p99'):6.3f}  "
           f"CPU/request {ratio(out, 'cpu_per_request'):6.3f} ({u['cpu_per_request'] * 1e3:.1f} / "
-          f"{t['cpu_per_request'] * 1e3:.1f} ms)  wall/request {u['wall_per_request'] * 1e3:.1f} / "
+          f"{t['cpu_per_request'] * 1e3:.1f} ms{proxy_cpu})  wall/request {u['wall_per_request'] * 1e3:.1f} / "
           f"{t['wall_per_request'] * 1e3:.1f} ms{spans}{resent}{target}")
 
 
@@ -608,6 +632,9 @@ def run_server(name: str, args: argparse.Namespace, tmp: Path) -> None:
                 if floor is not None:
                     report_cell(name, concurrency, stream,
                                 measure(client, untraced, floor, concurrency, args.requests, stream), floor=True)
+        if name == "llama-server" and args.shadow is None:
+            matches = task_matches(traced.spool)
+            print(f"  tied to a server task: {dict(matches.most_common())} (target: every one by its marker)")
         for label, pid in traced.rss.items():
             growth(label, [before[label], rss_mb(pid)], "the load above")
         if args.minutes:
