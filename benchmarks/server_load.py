@@ -24,9 +24,10 @@ requests, sent through that many client threads), so drift on a shared machine h
 For each concurrency, non-streamed and streamed ``/v1/completions`` (a shared 120-word prefix, a
 distinct tail and W3C baggage per request), it prints traced/untraced ratios of throughput
 (requests per second of wall time), of p50 and p99 latency, and of CPU time per request (every
-process of the arm, from /proc: the server and what it started, and the proxy; the proxy's own beside
-it, user and system apart), wall time beside it; and the request spans in the traced arm's spool against the requests it completed (lost =
-completed - spans, after the spool has had time to catch up).  RSS of the traced server and of the
+process of the arm, from /proc: the server and what it started, and the proxy; the proxy's own
+beside it, user and system apart), wall time beside it; and the request spans in the traced arm's
+spool against the requests it completed (lost = completed - spans, after the spool has had time to
+catch up).  RSS of the traced server and of the
 proxy is sampled before and after the load and, with ``--minutes M``, over an M-minute soak of
 traced load at the highest concurrency, with its growth in %.
 
