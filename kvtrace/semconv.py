@@ -317,6 +317,16 @@ HTTP_RESPONSE_STATUS_CODE = "http.response.status_code"
 """The upstream's HTTP status (OpenTelemetry's HTTP name); an error status also sets the span's status."""
 SERVER_SLOT_ID = "kvtrace.server.slot_id"
 """The llama-server slot that served the request, where known (its native answer, or a server with one slot)."""
+SERVER_SLOT_SELECTED_BY = "kvtrace.server.slot_selected_by"
+"""How llama-server chose the request's slot, from its log: ``lcp_similarity`` (the slot whose state shared
+the most of the prompt, above the server's threshold: its state is reused), ``lru`` (the one idle longest:
+no slot's state was similar enough) or ``id`` (the request named the slot)."""
+SLOT_SELECTED_BY_LCP_SIMILARITY = "lcp_similarity"
+SLOT_SELECTED_BY_LRU = "lru"
+SLOT_SELECTED_BY_ID = "id"
+SERVER_SLOT_SIMILARITY = "kvtrace.server.slot_similarity"
+"""With ``lcp_similarity``: the share of the prompt the chosen slot's state had in common with it
+(llama-server's ``f_sim_best``, 0 to 1)."""
 
 MARGIN_SOURCE = "kvtrace.output.margin_source"
 """Where the margins came from: ``injected`` (the proxy asked the upstream for the top two and took them

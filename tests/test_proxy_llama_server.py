@@ -458,6 +458,11 @@ def test_sixteen_conversations_at_once_on_four_slots_are_each_tied_to_their_own_
         answered = answered_slots[int(episode[1:])][turn]
         if answered is not None:  # the native endpoint says which slot served it
             assert attributes[sc.SERVER_SLOT_ID] == answered
+    # How the server chose each slot, as its log says: empty slots by LRU at first, then slots whose
+    # state shares the conversation's prefix by similarity, with the share it had.
+    chosen = {(a[sc.SERVER_SLOT_SELECTED_BY], sc.SERVER_SLOT_SIMILARITY in a) for a in by_turn.values()}
+    assert chosen == {(sc.SLOT_SELECTED_BY_LRU, False), (sc.SLOT_SELECTED_BY_LCP_SIMILARITY, True)}
+    assert all(0 < a[sc.SERVER_SLOT_SIMILARITY] <= 1 for a in by_turn.values() if sc.SERVER_SLOT_SIMILARITY in a)
     # Every state a task kept is verified as the prompt's own, unless the log itself could not say
     # whose it was (a restore with reason source_unknown: two alike cached prompts, one dropped).
     kept = [(a, events) for a, events, _ in spans if a[sc.CACHE_REUSED_TOKENS] > 0]

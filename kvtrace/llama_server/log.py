@@ -37,6 +37,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Optional
 
+from kvtrace import semconv as sc
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -91,7 +93,8 @@ SCREEN_WORDS = ("prompt", "cache", "selected slot", "dry_penalty", "llama_", "Fl
 """Every pattern's literal holds one of these words (a test keeps it so): about half the lines of a -lv 4 log
 hold none and are passed over at once (0.75 µs a line, where one regex over every literal took 1.4–4.1)."""
 
-SELECTED_BY = {"LCP similarity": "lcp_similarity", "LRU": "lru", "id": "id"}
+SELECTED_BY = {"LCP similarity": sc.SLOT_SELECTED_BY_LCP_SIMILARITY, "LRU": sc.SLOT_SELECTED_BY_LRU,
+               "id": sc.SLOT_SELECTED_BY_ID}
 
 _TASK_LINE = "| task "
 """In every line of a task's own messages (the slot's prefix): those are sought only in lines holding it."""

@@ -317,6 +317,8 @@ class TaskProvenance:
         if decision is None:
             return
         record.config[sc.SERVER_SLOT_ID] = decision.slot
+        record.config[sc.SERVER_SLOT_SELECTED_BY] = decision.selected_by
+        record.config[sc.SERVER_SLOT_SIMILARITY] = decision.slot_similarity
         record.config[sc.SERVER_TASK_ID] = decision.task
         restore = decision.restore
         source_task = _source_task(decision)
