@@ -319,8 +319,8 @@ SERVER_SLOT_ID = "kvtrace.server.slot_id"
 """The llama-server slot that served the request, where known (its native answer, or a server with one slot)."""
 SERVER_SLOT_SELECTED_BY = "kvtrace.server.slot_selected_by"
 """How llama-server chose the request's slot, from its log: ``lcp_similarity`` (the slot whose state shared
-the most of the prompt, above the server's threshold: its state is reused), ``lru`` (the one idle longest:
-no slot's state was similar enough) or ``id`` (the request named the slot)."""
+the most of the prompt, above the server's threshold), ``lru`` (the one idle longest: no slot's state was
+similar enough) or ``id`` (the request named the slot)."""
 SLOT_SELECTED_BY_LCP_SIMILARITY = "lcp_similarity"
 SLOT_SELECTED_BY_LRU = "lru"
 SLOT_SELECTED_BY_ID = "id"
