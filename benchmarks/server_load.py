@@ -633,14 +633,19 @@ def run_server(name: str, args: argparse.Namespace, tmp: Path) -> None:
                 if floor is not None:
                     report_cell(name, concurrency, stream,
                                 measure(client, untraced, floor, concurrency, args.requests, stream), floor=True)
-        if name == "llama-server" and args.shadow is None:
-            matches = task_matches(traced.spool)
-            print(f"  tied to a server task: {dict(matches.most_common())} (target: every one by its marker)")
         for label, pid in traced.rss.items():
             growth(label, [before[label], rss_mb(pid)], "the load above")
         if args.minutes:
+            soaked = traced.completed
             for label, values in soak(client, traced, max(args.concurrency), args.minutes).items():
                 growth(label, values, f"a {args.minutes:g}-minute soak at c={max(args.concurrency)}")
+            if traced.spool is not None:
+                spans = wait_for_spans(traced.spool, traced.completed)[0]
+                print(f"  spans over the soak: {spans - soaked}/{traced.completed - soaked} "
+                      f"(lost {traced.completed - spans}; target 0)")
+        if name == "llama-server" and args.shadow is None:
+            matches = task_matches(traced.spool)
+            print(f"  tied to a server task: {dict(matches.most_common())} (target: every one by its marker)")
         client.http.close()
 
 
