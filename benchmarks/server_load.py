@@ -29,7 +29,8 @@ beside it, user and system apart), wall time beside it; and the request spans in
 spool against the requests it completed (lost = completed - spans, after the spool has had time to
 catch up).  RSS of the traced server and of the
 proxy is sampled before and after the load and, with ``--minutes M``, over an M-minute soak of
-traced load at the highest concurrency, with its growth in %.
+traced load at the highest concurrency, with its growth in %, and the soak's spans are counted
+against its requests.
 
 With ``--shadow RATE`` it measures what shadow twins cost clients instead: vLLM's server and
 llama-server, untraced, each behind two ``kvtrace proxy`` processes, one plain and one with
