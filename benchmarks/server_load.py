@@ -173,10 +173,6 @@ def cpu_times(pids: list[int]) -> tuple[float, float]:
     return user / CLOCK_TICKS, system / CLOCK_TICKS
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    return sum(cpu_times(pids))
-
-
 def rss_mb(pid: int) -> float:
     """Resident memory of ``pid`` and the processes below it, in MB."""
     total = 0
@@ -443,15 +439,14 @@ class Client:
 
     def block(self, arm: Arm, concurrency: int, count: int, stream: bool, settle_s: float = 0.0) -> "Block":
         """``settle_s``: a wait after the requests, inside the CPU window (work they left behind counts)."""
-        proxy = [arm.rss["proxy"]] if "proxy" in arm.rss else []
-        cpu, proxy_cpu, wall = cpu_seconds(arm.pids), cpu_times(proxy), time.perf_counter()
+        before, wall = {pid: cpu_times([pid]) for pid in arm.pids}, time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
             latencies = list(pool.map(lambda _: self.one(arm, stream), range(count)))
         wall_s = time.perf_counter() - wall
         time.sleep(settle_s)
         arm.completed += len(latencies)
-        return Block(wall_s, cpu_seconds(arm.pids) - cpu, latencies,
-                     tuple(after - first for after, first in zip(cpu_times(proxy), proxy_cpu)))
+        used = {pid: tuple(now - then for now, then in zip(cpu_times([pid]), before[pid])) for pid in arm.pids}
+        return Block(wall_s, sum(map(sum, used.values())), latencies, used.get(arm.rss.get("proxy"), (0.0, 0.0)))
 
 
 @dataclass
@@ -459,8 +454,8 @@ class Block:
     wall_s: float
     cpu_s: float
     latencies: list[float]
-    proxy_cpu_s: tuple[float, float] = (0.0, 0.0)
-    """The proxy's share of ``cpu_s`` (its workers included), user and system, where the arm has one."""
+    proxy_cpu_s: tuple[float, float]
+    """The proxy's share of ``cpu_s`` (its workers included), user and system; zero where the arm has none."""
 
 
 def percentile(values: list[float], q: float) -> float:
