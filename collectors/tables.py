@@ -136,6 +136,8 @@ REQUESTS = Table("kvtrace_requests", 10, (
     *(Column(name, IDS, TOKEN_ARRAY, key, "T64") for name, key in (
         ("step_rows", sc.OUTPUT_STEP_ROWS), ("step_tokens", sc.OUTPUT_STEP_TOKENS),
         ("prefill_steps", sc.PROMPT_PREFILL_STEPS))),
+    # How llama-server chose the request's slot (docs/proxy.md): by similarity, or a cold one by LRU.
+    attribute("slot_selected_by", LOW, sc.SERVER_SLOT_SELECTED_BY),
 ), "run_id, episode_id, turn, Timestamp, TraceId, SpanId", span_name=sc.SPAN_REQUEST,
     comment="one row per generation request (one kvtrace.request span), the per-token arrays as columns")
 

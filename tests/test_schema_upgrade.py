@@ -141,26 +141,27 @@ def test_a_first_release_database_is_upgraded_on_open_and_keeps_its_runs(kvtrace
     client.close()
 
     assert main(["-q", "db", "status", "--format", "json"]) == 0
-    assert json.loads(capsys.readouterr().out)["schema_version"] == schema.latest_version() == 7
+    assert json.loads(capsys.readouterr().out)["schema_version"] == schema.latest_version() == 8
     assert main(["db", "init"]) == 0
-    assert "schema version 7, nothing to upgrade" in capsys.readouterr().out
+    assert "schema version 8, nothing to upgrade" in capsys.readouterr().out
     client = open_db()
-    assert client.query("SELECT count() FROM kvtrace_schema_migrations").result_rows == [(7,)]
+    assert client.query("SELECT count() FROM kvtrace_schema_migrations").result_rows == [(8,)]
 
 
 def test_an_upgraded_database_has_exactly_the_schema_of_a_new_one(open_db):
     upgraded = open_db("upgraded", first_release=True)
     change = schema.init_schema(upgraded)
     assert (change.version_before, change.version, change.applied) == (
-        1, 7, ("0002_outside_recording_sources", "0003_typed_request_arrays", "0004_request_spans_text_in_database",
-               "0005_typed_tables_fold_copies", "0006_tokens_view_and_array_codecs", "0007_batch_composition"))
+        1, 8, ("0002_outside_recording_sources", "0003_typed_request_arrays", "0004_request_spans_text_in_database",
+               "0005_typed_tables_fold_copies", "0006_tokens_view_and_array_codecs", "0007_batch_composition",
+               "0008_slot_selected_by"))
     upgraded_shape = schema_shape(upgraded)
     upgraded.close()
 
     new = open_db("new")
     change = schema.init_schema(new)
-    assert (change.version_before, change.version, change.applied) == (0, 7, ())
-    assert schema.schema_version(new) == 7
+    assert (change.version_before, change.version, change.applied) == (0, 8, ())
+    assert schema.schema_version(new) == 8
     assert schema_shape(new) == upgraded_shape
     assert any(column[1] == "reused_tokens_source" for column in upgraded_shape["columns"])
 
@@ -176,7 +177,8 @@ def test_a_version_3_database_stores_request_spans_once_after_its_upgrade(open_d
     assert schema.schema_version(client) == 3
 
     assert schema.init_schema(client).applied == ("0004_request_spans_text_in_database", "0005_typed_tables_fold_copies",
-                                                  "0006_tokens_view_and_array_codecs", "0007_batch_composition")
+                                                  "0006_tokens_view_and_array_codecs", "0007_batch_composition",
+                                                  "0008_slot_selected_by")
     names = {row[0] for row in client.query("SELECT name FROM system.tables WHERE database = currentDatabase()")
              .result_rows}
     assert not names & {"kvtrace_request_arrays", "kvtrace_request_arrays_mv"}
@@ -211,11 +213,12 @@ def test_an_interrupted_upgrade_is_finished_by_the_next_open_and_a_double_record
     assert schema.schema_version(client) == 1
     assert schema.init_schema(client).applied == ("0002_outside_recording_sources",  # runs it again, harmlessly
                                                   "0003_typed_request_arrays", "0004_request_spans_text_in_database",
-                                                  "0005_typed_tables_fold_copies", "0006_tokens_view_and_array_codecs", "0007_batch_composition")
+                                                  "0005_typed_tables_fold_copies", "0006_tokens_view_and_array_codecs",
+                                                  "0007_batch_composition", "0008_slot_selected_by")
     # ... then it records the versions as well: the same versions twice.
     client.insert(schema.VERSIONS_TABLE, [[m.version, m.name] for m in schema.migrations()],
                   column_names=["version", "name"])
-    assert schema.schema_version(client) == 7
+    assert schema.schema_version(client) == 8
     assert schema.init_schema(client).applied == ()
     columns = [row[0] for row in client.query("DESCRIBE TABLE kvtrace_requests").result_rows]
     assert [c for c in columns if c.endswith("_source")] == ["prompt_hash_source", "reused_tokens_source",
@@ -232,7 +235,7 @@ def test_a_failed_migration_says_which_and_records_nothing(open_db, capsys):
     client.close()
     assert main(["-q", "runs"]) == 1
     err = capsys.readouterr().err
-    assert "from schema version 1 to 7: migration 0002_outside_recording_sources failed" in err
+    assert "from schema version 1 to 8: migration 0002_outside_recording_sources failed" in err
     assert "Traceback" not in err
     assert schema.schema_version(open_db()) == 1
 

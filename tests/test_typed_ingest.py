@@ -85,7 +85,8 @@ def recorded_spans(monkeypatch, tmp_path) -> list:
         restore = CacheEvent(sc.EVENT_CACHE_RESTORE, sc.LAYER_PROMPT_CACHE, key_hash="k1", tokens=32,
                              prefix_tokens=32, block_hashes=["h1", "h2"], block_ids=[3, 4], source=origin)
         request(0, AWKWARD)
-        request(1, [0.5 * i for i in range(300)], reused=32, events=[restore])
+        request(1, [0.5 * i for i in range(300)], reused=32, events=[restore],
+                config={sc.SERVER_SLOT_SELECTED_BY: sc.SLOT_SELECTED_BY_LCP_SIMILARITY})
         request(2, [])  # nothing generated
         request(3, [math.nan, 0.25, math.inf])  # rows without a margin: left to the view on both sides
         # Recorded outside an engine (a probe, an imported log): the *_source columns are filled.

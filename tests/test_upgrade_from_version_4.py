@@ -23,7 +23,8 @@ from kvtrace.db import connect
 from test_schema_upgrade import schema_shape
 
 VERSION_4 = Path(__file__).parent / "fixtures" / "database_v4.sql"
-MIGRATIONS = ("0005_typed_tables_fold_copies", "0006_tokens_view_and_array_codecs", "0007_batch_composition")
+MIGRATIONS = ("0005_typed_tables_fold_copies", "0006_tokens_view_and_array_codecs", "0007_batch_composition",
+              "0008_slot_selected_by")
 TYPED = schema.REBUILT_IN_0005  # version 4's typed tables: kvtrace_tokens a view since version 6
 OTHER_TABLES = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_ingest_files")
 PAIR = {"run_a": "v4-A", "run_b": "v4-B"}
@@ -57,8 +58,9 @@ def load_version_4(client) -> None:
         client.command(statement)
 
 
-BATCH_COLUMNS = ("batch_composition", "step_rows", "step_tokens", "prefill_steps", "batch_rows", "batch_tokens")
-"""Columns version 7 added, which rows stored before have empty (checked apart)."""
+LATER_COLUMNS = ("batch_composition", "step_rows", "step_tokens", "prefill_steps", "batch_rows", "batch_tokens",
+                 "slot_selected_by")
+"""Columns versions 7 and 8 added, which rows stored before have empty (checked apart)."""
 
 
 def rows(client, table: str, final: bool = False) -> list[str]:
@@ -67,7 +69,7 @@ def rows(client, table: str, final: bool = False) -> list[str]:
     columns = [r[0] for r in client.query(
         "SELECT name FROM system.columns WHERE database = currentDatabase() AND table = {t:String} "
         "AND default_kind NOT IN ('ALIAS', 'MATERIALIZED') ORDER BY name", parameters={"t": table}).result_rows
-        if r[0] not in BATCH_COLUMNS]
+        if r[0] not in LATER_COLUMNS]
     listed = ", ".join(f"`{c}`" for c in columns)
     found = client.query(f"SELECT {listed} FROM {table} {'FINAL' if final else ''}").result_rows
     return sorted(repr(row) for row in found)
@@ -92,7 +94,7 @@ def test_a_version_4_database_is_rebuilt_keeps_every_row_and_counts_a_copy_once(
                       "otel_traces_trace_id_ts": 1, "kvtrace_ingest_files": 0}
 
     change = schema.init_schema(client)
-    assert (change.version_before, change.version, change.applied) == (4, 7, MIGRATIONS)
+    assert (change.version_before, change.version, change.applied) == (4, 8, MIGRATIONS)
     assert client.query("SELECT version, name FROM kvtrace_schema_migrations ORDER BY version").result_rows == [
         (m.version, m.name) for m in schema.migrations()]
     engines = client.query("SELECT name, engine, sorting_key FROM system.tables WHERE database = currentDatabase() "
@@ -110,9 +112,9 @@ def test_a_version_4_database_is_rebuilt_keeps_every_row_and_counts_a_copy_once(
     # The digest the fork queries compare, for rows stored before it existed: computed as they are read.
     assert client.query("SELECT countIf(token_digest != cityHash64(token_ids)), count() FROM kvtrace_requests"
                         ).result_rows == [(0, len(set(stored["kvtrace_requests"])))]
-    # Version 7's columns: nothing recorded for the rows stored before.
-    assert client.query("SELECT DISTINCT batch_composition, step_rows, step_tokens, prefill_steps FROM kvtrace_requests"
-                        ).result_rows == [("", [], [], [])]
+    # Version 7's and 8's columns: nothing recorded for the rows stored before.
+    assert client.query("SELECT DISTINCT batch_composition, step_rows, step_tokens, prefill_steps, slot_selected_by "
+                        "FROM kvtrace_requests").result_rows == [("", [], [], [], "")]
 
     # The saved queries: the fork is where it was, and the request stored twice counts once.
     runs = {r[0]: r for r in queries.run(client, "runs", {})[1]}
@@ -156,7 +158,7 @@ def main_says_nothing_to_upgrade(capsys) -> bool:
     from kvtrace.cli import main
 
     capsys.readouterr()
-    return main(["db", "init"]) == 0 and "schema version 7, nothing to upgrade" in capsys.readouterr().out
+    return main(["db", "init"]) == 0 and "schema version 8, nothing to upgrade" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("stop_at", [
