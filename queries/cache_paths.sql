@@ -2,12 +2,13 @@
 --   One row per episode and turn both runs contain (the turns forks compares; with turn_a / turn_b,
 --   run A's turn turn_a against run B's turn turn_b, numbered turn_b). Per side: the cache layer,
 --   reused and prompt tokens, the state key, and the request that stored the reused state (its run,
---   episode and turn; empty / -1 when unknown). Read from the engine's record where a probed
---   request has one (shared/requests_once.sql).
+--   episode and turn; empty / -1 when unknown) and how llama-server chose its slot ('' when not
+--   recorded). Read from the engine's record where a probed request has one (shared/requests_once.sql).
 -- params: run_a String, run_b String, episode String = '', turn_a Int64 = -1, turn_b Int64 = -1
 -- columns: episode_id, turn, span_id_a, span_id_b, layer_a, reused_tokens_a, prompt_tokens_a,
 --   state_key_a, source_run_id_a, source_episode_id_a, source_turn_a, layer_b, reused_tokens_b,
---   prompt_tokens_b, state_key_b, source_run_id_b, source_episode_id_b, source_turn_b
+--   prompt_tokens_b, state_key_b, source_run_id_b, source_episode_id_b, source_turn_b, slot_selected_by_a,
+--   slot_selected_by_b
 WITH
 ${shared_requests_once}
 (run) -> run IN ({run_a:String}, {run_b:String}) AS in_runs,
@@ -20,7 +21,8 @@ paired AS (
         a.source_episode_id AS source_episode_id_a, toInt64(a.source_turn) AS source_turn_a,
         b.cache_layer AS layer_b, b.reused_tokens AS reused_tokens_b, b.prompt_tokens AS prompt_tokens_b,
         b.state_key AS state_key_b, b.source_run_id AS source_run_id_b,
-        b.source_episode_id AS source_episode_id_b, toInt64(b.source_turn) AS source_turn_b
+        b.source_episode_id AS source_episode_id_b, toInt64(b.source_turn) AS source_turn_b,
+        a.slot_selected_by AS slot_selected_by_a, b.slot_selected_by AS slot_selected_by_b
     FROM side_a AS a
     INNER JOIN side_b AS b ON a.episode_id = b.episode_id AND a.turn = b.turn
 )

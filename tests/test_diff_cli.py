@@ -28,8 +28,11 @@ def recorded(tmp_path_factory):
         book.turn(run, "agent-2", 0, PROMPT + [9], [10, 11], arm="reuse" if run == A else "off")
     stored = book.records[(A, "agent-1", 0)].origin()
     restore = CachePath(sc.LAYER_PROMPT_CACHE, 11, "key-1", stored, sc.EVENT_CACHE_RESTORE)
-    book.turn(A, "agent-1", 1, PROMPT + [10, 11, 12, 20], [40, 41, 42], [1.0, 0.01, 1.0], cache=restore, arm="reuse")
-    book.turn(B, "agent-1", 1, PROMPT + [10, 11, 12, 20], [40, 43, 42], [1.0, 0.02, 1.0], arm="off")
+    # As kvtrace proxy records llama-server: A's slot held the conversation, B's was taken as least recently used.
+    book.turn(A, "agent-1", 1, PROMPT + [10, 11, 12, 20], [40, 41, 42], [1.0, 0.01, 1.0], cache=restore, arm="reuse",
+              config={sc.SERVER_SLOT_SELECTED_BY: sc.SLOT_SELECTED_BY_LCP_SIMILARITY})
+    book.turn(B, "agent-1", 1, PROMPT + [10, 11, 12, 20], [40, 43, 42], [1.0, 0.02, 1.0], arm="off",
+              config={sc.SERVER_SLOT_SELECTED_BY: sc.SLOT_SELECTED_BY_LRU})
     url = f"chdb://{root / 'db'}"
     client = connect(url)
     init_schema(client)
@@ -51,6 +54,8 @@ def test_diff_json_lists_the_fork_with_culprit_and_provenance(recorded, capsys):
     assert (fork["run_a"], fork["run_b"]) == (A, B)
     assert (fork["a"]["token"], fork["b"]["token"]) == (41, 43)
     assert (fork["a"]["margin"], fork["b"]["margin"], fork["near_tie"]) == (0.01, 0.02, True)
+    assert (fork["a"]["cache"]["slot_selected_by"], fork["b"]["cache"]["slot_selected_by"]) == (
+        sc.SLOT_SELECTED_BY_LCP_SIMILARITY, sc.SLOT_SELECTED_BY_LRU)
     culprit = fork["culprit"]
     assert (culprit["run"], culprit["event"], culprit["layer"], culprit["reused_tokens"]) == (
         A, sc.EVENT_CACHE_RESTORE, sc.LAYER_PROMPT_CACHE, 11)
@@ -64,6 +69,8 @@ def test_diff_text_reads_as_a_post_mortem(recorded, capsys):
     assert "1 of 2 episode(s) forked" in out
     assert "episode agent-1: forked at turn 1, token 1 [hit_vs_recompute]" in out
     assert "restored state <- stored by request" in out and "episode agent-1, turn 0, run cli-A" in out
+    assert "reused 11 of 12 prompt tokens, state from episode agent-1 turn 0; slot chosen by prompt similarity" in out
+    assert "recomputed all 12 prompt tokens; slot chosen as least recently used" in out
     assert "not forked (1): agent-2" in out
 
 

@@ -109,6 +109,10 @@ def test_each_arm_replays_exactly_on_the_server_and_the_counterfactual_confirms_
         paths[run] = [r["path"].split(" of ")[0] for r in replayed["per_request"]]
     # Each arm's turns really ran on their recorded paths: the reuse arm's later turns on the slot's state.
     assert paths == {"reuse": ["recompute"] + ["in-context reuse"] * (TURNS - 1), "recompute": ["recompute"] * TURNS}
+    # Each side's cache path says how llama-server chose its slot, as the server's log said it.
+    assert main(["-q", "diff", "reuse", "recompute", "--episode", "e0", "--turns", "1,1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("; slot chosen ") == 2
 
     code, forks, _ = kvtrace_json(capsys, "diff", "reuse", "recompute", "--episode", "e0")
     assert code == 0

@@ -49,14 +49,22 @@ class CachePath:
     state_key: str
     source_episode_id: str
     source_turn: int
+    slot_selected_by: str = ""
+    """How llama-server chose the slot that served it (``semconv.SLOT_SELECTED_BY_*``; "": not recorded)."""
 
     def describe(self) -> str:
+        slot = f"; {_SLOT_CHOICES.get(self.slot_selected_by, self.slot_selected_by)}" if self.slot_selected_by else ""
         if self.reused_tokens == 0:
-            return f"recomputed all {self.prompt_tokens} prompt tokens"
+            return f"recomputed all {self.prompt_tokens} prompt tokens{slot}"
         source = ""
         if self.source_episode_id:
             source = f", state from episode {self.source_episode_id} turn {self.source_turn}"
-        return f"{self.layer}: reused {self.reused_tokens} of {self.prompt_tokens} prompt tokens{source}"
+        return f"{self.layer}: reused {self.reused_tokens} of {self.prompt_tokens} prompt tokens{source}{slot}"
+
+
+_SLOT_CHOICES = {sc.SLOT_SELECTED_BY_LCP_SIMILARITY: "slot chosen by prompt similarity",
+                 sc.SLOT_SELECTED_BY_LRU: "slot chosen as least recently used (no state similar enough)",
+                 sc.SLOT_SELECTED_BY_ID: "slot named by the request"}
 
 
 @dataclass(frozen=True)
@@ -242,7 +250,8 @@ def diff_runs(client, run_a: str, run_b: str, episode: Optional[str] = None,
 def _cache_path(row: dict[str, Any], s: str) -> CachePath:
     """Side ``s``'s cache path from a row of fork_attribution or cache_paths (same column names)."""
     return CachePath(row[f"layer_{s}"], row[f"reused_tokens_{s}"], row[f"prompt_tokens_{s}"],
-                     row[f"state_key_{s}"], row[f"source_episode_id_{s}"], row[f"source_turn_{s}"])
+                     row[f"state_key_{s}"], row[f"source_episode_id_{s}"], row[f"source_turn_{s}"],
+                     row[f"slot_selected_by_{s}"])
 
 
 def _fork(row: dict[str, Any], detokenize: Optional[Detokenizer]) -> Fork:
