@@ -138,6 +138,9 @@ REQUESTS = Table("kvtrace_requests", 10, (
         ("prefill_steps", sc.PROMPT_PREFILL_STEPS))),
     # How llama-server chose the request's slot (docs/proxy.md): by similarity, or a cold one by LRU.
     attribute("slot_selected_by", LOW, sc.SERVER_SLOT_SELECTED_BY),
+    # Where the per-token arrays stop short of the token ids, and why (0 and '' where they do not).
+    attribute("rows_cut_at", "UInt32", sc.OUTPUT_ROWS_CUT_AT),
+    attribute("rows_cut_reason", LOW, sc.OUTPUT_ROWS_CUT_REASON),
 ), "run_id, episode_id, turn, Timestamp, TraceId, SpanId", span_name=sc.SPAN_REQUEST,
     comment="one row per generation request (one kvtrace.request span), the per-token arrays as columns")
 

@@ -154,7 +154,7 @@ def test_an_upgraded_database_has_exactly_the_schema_of_a_new_one(open_db):
     assert (change.version_before, change.version, change.applied) == (
         1, 8, ("0002_outside_recording_sources", "0003_typed_request_arrays", "0004_request_spans_text_in_database",
                "0005_typed_tables_fold_copies", "0006_tokens_view_and_array_codecs", "0007_batch_composition",
-               "0008_slot_selected_by"))
+               "0008_slot_and_rows_cut"))
     upgraded_shape = schema_shape(upgraded)
     upgraded.close()
 
@@ -178,7 +178,7 @@ def test_a_version_3_database_stores_request_spans_once_after_its_upgrade(open_d
 
     assert schema.init_schema(client).applied == ("0004_request_spans_text_in_database", "0005_typed_tables_fold_copies",
                                                   "0006_tokens_view_and_array_codecs", "0007_batch_composition",
-                                                  "0008_slot_selected_by")
+                                                  "0008_slot_and_rows_cut")
     names = {row[0] for row in client.query("SELECT name FROM system.tables WHERE database = currentDatabase()")
              .result_rows}
     assert not names & {"kvtrace_request_arrays", "kvtrace_request_arrays_mv"}
@@ -214,7 +214,7 @@ def test_an_interrupted_upgrade_is_finished_by_the_next_open_and_a_double_record
     assert schema.init_schema(client).applied == ("0002_outside_recording_sources",  # runs it again, harmlessly
                                                   "0003_typed_request_arrays", "0004_request_spans_text_in_database",
                                                   "0005_typed_tables_fold_copies", "0006_tokens_view_and_array_codecs",
-                                                  "0007_batch_composition", "0008_slot_selected_by")
+                                                  "0007_batch_composition", "0008_slot_and_rows_cut")
     # ... then it records the versions as well: the same versions twice.
     client.insert(schema.VERSIONS_TABLE, [[m.version, m.name] for m in schema.migrations()],
                   column_names=["version", "name"])

@@ -58,7 +58,7 @@ def recorded_spans(monkeypatch, tmp_path) -> list:
         origin = StateOrigin(span_id="00000000000000ab", trace_id="0" * 31 + "1", request_id="req-7",
                              run_id=f"run-{capture}", episode_id="ep0", turn=0, time_unix_nano=1_700_000_000_000_000_000)
 
-        def request(turn, margins, reused=0, events=(), config=None):
+        def request(turn, margins, reused=0, events=(), config=None, rows_cut_at=None):
             with correlate(run_id=f"run-{capture}", episode_id="ep0", turn=turn):
                 rec = recorder.start_request("test_engine", model="tiny")
             rec.prompt_token_ids = list(range(100, 148))
@@ -79,6 +79,10 @@ def recorded_spans(monkeypatch, tmp_path) -> list:
             rec.config[sc.MODEL_WEIGHT_FORMAT] = "Q4_K_M"
             rec.config[sc.NUMERICS_SETTINGS] = {"n_threads": 1, "n_ubatch": 512}
             rec.config.update(config or {})
+            if rows_cut_at is not None:  # the arrays left out from there, the ids kept (a misaligned row)
+                rec.rows_cut_at, rec.rows_cut_reason = rows_cut_at, sc.ROWS_MISALIGNED
+                for name in ("top1_ids", "runner_up_ids", "margins", "logprobs"):
+                    setattr(rec, name, getattr(rec, name)[:rows_cut_at])
             rec.finish_reason = "length"
             recorder.finish(rec)
 
@@ -93,6 +97,7 @@ def recorded_spans(monkeypatch, tmp_path) -> list:
         request(4, [0.75, 2.0], config={sc.PROMPT_HASH_SOURCE: sc.PROMPT_HASH_SOURCE_REQUEST_TEXT,
                                         sc.CACHE_REUSED_TOKENS_SOURCE: sc.REUSED_SOURCE_OPENAI_USAGE,
                                         sc.OUTPUT_TOKEN_ID_SOURCE: sc.TOKEN_ID_SOURCE_TEXT_HASH})
+        request(5, [0.5, 0.25, 1.0], rows_cut_at=1)
         recorder.pipeline.force_flush()
         spans.extend(memory.get_finished_spans())
         recorder.shutdown()
@@ -167,8 +172,12 @@ def test_a_spool_and_a_collector_store_the_same_rows_and_every_query_answers_ali
     client.close()
 
     collector, collector_answers, collector_spans = stored["collector"]
-    assert len(collector["kvtrace_requests"]) == len(spans) == 15
-    assert len(collector["kvtrace_tokens"]) == 3 * (len(AWKWARD) + 300 + 3 + 2)
+    assert len(collector["kvtrace_requests"]) == len(spans) == 18
+    # The cut request: its three ids under two capture modes, its one row without ids.
+    assert len(collector["kvtrace_tokens"]) == 3 * (len(AWKWARD) + 300 + 3 + 2) + 3 + 3 + 1
+    assert sorted((r["slot_selected_by"], r["rows_cut_at"], r["rows_cut_reason"]) for r in collector["kvtrace_requests"]
+                  if r["slot_selected_by"] != "''" or r["rows_cut_reason"] != "''") == sorted(3 * [
+        (repr(sc.SLOT_SELECTED_BY_LCP_SIMILARITY), "0", "''"), ("''", "1", repr(sc.ROWS_MISALIGNED))])
     assert len(collector["kvtrace_cache_events"]) == 3
     assert sum("[]" not in answer for answer in collector_answers.values()) >= 5  # most queries find rows
     for name in ("spool", "old spool"):

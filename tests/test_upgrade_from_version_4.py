@@ -24,7 +24,7 @@ from test_schema_upgrade import schema_shape
 
 VERSION_4 = Path(__file__).parent / "fixtures" / "database_v4.sql"
 MIGRATIONS = ("0005_typed_tables_fold_copies", "0006_tokens_view_and_array_codecs", "0007_batch_composition",
-              "0008_slot_selected_by")
+              "0008_slot_and_rows_cut")
 TYPED = schema.REBUILT_IN_0005  # version 4's typed tables: kvtrace_tokens a view since version 6
 OTHER_TABLES = ("otel_traces", "otel_traces_trace_id_ts", "kvtrace_ingest_files")
 PAIR = {"run_a": "v4-A", "run_b": "v4-B"}
@@ -59,7 +59,7 @@ def load_version_4(client) -> None:
 
 
 LATER_COLUMNS = ("batch_composition", "step_rows", "step_tokens", "prefill_steps", "batch_rows", "batch_tokens",
-                 "slot_selected_by")
+                 "slot_selected_by", "rows_cut_at", "rows_cut_reason")
 """Columns versions 7 and 8 added, which rows stored before have empty (checked apart)."""
 
 
@@ -113,8 +113,9 @@ def test_a_version_4_database_is_rebuilt_keeps_every_row_and_counts_a_copy_once(
     assert client.query("SELECT countIf(token_digest != cityHash64(token_ids)), count() FROM kvtrace_requests"
                         ).result_rows == [(0, len(set(stored["kvtrace_requests"])))]
     # Version 7's and 8's columns: nothing recorded for the rows stored before.
-    assert client.query("SELECT DISTINCT batch_composition, step_rows, step_tokens, prefill_steps, slot_selected_by "
-                        "FROM kvtrace_requests").result_rows == [("", [], [], [], "")]
+    assert client.query("SELECT DISTINCT batch_composition, step_rows, step_tokens, prefill_steps, slot_selected_by, "
+                        "rows_cut_at, rows_cut_reason FROM kvtrace_requests"
+                        ).result_rows == [("", [], [], [], "", 0, "")]
 
     # The saved queries: the fork is where it was, and the request stored twice counts once.
     runs = {r[0]: r for r in queries.run(client, "runs", {})[1]}
