@@ -34,6 +34,8 @@
 --   step_rows_* / step_tokens_*: the rows and tokens of the engine step that computed the token at the fork
 --   (-1 when not recorded); prefill_steps_*: how the prompt's computed tokens were split into steps.
 --   slot_selected_by_*: how llama-server chose the slot that served the side ('' when not recorded).
+--   rows_cut_at_* / rows_cut_reason_*: the position from which the side's per-token arrays were left out
+--   (its token ids kept) and why (-1 and '' when they were not): a fork there has no margin.
 -- params: run_a String, run_b String, episode String = '', near_tie Float64 = 0.05, turn_a Int64 = -1,
 --   turn_b Int64 = -1
 -- columns: episode_id, fork_turn, fork_kind, position, attribution, note, run_a, run_b,
@@ -45,7 +47,8 @@
 --   culprit_reused_tokens, culprit_key_hash, culprit_block_hashes,
 --   culprit_source_request_id, culprit_source_run_id, culprit_source_episode_id, culprit_source_turn,
 --   culprit_source_span_id, batch_composition_a, batch_composition_b, step_rows_a, step_rows_b,
---   step_tokens_a, step_tokens_b, prefill_steps_a, prefill_steps_b, slot_selected_by_a, slot_selected_by_b
+--   step_tokens_a, step_tokens_b, prefill_steps_a, prefill_steps_b, slot_selected_by_a, slot_selected_by_b,
+--   rows_cut_at_a, rows_cut_at_b, rows_cut_reason_a, rows_cut_reason_b
 WITH
 ${shared_requests_once}
 (run) -> run IN ({run_a:String}, {run_b:String}) AS in_runs,
@@ -207,7 +210,10 @@ SELECT
     f.step_rows_a AS step_rows_a, f.step_rows_b AS step_rows_b,
     f.step_tokens_a AS step_tokens_a, f.step_tokens_b AS step_tokens_b,
     f.prefill_steps_a AS prefill_steps_a, f.prefill_steps_b AS prefill_steps_b,
-    f.slot_selected_by_a AS slot_selected_by_a, f.slot_selected_by_b AS slot_selected_by_b
+    f.slot_selected_by_a AS slot_selected_by_a, f.slot_selected_by_b AS slot_selected_by_b,
+    toInt64(if(f.rows_cut_reason_a != '', f.rows_cut_at_a, -1)) AS rows_cut_at_a,
+    toInt64(if(f.rows_cut_reason_b != '', f.rows_cut_at_b, -1)) AS rows_cut_at_b,
+    f.rows_cut_reason_a AS rows_cut_reason_a, f.rows_cut_reason_b AS rows_cut_reason_b
 FROM culprits AS f
 CROSS JOIN margin_levels AS m
 ORDER BY episode_id

@@ -14,6 +14,9 @@ def describe_fork(fork: Fork) -> str:
     for label, side in (("A", fork.a), ("B", fork.b)):
         lines.append(f"  {label} {side.run:<14} chose {_token(side)}  margin {_margin(side.margin)}  "
                      f"runner-up {side.runner_up}  | {side.cache.describe()}")
+    for label, side in (("A", fork.a), ("B", fork.b)):
+        if cut := side.rows_cut_before(fork.position):
+            lines.append(f"  {label} {cut}")
     if fork.position >= 0:
         tie = "yes" if fork.near_tie else "no"
         share = "" if fork.margin_share != fork.margin_share else f"; margin within the lowest {fork.margin_share:.1%} of both runs"

@@ -138,6 +138,22 @@ class Side:
     """The chosen token as text, when a tokenizer was given and ids were captured."""
     batch: Optional[StepBatch] = None
     """How the engine batched it, where it was recorded."""
+    rows_cut_at: int = -1
+    """The position from which its per-token arrays were left out, its token ids kept (-1: they were not)."""
+    rows_cut_reason: str = ""
+    """Why (``semconv.ROWS_MISALIGNED`` / ``ROWS_LATE`` / ``ROWS_UNREPORTED``)."""
+
+    def rows_cut_before(self, position: int) -> str:
+        """Why this side has no margin at ``position`` in words, if its rows were cut by then; else ""."""
+        if not self.rows_cut_reason or not 0 <= self.rows_cut_at <= position:
+            return ""
+        why = _ROWS_CUT_WHERE.get(self.rows_cut_reason, f"({self.rows_cut_reason})")
+        return f"has no margin at the fork: its rows stop at token {self.rows_cut_at}, {why}"
+
+
+_ROWS_CUT_WHERE = {sc.ROWS_MISALIGNED: "where the sampler's row was not the output token",
+                   sc.ROWS_LATE: "where its rows had not reached the engine core when the request ended",
+                   sc.ROWS_UNREPORTED: "where the server reported no log-probabilities"}
 
 
 @dataclass
@@ -261,6 +277,7 @@ def _fork(row: dict[str, Any], detokenize: Optional[Detokenizer]) -> Fork:
             run=row[f"run_{s}"], span_id=row[f"span_id_{s}"], request_id=row[f"request_id_{s}"],
             token=row[f"token_{s}"], runner_up=row[f"runner_up_{s}"], margin=row[f"margin_{s}"],
             cache=_cache_path(row, s),
+            rows_cut_at=row[f"rows_cut_at_{s}"], rows_cut_reason=row[f"rows_cut_reason_{s}"],
         )
         if row[f"batch_composition_{s}"] == sc.BATCH_RECORDED:
             sides[s].batch = StepBatch(row[f"step_rows_{s}"], row[f"step_tokens_{s}"], list(row[f"prefill_steps_{s}"]))
