@@ -45,3 +45,6 @@ def test_a_side_without_a_margin_at_the_fork_says_where_its_rows_stop_and_why(tm
     assert ("A has no margin at the fork: its rows stop at token 1, where the sampler's row was not the output token"
             in text)
     assert "B has no margin" not in text  # B has its row at the fork
+    page = tmp_path / "fork.html"
+    diff("--html", str(page))
+    assert page.read_text().count("its rows stop at token") == 1

@@ -16,7 +16,7 @@ def describe_fork(fork: Fork) -> str:
                      f"runner-up {side.runner_up}  | {side.cache.describe()}")
     for label, side in (("A", fork.a), ("B", fork.b)):
         if cut := side.rows_cut_before(fork.position):
-            lines.append(f"  {label} {cut}")
+            lines.append(f"  {label} has no margin at the fork: {cut}")
     if fork.position >= 0:
         tie = "yes" if fork.near_tie else "no"
         share = "" if fork.margin_share != fork.margin_share else f"; margin within the lowest {fork.margin_share:.1%} of both runs"

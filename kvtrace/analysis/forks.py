@@ -148,7 +148,7 @@ class Side:
         if not self.rows_cut_reason or not 0 <= self.rows_cut_at <= position:
             return ""
         why = _ROWS_CUT_WHERE.get(self.rows_cut_reason, f"({self.rows_cut_reason})")
-        return f"has no margin at the fork: its rows stop at token {self.rows_cut_at}, {why}"
+        return f"its rows stop at token {self.rows_cut_at}, {why}"
 
 
 _ROWS_CUT_WHERE = {sc.ROWS_MISALIGNED: "where the sampler's row was not the output token",

@@ -19,7 +19,7 @@ from string import Template
 from typing import Optional, Sequence
 
 from kvtrace import semconv as sc
-from kvtrace.analysis.forks import Detokenizer, Diff, Fork, Turn, episode_turns
+from kvtrace.analysis.forks import Detokenizer, Diff, Fork, Side, Turn, episode_turns
 
 MARGIN_BINS = tuple(zip(sc.MARGIN_BIN_EDGES + (math.inf,), (f"m{i}" for i in range(len(sc.MARGIN_BIN_LABELS))),
                         sc.MARGIN_BIN_LABELS))
@@ -73,6 +73,12 @@ def render_diff(diff: Diff, timelines: dict[str, list[Turn]], detokenize: Option
     )
 
 
+def _cut(side: Side, position: int) -> str:
+    """Why a side has no margin at the fork, where its rows were cut before it."""
+    cut = side.rows_cut_before(position)
+    return f'<br><span class="cut">{_e(cut)}</span>' if cut else ""
+
+
 def _fork_section(fork: Fork, turns: list[Turn], detokenize: Optional[Detokenizer], first: bool) -> str:
     a_turn = next((t for t in turns if t.side == "a" and t.turn == fork.turn), None)
     b_turn = next((t for t in turns if t.side == "b" and t.turn == fork.turn), None)
@@ -83,7 +89,8 @@ def _fork_section(fork: Fork, turns: list[Turn], detokenize: Optional[Detokenize
         culprit = f'<p class="culprit"><b>Culprit</b> {used}{chain}</p>'
     sides = "".join(
         f'<tr><th>{label} <span class="run">{_e(s.run)}</span></th><td>{_e(_token_label(s.token, s.text))}</td>'
-        f'<td class="{margin_class(s.margin)}">{_fmt(s.margin)}</td><td>{_e(s.cache.describe())}</td></tr>'
+        f'<td class="{margin_class(s.margin)}">{_fmt(s.margin)}{_cut(s, fork.position)}</td>'
+        f'<td>{_e(s.cache.describe())}</td></tr>'
         for label, s in (("A", fork.a), ("B", fork.b)))
     tie = ("near tie" if fork.near_tie else "not a near tie") if fork.position >= 0 else "position unknown"
     verdict = (f' <span class="badge verdict {_e(fork.verdict)}">counterfactual: {_e(fork.verdict)}</span>'
