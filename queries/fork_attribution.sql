@@ -36,6 +36,7 @@
 --   slot_selected_by_*: how llama-server chose the slot that served the side ('' when not recorded).
 --   rows_cut_at_* / rows_cut_reason_*: the position from which the side's per-token arrays were left out
 --   (its token ids kept) and why (-1 and '' when they were not): a fork there has no margin.
+--   finish_reason_*: why the side's output ended (a side whose output ended before the fork has token -1).
 -- params: run_a String, run_b String, episode String = '', near_tie Float64 = 0.05, turn_a Int64 = -1,
 --   turn_b Int64 = -1
 -- columns: episode_id, fork_turn, fork_kind, position, attribution, note, run_a, run_b,
@@ -48,7 +49,7 @@
 --   culprit_source_request_id, culprit_source_run_id, culprit_source_episode_id, culprit_source_turn,
 --   culprit_source_span_id, batch_composition_a, batch_composition_b, step_rows_a, step_rows_b,
 --   step_tokens_a, step_tokens_b, prefill_steps_a, prefill_steps_b, slot_selected_by_a, slot_selected_by_b,
---   rows_cut_at_a, rows_cut_at_b, rows_cut_reason_a, rows_cut_reason_b
+--   rows_cut_at_a, rows_cut_at_b, rows_cut_reason_a, rows_cut_reason_b, finish_reason_a, finish_reason_b
 WITH
 ${shared_requests_once}
 (run) -> run IN ({run_a:String}, {run_b:String}) AS in_runs,
@@ -213,7 +214,8 @@ SELECT
     f.slot_selected_by_a AS slot_selected_by_a, f.slot_selected_by_b AS slot_selected_by_b,
     toInt64(if(f.rows_cut_reason_a != '', f.rows_cut_at_a, -1)) AS rows_cut_at_a,
     toInt64(if(f.rows_cut_reason_b != '', f.rows_cut_at_b, -1)) AS rows_cut_at_b,
-    f.rows_cut_reason_a AS rows_cut_reason_a, f.rows_cut_reason_b AS rows_cut_reason_b
+    f.rows_cut_reason_a AS rows_cut_reason_a, f.rows_cut_reason_b AS rows_cut_reason_b,
+    f.finish_reason_a AS finish_reason_a, f.finish_reason_b AS finish_reason_b
 FROM culprits AS f
 CROSS JOIN margin_levels AS m
 ORDER BY episode_id

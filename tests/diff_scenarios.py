@@ -71,13 +71,14 @@ class ScenarioBook:
              engine: str = "llama.cpp", at: Optional[float] = None, parent: Optional[RequestRecord] = None,
              config: Optional[dict] = None, events: Sequence[CacheEvent] = (),
              batch: Optional[tuple[Sequence[int], Sequence[int], Sequence[int]]] = None,
-             rows_cut: Optional[tuple[int, str]] = None) -> RequestRecord:
+             rows_cut: Optional[tuple[int, str]] = None, finish_reason: str = "length") -> RequestRecord:
         """Record one request: ``tokens`` chosen with ``margins`` (default 1.0 each; ``[]``: token ids only,
         as from an engine path that ships no per-token statistics), at time ``at`` (epoch seconds; default now),
         as a child of ``parent``'s span (a server's span of a request a client recorded too), with ``config``
         added to the request's attributes, ``events`` after the cache path's, ``batch`` (step rows, step
         tokens, prefill steps) as a recorded batch composition and ``rows_cut`` (position, reason): the
-        per-token arrays left out from there, the token ids kept, as an engine patch cuts them."""
+        per-token arrays left out from there, the token ids kept, as an engine patch cuts them; the output
+        ended for ``finish_reason``."""
         margins = [float(m) for m in margins] if margins is not None else [1.0] * len(tokens)
         runner_up = list(runner_up) if runner_up is not None else [t + 1 for t in tokens]
         caller = contextlib.nullcontext()
@@ -115,7 +116,7 @@ class ScenarioBook:
         if batch is not None:
             record.batch_composition = sc.BATCH_RECORDED
             record.step_rows, record.step_tokens, record.prefill_steps = (list(b) for b in batch)
-        record.finish_reason = "length"
+        record.finish_reason = finish_reason
         self.recorder.finish(record)
         self.records[(run, episode, turn)] = record
         return record

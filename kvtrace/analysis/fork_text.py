@@ -12,7 +12,8 @@ def describe_fork(fork: Fork) -> str:
     if fork.kind == sc.FORK_KIND_PROMPT:
         lines.append(f"  {fork.note}")
     for label, side in (("A", fork.a), ("B", fork.b)):
-        lines.append(f"  {label} {side.run:<14} chose {_token(side)}  margin {_margin(side.margin)}  "
+        lines.append(f"  {label} {side.run:<14} chose {_token(side, fork.position)}  "
+                     f"margin {_margin(side.margin)}  "
                      f"runner-up {side.runner_up}  | {side.cache.describe()}")
     for label, side in (("A", fork.a), ("B", fork.b)):
         if cut := side.rows_cut_before(fork.position):
@@ -34,7 +35,9 @@ def describe_fork(fork: Fork) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _token(side: Side) -> str:
+def _token(side: Side, position: int) -> str:
+    if ended := side.ended_before(position):
+        return f"nothing: {ended}"
     if side.token < 0:
         return "?"
     return f"{side.token} {side.text!r}" if side.text is not None else str(side.token)

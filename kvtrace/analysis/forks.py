@@ -142,6 +142,8 @@ class Side:
     """The position from which its per-token arrays were left out, its token ids kept (-1: they were not)."""
     rows_cut_reason: str = ""
     """Why (``semconv.ROWS_MISALIGNED`` / ``ROWS_LATE`` / ``ROWS_UNREPORTED``)."""
+    finish_reason: str = ""
+    """Why its output ended (the engine's ``stop``, ``length``…, or ``cancelled``)."""
 
     def rows_cut_before(self, position: int) -> str:
         """Why this side has no margin at ``position`` in words, if its rows were cut by then; else ""."""
@@ -149,6 +151,12 @@ class Side:
             return ""
         why = _ROWS_CUT_WHERE.get(self.rows_cut_reason, f"({self.rows_cut_reason})")
         return f"its rows stop at token {self.rows_cut_at}, {why}"
+
+    def ended_before(self, position: int) -> str:
+        """Why this side chose no token at ``position`` (its output had ended, the other's went on); else ""."""
+        if self.token >= 0 or position < 0:
+            return ""
+        return f"its output ended ({self.finish_reason or 'reason unknown'})"
 
 
 _ROWS_CUT_WHERE = {sc.ROWS_MISALIGNED: "where the sampler's row was not the output token",
@@ -278,6 +286,7 @@ def _fork(row: dict[str, Any], detokenize: Optional[Detokenizer]) -> Fork:
             token=row[f"token_{s}"], runner_up=row[f"runner_up_{s}"], margin=row[f"margin_{s}"],
             cache=_cache_path(row, s),
             rows_cut_at=row[f"rows_cut_at_{s}"], rows_cut_reason=row[f"rows_cut_reason_{s}"],
+            finish_reason=row[f"finish_reason_{s}"],
         )
         if row[f"batch_composition_{s}"] == sc.BATCH_RECORDED:
             sides[s].batch = StepBatch(row[f"step_rows_{s}"], row[f"step_tokens_{s}"], list(row[f"prefill_steps_{s}"]))

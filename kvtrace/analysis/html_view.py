@@ -88,7 +88,8 @@ def _fork_section(fork: Fork, turns: list[Turn], detokenize: Optional[Detokenize
         chain = f'<br><span class="chain">{stored}</span>' if stored else ""
         culprit = f'<p class="culprit"><b>Culprit</b> {used}{chain}</p>'
     sides = "".join(
-        f'<tr><th>{label} <span class="run">{_e(s.run)}</span></th><td>{_e(_token_label(s.token, s.text))}</td>'
+        f'<tr><th>{label} <span class="run">{_e(s.run)}</span></th>'
+        f'<td>{_e(_token_label(s.token, s.text, s.ended_before(fork.position)))}</td>'
         f'<td class="{margin_class(s.margin)}">{_fmt(s.margin)}{_cut(s, fork.position)}</td>'
         f'<td>{_e(s.cache.describe())}</td></tr>'
         for label, s in (("A", fork.a), ("B", fork.b)))
@@ -114,7 +115,9 @@ def _fork_section(fork: Fork, turns: list[Turn], detokenize: Optional[Detokenize
 </section>"""
 
 
-def _token_label(token: int, text: Optional[str]) -> str:
+def _token_label(token: int, text: Optional[str], ended: str = "") -> str:
+    if ended:
+        return f"nothing: {ended}"
     if token < 0:
         return "?"
     return f"{text!r} ({token})" if text is not None else str(token)

@@ -12,7 +12,8 @@ sides AS (
            notEmpty(token_ids) AS has_ids, token_digest, output_tokens, cache_layer,
            reused_tokens, prompt_tokens,
            state_key, hit_block_hashes, source_span_id, source_request_id, source_run_id, source_episode_id,
-           source_turn, batch_composition, prefill_steps, slot_selected_by, rows_cut_at, rows_cut_reason
+           source_turn, batch_composition, prefill_steps, slot_selected_by, rows_cut_at, rows_cut_reason,
+           finish_reason
     FROM requests_once
     WHERE run_id IN ({run_a:String}, {run_b:String}) AND episode_id != ''
       AND ({episode:String} = '' OR episode_id = {episode:String})

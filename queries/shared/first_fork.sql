@@ -9,7 +9,7 @@
 --     output_hash, output_tokens, layer, reused_tokens, prompt_tokens, state_key, hit_block_hashes,
 --     source_span_id, source_request_id, source_run_id, source_episode_id, source_turn, turns (the
 --     run's turns in the episode, compared or not), batch_composition, prefill_steps, slot_selected_by,
---     rows_cut_at, rows_cut_reason.
+--     rows_cut_at, rows_cut_reason, finish_reason.
 --   first_turns: one row per episode with a compared turn: compared's columns of the forking turn
 --     and found = 1, or of the episode's first compared turn and found = 0 when it did not fork;
 --     turns_compared and any_by_ids (some turn's outputs were compared by token ids) over the
@@ -47,7 +47,7 @@ compared AS (
         a.source_turn AS source_turn_a, a.episode_turns AS turns_a,
         a.batch_composition AS batch_composition_a, a.prefill_steps AS prefill_steps_a,
         a.slot_selected_by AS slot_selected_by_a,
-        a.rows_cut_at AS rows_cut_at_a, a.rows_cut_reason AS rows_cut_reason_a,
+        a.rows_cut_at AS rows_cut_at_a, a.rows_cut_reason AS rows_cut_reason_a, a.finish_reason AS finish_reason_a,
         b.cache_layer AS layer_b, b.reused_tokens AS reused_tokens_b, b.prompt_tokens AS prompt_tokens_b,
         b.state_key AS state_key_b, b.hit_block_hashes AS hit_block_hashes_b,
         b.source_span_id AS source_span_id_b, b.source_request_id AS source_request_id_b,
@@ -55,7 +55,7 @@ compared AS (
         b.source_turn AS source_turn_b, b.episode_turns AS turns_b,
         b.batch_composition AS batch_composition_b, b.prefill_steps AS prefill_steps_b,
         b.slot_selected_by AS slot_selected_by_b,
-        b.rows_cut_at AS rows_cut_at_b, b.rows_cut_reason AS rows_cut_reason_b
+        b.rows_cut_at AS rows_cut_at_b, b.rows_cut_reason AS rows_cut_reason_b, b.finish_reason AS finish_reason_b
     FROM side_a AS a
     INNER JOIN side_b AS b ON a.episode_id = b.episode_id AND a.turn = b.turn
 ),
