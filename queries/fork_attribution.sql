@@ -4,6 +4,8 @@
 --   differing token position; -1 for a prompt mismatch). Labels, most specific first:
 --     prompt_mismatch   the prompts already differ at this turn: the fork happened upstream (in what
 --                       was sent, e.g. an earlier turn's output fed back), not in this request;
+--     output_cancelled  one side's output ends at the fork because its request was cancelled (its client
+--                       went away) while the other's went on: no token was decided there;
 --     foreign_state     a forking request continued from a state that failed its integrity check (a
 --                       kvtrace.cache.integrity_violation event: not its own prompt's prefix), whatever
 --                       the other side did;
@@ -79,6 +81,8 @@ attributed AS (
             *,
             multiIf(
                 prompt_differs, '${ATTRIBUTION_PROMPT_MISMATCH}',
+                (token_a = -1 AND finish_reason_a = '${FINISH_CANCELLED}')
+                    OR (token_b = -1 AND finish_reason_b = '${FINISH_CANCELLED}'), '${ATTRIBUTION_OUTPUT_CANCELLED}',
                 foreign_state_a OR foreign_state_b, '${ATTRIBUTION_FOREIGN_STATE}',
                 (reused_tokens_a > 0) != (reused_tokens_b > 0), '${ATTRIBUTION_HIT_VS_RECOMPUTE}',
                 reused_tokens_a > 0 AND reused_tokens_a != reused_tokens_b, '${ATTRIBUTION_REUSE_LENGTH}',
@@ -147,6 +151,9 @@ SELECT
                ': the fork happened upstream of this request (earlier output or harness input)'),
         f.attribution = '${ATTRIBUTION_SAME_CACHE_PATH}',
         'both sides took the same cache path: not explained by caching',
+        f.attribution = '${ATTRIBUTION_OUTPUT_CANCELLED}',
+        concat('side ', if(f.token_a = -1, 'A', 'B'), '''s request was cancelled after ', toString(f.position),
+               ' tokens while the other side''s went on: no token was decided there, whatever the cache paths'),
         f.attribution = '${ATTRIBUTION_BATCH_COMPOSITION}',
         concat('both sides took the same cache path, batched differently: ',
                if(f.prefill_steps_a != f.prefill_steps_b,

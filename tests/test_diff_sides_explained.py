@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from diff_scenarios import ScenarioBook
+from diff_scenarios import CachePath, ScenarioBook
 from kvtrace import semconv as sc
 from kvtrace.cli import main
 
@@ -59,14 +59,24 @@ def test_a_side_without_a_margin_at_the_fork_says_where_its_rows_stop_and_why(tm
 
 def test_a_side_whose_output_ended_before_the_fork_says_so_and_why(tmp_path, capsys):
     book = ScenarioBook(tmp_path / "spool")
-    book.turn("end-A", "e", 0, PROMPT, [10, 11, 12, 13])
-    book.turn("end-B", "e", 0, PROMPT, [10, 11], finish_reason=sc.FINISH_CANCELLED)  # its client went away
+    for run in ("end-A", "end-B"):
+        book.turn(run, "e", 0, PROMPT, [10, 11, 12])
+    reuse = CachePath(sc.LAYER_KV_REUSE, 11, event=sc.EVENT_CACHE_REUSE)
+    book.turn("end-A", "e", 1, NEXT, [40, 41, 42, 43], cache=reuse)
+    book.turn("end-B", "e", 1, NEXT, [40, 41], finish_reason=sc.FINISH_CANCELLED)  # its client went away
     url = stored(book, tmp_path)
     argv = ["--db", url, "--spool-dir", str(tmp_path / "spool"), "-q", "diff", "end-A", "end-B"]
     assert main([*argv, "--format", "json"]) == 0
     (fork,) = json.loads(capsys.readouterr().out)
-    assert (fork["position"], fork["a"]["token"], fork["b"]["token"]) == (2, 12, -1)
+    assert (fork["turn"], fork["position"], fork["a"]["token"], fork["b"]["token"]) == (1, 2, 42, -1)
     assert (fork["a"]["finish_reason"], fork["b"]["finish_reason"]) == ("length", sc.FINISH_CANCELLED)
+    # No token was decided there: not blamed on the cache (A reused, B recomputed), nothing to replay.
+    assert (fork["attribution"], fork["culprit"]) == (sc.ATTRIBUTION_OUTPUT_CANCELLED, None)
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "chose nothing: its output ended (cancelled)" in text and "chose 12 " in text
+    assert "chose nothing: its output ended (cancelled)" in text and "chose 42 " in text
+    assert "side B's request was cancelled after 2 tokens" in text and "prove it" not in text
+    assert main(["--db", url, "--spool-dir", str(tmp_path / "spool"), "-q", "replay", "end-A", "end-B",
+                 "--episode", "e", "--counterfactual"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cancelled there" in err and err.count("\n") == 0 and "Traceback" not in err

@@ -28,9 +28,10 @@ def describe_fork(fork: Fork) -> str:
         lines.append(f"  culprit: {fork.culprit.describe()}")
     if fork.verdict_note:
         lines.append(f"  counterfactual: {fork.verdict_note}")
-    elif fork.attribution in (sc.ATTRIBUTION_SAME_CACHE_PATH, sc.ATTRIBUTION_BATCH_COMPOSITION):
+    elif fork.attribution in (sc.ATTRIBUTION_SAME_CACHE_PATH, sc.ATTRIBUTION_BATCH_COMPOSITION,
+                              sc.ATTRIBUTION_OUTPUT_CANCELLED):
         lines.append(f"  {fork.note}")
-    if fork.verdict is None and fork.kind != sc.FORK_KIND_PROMPT:
+    if fork.verdict is None and fork.replayable():
         lines.append(f"  prove it: {fork.replay_command()}")
     return "\n".join(lines) + "\n"
 

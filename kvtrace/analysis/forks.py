@@ -190,6 +190,10 @@ class Fork:
         """The attribution, with the verdict when one is known: ``hit_vs_recompute, counterfactual: confirmed``."""
         return self.attribution + (f", counterfactual: {self.verdict}" if self.verdict else "")
 
+    def replayable(self) -> bool:
+        """Whether ``kvtrace replay --counterfactual`` may judge it: a token decided on a prompt both sides share."""
+        return self.kind != sc.FORK_KIND_PROMPT and self.attribution != sc.ATTRIBUTION_OUTPUT_CANCELLED
+
     def replay_command(self) -> str:
         """The command that proves or refutes the cache as this fork's cause (docs/postmortem.md);
         runs recorded through ``kvtrace proxy`` add ``--server URL``."""

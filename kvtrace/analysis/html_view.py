@@ -97,7 +97,7 @@ def _fork_section(fork: Fork, turns: list[Turn], detokenize: Optional[Detokenize
     verdict = (f' <span class="badge verdict {_e(fork.verdict)}">counterfactual: {_e(fork.verdict)}</span>'
                if fork.verdict else "")
     verdict_note = f'\n  <p class="verdict-note">{_e(fork.verdict_note)}</p>' if fork.verdict_note else ""
-    if fork.verdict is None and fork.kind != sc.FORK_KIND_PROMPT:
+    if fork.verdict is None and fork.replayable():
         verdict_note += (f'\n  <p class="replay">Prove it: <code>{_e(fork.replay_command())}</code> '
                          f'(add <code>--server URL</code> for a run recorded through <code>kvtrace proxy</code>)</p>')
     return f"""

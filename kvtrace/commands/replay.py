@@ -17,7 +17,7 @@ from kvtrace.experiment.isolation import DEFAULT_PASS_TIMEOUT
 from kvtrace.replay import verdicts
 from kvtrace.replay.backends import backend_for
 from kvtrace.replay.recorded import ReplayRefused, read_run
-from kvtrace.replay.reproduce import counterfactual, replay_episodes
+from kvtrace.replay.reproduce import counterfactual, refuse_unless_replayable, replay_episodes
 
 
 def add_arguments(p) -> None:
@@ -61,8 +61,10 @@ def run(args) -> int:
         raise ConfigError("give one run to reproduce, or two runs with --counterfactual")
     client = open_database(args)
     try:
-        runs = [read_run(client, run_id) for run_id in args.runs]
         fork = _fork(client, args) if args.counterfactual else None
+        if fork is not None:
+            refuse_unless_replayable(fork)  # before the runs are read and an engine is loaded
+        runs = [read_run(client, run_id) for run_id in args.runs]
     finally:
         client.close()  # the embedded database is held by one process at a time; the engine needs none
     progress = progress_printer(args)

@@ -141,14 +141,23 @@ def replay_episodes(run: RecordedRun, episodes: list[str], backend: Backend,
     return result
 
 
-def counterfactual(run_a: RecordedRun, run_b: RecordedRun, fork: Fork, backend: Backend,
-                   progress: Progress = Progress()) -> Counterfactual:
-    """Switch only the cache path of the forked request between the two sides (at a ``batch_composition``
-    fork: only its batch), and judge the fork."""
+def refuse_unless_replayable(fork: Fork) -> None:
+    """``ReplayRefused`` for a fork the counterfactual cannot judge, before any engine is loaded."""
     if fork.kind != sc.FORK_KIND_OUTPUT or fork.position < 0:
         raise ReplayRefused(f"episode {fork.episode} forked at {fork.where()} because the prompts already differ "
                             f"there (an earlier turn's output differs upstream); the counterfactual switches the "
                             f"cache path of a request whose prompt both runs share")
+    if fork.attribution == sc.ATTRIBUTION_OUTPUT_CANCELLED:
+        raise ReplayRefused(f"episode {fork.episode} forked at {fork.where()} because one side's request was "
+                            "cancelled there (its client went away) while the other's went on: no token was decided "
+                            "to switch a cache path under")
+
+
+def counterfactual(run_a: RecordedRun, run_b: RecordedRun, fork: Fork, backend: Backend,
+                   progress: Progress = Progress()) -> Counterfactual:
+    """Switch only the cache path of the forked request between the two sides (at a ``batch_composition``
+    fork: only its batch), and judge the fork."""
+    refuse_unless_replayable(fork)
     a, b = run_a.by_span[fork.a.span_id], run_b.by_span[fork.b.span_id]
     needed_a, needed_b = run_a.needed_for([a]), run_b.needed_for([b])
     configuration = one_configuration(needed_a + needed_b)

@@ -12,8 +12,8 @@ from kvtrace import semconv as sc
 from kvtrace.analysis.fork_text import describe_fork
 from kvtrace.analysis.forks import CachePath, Diff, Fork, Side
 from kvtrace.analysis.html_view import render_diff
-from kvtrace.replay.recorded import EngineConfiguration, RecordedRequest
-from kvtrace.replay.reproduce import A_ON_B_PATH, B_ON_A_PATH, judge_fork
+from kvtrace.replay.recorded import EngineConfiguration, RecordedRequest, ReplayRefused
+from kvtrace.replay.reproduce import A_ON_B_PATH, B_ON_A_PATH, counterfactual, judge_fork
 
 CONFIGURATION = EngineConfiguration("llama_cpp", "0.3.36", "m.gguf", "f1", {"n_ubatch": 256})
 PROMPT = (1, 2, 3, 4)
@@ -75,3 +75,10 @@ def test_a_fork_not_yet_judged_shows_the_replay_that_would_judge_it_in_text_and_
 
     assert f"<code>{command}</code>" in page(FORK)
     assert command not in page(judged)
+
+
+def test_a_fork_where_one_side_was_cancelled_is_not_replayed():
+    cancelled = replace(FORK, attribution=sc.ATTRIBUTION_OUTPUT_CANCELLED, b=replace(FORK.b, token=-1))
+    with pytest.raises(ReplayRefused, match="cancelled there"):
+        counterfactual(None, None, cancelled, None)  # refused before any run or engine is touched
+    assert not cancelled.replayable() and FORK.replayable()
