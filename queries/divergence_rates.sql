@@ -23,6 +23,8 @@
 --   which. median fork turn / position are over forked samples (NaN when none forked; position -1
 --   when outputs could only be compared by hash or the fork was a prompt mismatch); mean_cached_tokens
 --   is the mean reused prompt tokens per request over the configuration's runs.
+--   A request its client cancelled (finish_reason cancelled) is left out: its output is not the engine's
+--   whole answer, so its turn is not compared (the episode's other turns are).
 --   Optional scope (what alert rules use): only requests with since <= Timestamp < until and the
 --   given engine / model / weight format ('' = any).
 -- params: run_prefix String = '', baseline_arm String = '', since DateTime64(3) = '1970-01-01 00:00:00',
@@ -47,6 +49,7 @@ scoped AS (
            model_fingerprint, weight_format, kv_cache_type, numerics_settings, arm, cache_settings
     FROM requests_once AS q
     WHERE (q.episode_id != '' OR {baseline_arm:String} = '${ARM_SHADOW}')  -- the runs: in_runs
+      AND q.finish_reason != '${FINISH_CANCELLED}'
       AND in_request_scope(q.Timestamp, q.engine, q.model, q.weight_format)  -- columns, not the aggregates' aliases
 ),
 requests AS (

@@ -36,12 +36,16 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def record_pass(book: ScenarioBook, run: str, arm: str, forked=frozenset(), order=range(EPISODES),
-                weight_format: str = "F16") -> None:
+                weight_format: str = "F16", cancelled=frozenset()) -> None:
     """One pass over the episodes in ``order``: turn 0 recomputed, turn 1 served from cache unless the
-    arm is `off`; the episodes in ``forked`` choose another token at position 2 (a near tie)."""
+    arm is `off`; the episodes in ``forked`` choose another token at position 2 (a near tie); in the
+    episodes in ``cancelled`` the client went away after turn 1's first two tokens."""
     for e in order:
         book.turn(run, f"e{e}", 0, PROMPT + [e], FIRST, arm=arm, weight_format=weight_format)
-        if arm == "off":
+        if e in cancelled:
+            book.turn(run, f"e{e}", 1, NEXT + [e], SECOND[:2], OFF_MARGINS[:2], cache=REUSE, arm=arm,
+                      weight_format=weight_format, finish_reason=sc.FINISH_CANCELLED)
+        elif arm == "off":
             book.turn(run, f"e{e}", 1, NEXT + [e], SECOND, OFF_MARGINS, arm=arm, weight_format=weight_format)
         elif e in forked:
             book.turn(run, f"e{e}", 1, NEXT + [e], FORKED_OUTPUT, FORKED_MARGINS, cache=REUSE, arm=arm,
@@ -72,6 +76,9 @@ def client(tmp_path_factory):
             record_pass(book, f"{prefix}off/shuffled/r{r}", "off", order=shuffled)
             record_pass(book, f"{prefix}prompt-cache/canonical/r{r}", "prompt-cache", FORKED)
             record_pass(book, f"{prefix}prompt-cache/shuffled/r{r}", "prompt-cache", FORKED | {5}, order=shuffled)
+    # The cache arm once more, with episode 6's turn 1 cut short by its client: an output that ended early.
+    record_pass(book, "cancelled/off/r0", "off")
+    record_pass(book, "cancelled/reuse/r0", "reuse", FORKED, cancelled={6})
     # A rerun that disagrees with its first pass on episode 9: nondeterminism outside the cache.
     record_pass(book, "noisy/off/r0", "off")
     record_pass(book, "noisy/reuse/r0", "reuse", FORKED)
@@ -121,6 +128,13 @@ def test_an_arm_against_off_counts_each_episode_once(client):
     assert reuse["mean_cached_tokens"] == pytest.approx(4.0)  # 8 tokens on every second request
 
 
+def test_a_request_its_client_cancelled_is_no_fork(client):
+    # Its output is not the engine's whole answer: the turn is left out, the episode's other turns compared.
+    once, cancelled = against_off(client, "once/")["reuse"], against_off(client, "cancelled/")["reuse"]
+    assert (cancelled["episodes_compared"], cancelled["samples"], cancelled["episodes_forked"]) == (10, 10, 4)
+    assert {k: cancelled[k] for k in STATISTICS} == {k: once[k] for k in STATISTICS}
+
+
 def test_three_identical_repeats_give_the_same_n_and_interval_as_one(client):
     once, thrice = against_off(client, "once/")["reuse"], against_off(client, "thrice/")["reuse"]
     assert (thrice["runs"], thrice["compared_runs"]) == (3, 3)
@@ -167,7 +181,8 @@ def test_configurations_are_kept_apart_and_the_prefix_limits_the_runs(client):
     assert (formats["Q4_K_M"]["episodes_compared"], formats["Q4_K_M"]["episodes_forked"]) == (1, 0)
     everything = rows(client, "divergence_rates", run_prefix="", baseline_arm="off")
     f16 = [r for r in everything if r["weight_format"] == "F16" and r["arm"] == "reuse"]
-    assert len(f16) == 1 and f16[0]["runs"] == 1 + 3 + 2  # once/, thrice/ and noisy/ share one configuration
+    # once/, thrice/, cancelled/ and noisy/ share one configuration
+    assert len(f16) == 1 and f16[0]["runs"] == 1 + 3 + 1 + 2
 
 
 def test_flip_rate_counts_each_distinct_position_once(client):
