@@ -45,6 +45,13 @@ class CachePath:
 RECOMPUTE = CachePath()
 
 
+def cut_rows(record: RequestRecord, position: int, reason: str) -> None:
+    """The record's per-token arrays left out from ``position``, its token ids kept, as an engine patch cuts them."""
+    record.rows_cut_at, record.rows_cut_reason = position, reason
+    for name in ("top1_ids", "runner_up_ids", "margins", "logprobs"):
+        setattr(record, name, getattr(record, name)[:position])
+
+
 class ScenarioBook:
     """Records requests of several runs into one spool directory."""
 
@@ -110,9 +117,7 @@ class ScenarioBook:
         if not margins:
             record.output_token_ids = list(tokens)
         if rows_cut is not None:
-            record.rows_cut_at, record.rows_cut_reason = rows_cut
-            for name in ("top1_ids", "runner_up_ids", "margins", "logprobs"):
-                setattr(record, name, getattr(record, name)[:record.rows_cut_at])
+            cut_rows(record, *rows_cut)
         if batch is not None:
             record.batch_composition = sc.BATCH_RECORDED
             record.step_rows, record.step_tokens, record.prefill_steps = (list(b) for b in batch)

@@ -16,6 +16,7 @@ import struct
 
 import pytest
 
+from diff_scenarios import cut_rows
 from kvtrace import correlate
 from kvtrace import semconv as sc
 from kvtrace import queries
@@ -80,9 +81,7 @@ def recorded_spans(monkeypatch, tmp_path) -> list:
             rec.config[sc.NUMERICS_SETTINGS] = {"n_threads": 1, "n_ubatch": 512}
             rec.config.update(config or {})
             if rows_cut_at is not None:  # the arrays left out from there, the ids kept (a misaligned row)
-                rec.rows_cut_at, rec.rows_cut_reason = rows_cut_at, sc.ROWS_MISALIGNED
-                for name in ("top1_ids", "runner_up_ids", "margins", "logprobs"):
-                    setattr(rec, name, getattr(rec, name)[:rows_cut_at])
+                cut_rows(rec, rows_cut_at, sc.ROWS_MISALIGNED)
             rec.finish_reason = "length"
             recorder.finish(rec)
 
